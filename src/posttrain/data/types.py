@@ -1,0 +1,55 @@
+"""Typed containers that carry data between the data pipeline and the training loops."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenizedExample:
+    """One training example after tokenization.
+
+    input_ids: [T] token ids of the whole example (prompt + completion, or the whole text).
+    loss_mask: [T] 1 where input_ids[t] is a training target (predicted from positions < t), else 0.
+        Position 0 is always 0: nothing precedes it.
+    source: where the example came from ("file.jsonl:12"), for error messages.
+    """
+
+    input_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+    source: str = ""
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_targets(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass(frozen=True)
+class SFTBatch:
+    """A micro-batch for next-token training, padded or packed.
+
+    input_ids: [B, T] long token ids; padding positions hold the pad id.
+    loss_mask: [B, T] float, 1.0 where input_ids[b, t] is a target predicted from earlier tokens of the same example.
+    position_ids: [B, T] long, restarting at 0 at the start of every example (packed rows hold several).
+    attention_mask: [B, T] long, 1 for real tokens, for padded batches; None for packed batches, where the
+        model derives a block-diagonal causal mask from position_ids so examples never attend to each other.
+    num_examples: how many examples the batch holds (rows can hold several when packed).
+    num_tokens: real (non-padding) tokens in the batch.
+    """
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    num_examples: int
+    num_tokens: int
+
+    @property
+    def num_target_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
