@@ -1,0 +1,18 @@
+"""Validated config trees (pydantic) loaded from YAML with dotted command-line overrides."""
+
+from posttrain.config.loader import ConfigError, deep_merge, load_config, parse_overrides, validate
+from posttrain.config.schema import (
+    DataConfig,
+    EvalConfig,
+    LoggingConfig,
+    ModelConfig,
+    QuickstartConfig,
+    RecipeConfig,
+    SFTConfig,
+    TrainerConfig,
+)
+
+__all__ = [
+    "ConfigError", "DataConfig", "EvalConfig", "LoggingConfig", "ModelConfig", "QuickstartConfig", "RecipeConfig",
+    "SFTConfig", "TrainerConfig", "deep_merge", "load_config", "parse_overrides", "validate",
+]

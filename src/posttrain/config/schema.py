@@ -191,10 +191,6 @@ class SFTConfig(RecipeConfig):
             raise ValueError("data.train_files is empty: give at least one training file or dataset name")
         if self.data.format in ("preference", "prompt_only"):
             raise ValueError(f"data.format={self.data.format!r} has no SFT target; use text, prompt_completion or messages")
-        if self.trainer.warmup_steps > self.trainer.max_steps:
-            raise ValueError(
-                f"trainer.warmup_steps ({self.trainer.warmup_steps}) exceeds trainer.max_steps ({self.trainer.max_steps})"
-            )
         return self
 
 

@@ -1,0 +1,134 @@
+"""Run logging: OUTPUT/metrics.jsonl, console progress, experiment trackers and the curves plot.
+
+A recipe loop uses one ``RunLogger``::
+
+    with RunLogger(output_dir, config.logging, recipe="sft", total_steps=max_steps,
+                   start_step=resumed_step, run_config=config.model_dump(mode="json")) as run_logger:
+        for step in range(resumed_step + 1, max_steps + 1):
+            ...
+            if step % log_every == 0:
+                run_logger.log(step, {"loss": loss, "learning_rate": lr})
+            else:
+                run_logger.advance(step)
+
+Create it on one process only (rank 0) in distributed runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from posttrain.config.schema import LoggingConfig
+from posttrain.logging.loggers import ExperimentLogger, create_experiment_loggers
+from posttrain.logging.metrics import MetricsFile, read_metrics, truncate_metrics
+from posttrain.logging.plots import plot_training_curves
+from posttrain.logging.progress import DEFAULT_KEY_METRICS, ProgressReporter, create_progress
+
+METRICS_FILENAME = "metrics.jsonl"
+PLOT_FILENAME = "training_curves.png"
+
+
+class RunLogger:
+    """Writes metrics.jsonl, forwards to the enabled trackers and drives the progress display.
+
+    On resume (``start_step`` > 0, the checkpoint's step) metrics.jsonl keeps only records with
+    ``step <= start_step`` before appending, and the progress starts at ``start_step``. A run
+    restarted without a checkpoint (``start_step`` 0) likewise drops the stale records.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike[str],
+        cfg: LoggingConfig,
+        *,
+        recipe: str,
+        total_steps: int,
+        start_step: int = 0,
+        run_config: Mapping[str, Any] | None = None,
+        progress_metrics: Sequence[str] = DEFAULT_KEY_METRICS,
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        self.cfg = cfg
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.output_dir / METRICS_FILENAME
+        self.plot_path: Path | None = None
+        self._closed = False
+
+        run_name = cfg.run_name or self.output_dir.resolve().name
+        # Trackers first: they may print while starting (W&B does), which would tear a live bar.
+        self._experiment_loggers: list[ExperimentLogger] = create_experiment_loggers(
+            self.output_dir,
+            cfg,
+            run_name=run_name,
+            recipe=recipe,
+            start_step=start_step,
+            run_config=run_config,
+        )
+        if self.metrics_path.exists():
+            truncate_metrics(self.metrics_path, start_step)
+        self._metrics_file = MetricsFile(self.metrics_path)
+        self._progress: ProgressReporter = create_progress(
+            cfg.progress,
+            recipe=recipe,
+            total_steps=total_steps,
+            start_step=start_step,
+            key_metrics=progress_metrics,
+        )
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Record ``metrics`` for ``step`` everywhere and update the progress display."""
+        self._metrics_file.write(step, metrics)
+        for experiment_logger in self._experiment_loggers:
+            experiment_logger.log(step, metrics)
+        self._progress.update(step, metrics)
+
+    def advance(self, step: int, metrics: Mapping[str, float] | None = None) -> None:
+        """Update the progress display only (for steps that are not logged)."""
+        self._progress.update(step, metrics)
+
+    def message(self, text: str) -> None:
+        """Print a line to the console (above the bar in rich mode)."""
+        self._progress.message(text)
+
+    def close(self, failed: bool = False) -> None:
+        """Stop the progress display, close the trackers and write the curves plot (logging.plot).
+
+        ``failed`` marks the tracker runs as failed (the context manager sets it on an exception).
+        Safe to call twice.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._progress.close()
+        for experiment_logger in self._experiment_loggers:
+            experiment_logger.close(failed=failed)
+        self._metrics_file.close()
+        if self.cfg.plot:
+            self.plot_path = plot_training_curves(self.metrics_path, self.output_dir / PLOT_FILENAME)
+
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        # The plot is written on failure too: the curves up to a crash are what one looks at.
+        self.close(failed=exc_type is not None)
+
+
+__all__ = [
+    "METRICS_FILENAME",
+    "PLOT_FILENAME",
+    "MetricsFile",
+    "RunLogger",
+    "plot_training_curves",
+    "read_metrics",
+    "truncate_metrics",
+]

@@ -1,0 +1,94 @@
+"""Pieces every recipe loop shares: the run directory, seeding, and the forward pass on a batch."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from pydantic import BaseModel
+
+from posttrain.config.schema import TrainerConfig
+from posttrain.data.types import SFTBatch
+
+CONFIG_FILE = "config.yaml"
+
+
+def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, list[str]]:
+    """Create the run directory and write the resolved config.yaml.
+
+    Returns the directory and, when an earlier run left a different config there, the dotted keys
+    that changed (the caller warns: resuming under other settings is allowed but worth knowing).
+    """
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    resolved = cfg.model_dump(mode="json")
+    changed: list[str] = []
+    previous_file = out / CONFIG_FILE
+    if previous_file.is_file():
+        previous = yaml.safe_load(previous_file.read_text()) or {}
+        changed = _changed_keys(previous, resolved)
+    previous_file.write_text(yaml.safe_dump(resolved, sort_keys=False))
+    return out, changed
+
+
+def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+    keys = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys += _changed_keys(a, b, f"{prefix}{key}.")
+        elif a != b:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def configure_torch(cfg: TrainerConfig) -> None:
+    if cfg.num_threads is not None:
+        torch.set_num_threads(cfg.num_threads)
+    # Deterministic kernels where torch has them, so that CPU runs (and resumed runs) repeat exactly.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def autocast(cfg: TrainerConfig, device: torch.device) -> contextlib.AbstractContextManager:
+    if cfg.precision == "bf16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def forward_logits(model: torch.nn.Module, batch: SFTBatch) -> torch.Tensor:
+    """Logits [B, T, V] for a padded or packed batch (packed: attention_mask is None, see SFTBatch)."""
+    return model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    ).logits
+
+
+def batch_to(batch: SFTBatch, device: torch.device) -> SFTBatch:
+    if device.type == "cpu":
+        return batch
+    return SFTBatch(
+        input_ids=batch.input_ids.to(device),
+        loss_mask=batch.loss_mask.to(device),
+        position_ids=batch.position_ids.to(device),
+        attention_mask=None if batch.attention_mask is None else batch.attention_mask.to(device),
+        num_examples=batch.num_examples,
+        num_tokens=batch.num_tokens,
+    )
+
+
+def chunks(items: list, size: int) -> Iterator[list]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]

@@ -1,0 +1,166 @@
+"""The `posttrain` command: `posttrain RECIPE [--config FILE.yaml] [dotted.key=value ...]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from posttrain.config import ConfigError, EvalConfig, QuickstartConfig, RecipeConfig, SFTConfig, load_config
+from posttrain.config.loader import type_name
+from posttrain.config.schema import Section
+from posttrain.data.errors import DataError
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    schema: type[BaseModel]
+    summary: str
+    run: Callable[[Any, argparse.Namespace], int]
+    base: Callable[[], dict[str, Any]] = dict
+    """Config tree the YAML file and overrides are merged over (the quickstart's packaged preset)."""
+
+
+def _run_sft(cfg: SFTConfig, args: argparse.Namespace) -> int:
+    from posttrain.algorithms.sft import train_sft
+
+    result = train_sft(cfg)
+    print(f"done: {result.steps} steps, final loss {result.final_loss}, model in {result.final_dir}")
+    return 0
+
+
+def _run_eval(cfg: EvalConfig, args: argparse.Namespace) -> int:
+    from posttrain.algorithms.evaluate import run_eval
+
+    result = run_eval(cfg)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        print(f"{result.task}: exact-match accuracy {result.accuracy:.1%} on {result.num_examples} held-out examples")
+        for sample in result.samples:
+            print(f"  {sample['prompt']}{sample['completion']!r:8}  (answer {sample['answer']})")
+    return 0
+
+
+def _run_quickstart(cfg: QuickstartConfig, args: argparse.Namespace) -> int:
+    from posttrain.algorithms.quickstart import run_quickstart
+
+    run_quickstart(cfg)
+    return 0
+
+
+def _quickstart_base() -> dict[str, Any]:
+    from posttrain.algorithms.quickstart import quickstart_base_config
+
+    return quickstart_base_config()
+
+
+RECIPES = {
+    r.name: r
+    for r in (
+        Recipe("sft", SFTConfig, "supervised fine-tuning (completion-only loss, chat templates, packing)", _run_sft),
+        Recipe("eval", EvalConfig, "greedy exact-match accuracy of a model on a built-in task", _run_eval),
+        Recipe("quickstart", QuickstartConfig, "build the tiny model, train it on arithmetic, show before/after",
+               _run_quickstart, _quickstart_base),
+    )
+}
+
+
+def describe_fields(schema: type[BaseModel], defaults: dict[str, Any] | None = None, prefix: str = "") -> list[str]:
+    """One entry per leaf config key: `key  type = default` and its docstring."""
+    lines: list[str] = []
+    defaults = defaults or {}
+    for name, info in schema.model_fields.items():
+        key = f"{prefix}{name}"
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, Section):
+            lines += describe_fields(annotation, defaults.get(name) or {}, prefix=f"{key}.")
+            continue
+        if name in defaults:
+            default = defaults[name]
+        elif info.default is not PydanticUndefined:
+            default = info.default
+        elif info.default_factory is not None:
+            default = info.default_factory()
+        else:
+            default = "(required)"
+        lines.append(f"  {key}  {type_name(annotation)} = {json.dumps(default) if default != '(required)' else default}")
+        if info.description:
+            lines += textwrap.wrap(info.description, width=96, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return lines
+
+
+def _recipe_epilog(recipe: Recipe) -> str:
+    lines = describe_fields(recipe.schema, recipe.base())
+    return "config keys (set in the YAML file or as dotted.key=value):\n" + "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = "\n".join(describe_fields(RecipeConfig))
+    parser = argparse.ArgumentParser(
+        prog="posttrain",
+        description="Post-training for language models. Run `posttrain RECIPE --help` for a recipe's keys.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="recipes:\n" + "\n".join(f"  {r.name:<12}{r.summary}" for r in RECIPES.values())
+        + "\n\nkeys every training recipe has:\n" + common
+        + "\n\nexample:\n  posttrain sft --config configs/sft_arithmetic.yaml trainer.max_steps=200 output_dir=runs/a",
+    )
+    subparsers = parser.add_subparsers(dest="recipe", metavar="RECIPE")
+    for recipe in RECIPES.values():
+        sub = subparsers.add_parser(
+            recipe.name, help=recipe.summary, description=recipe.schema.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_recipe_epilog(recipe),
+        )
+        sub.add_argument("--config", help="YAML config file (may include others with `defaults: [base.yaml]`)")
+        sub.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.max_steps=10")
+        if recipe.name == "eval":
+            sub.add_argument("--model", help="shortcut for model.name_or_path=...")
+            sub.add_argument("--task", help="shortcut for task=...")
+            sub.add_argument("--json", action="store_true", help="print one JSON object (with `accuracy`)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.recipe is None:
+        parser.print_help()
+        return 2
+    recipe = RECIPES[args.recipe]
+    overrides = list(args.overrides)
+    if recipe.name == "eval":
+        overrides += [f"model.name_or_path={args.model}"] * bool(args.model) + [f"task={args.task}"] * bool(args.task)
+    try:
+        cfg = load_config(recipe.schema, args.config, overrides, base=recipe.base())
+    except ConfigError as err:
+        print(f"posttrain {recipe.name}: invalid config\n{err}", file=sys.stderr)
+        return 2
+    _quiet_libraries()
+    try:
+        return recipe.run(cfg, args)
+    except DataError as err:
+        print(f"posttrain {recipe.name}: bad data: {err}", file=sys.stderr)
+        return 1
+
+
+def _quiet_libraries() -> None:
+    """Our own progress display replaces the libraries' per-file bars and advisory warnings."""
+    import logging
+
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("posttrain").setLevel(logging.INFO)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Load a recipe config: YAML file(s), then dotted command-line overrides, then validation.
+
+    cfg = load_config(SFTConfig, "configs/sft_arithmetic.yaml", ["trainer.max_steps=50", "data.train_files=[a.jsonl,b.jsonl]"])
+
+A YAML file may start with ``defaults: [base.yaml, ...]`` (paths relative to the file): those are
+loaded first and this file's keys are merged over them. Every error names the key path; an unknown
+key comes with a did-you-mean suggestion. All of this happens before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel, ValidationError
+
+C = TypeVar("C", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names every offending key path."""
+
+
+def load_config(schema: type[C], path: str | Path | None = None, overrides: list[str] | None = None,
+                base: dict[str, Any] | None = None) -> C:
+    """Validate `base` <- YAML file at `path` <- `overrides` (each "dotted.key=value") against `schema`."""
+    tree: dict[str, Any] = dict(base or {})
+    if path is not None:
+        tree = deep_merge(tree, read_yaml_with_defaults(Path(path)))
+    if overrides:
+        tree = deep_merge(tree, parse_overrides(overrides))
+    return validate(schema, tree, source=str(path) if path else "config")
+
+
+def read_yaml_with_defaults(path: Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = path.resolve()
+    if path in _seen:
+        raise ConfigError(f"{path}: circular `defaults` include ({' -> '.join(str(p) for p in _seen + (path,))})")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise ConfigError(f"{where}: invalid YAML: {getattr(err, 'problem', err)}") from err
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(tree).__name__}")
+    includes = tree.pop("defaults", [])
+    if isinstance(includes, str):
+        includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise ConfigError(f"{path}: `defaults` must be a list of YAML paths relative to this file")
+    merged: dict[str, Any] = {}
+    for include in includes:
+        merged = deep_merge(merged, read_yaml_with_defaults(path.parent / include, _seen + (path,)))
+    return deep_merge(merged, tree)
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn ["a.b=1", "c=[x,y]"] into a nested dict, with YAML-style value typing (OmegaConf grammar)."""
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key or key.startswith(".") or key.endswith("."):
+            raise ConfigError(f"bad override {item!r}: expected dotted.key=value, for example trainer.max_steps=100")
+    try:
+        return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)), resolve=True)  # type: ignore[return-value]
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"bad override: {err}".splitlines()[0]) from err
+
+
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Recursively merge `update` over `base` (mappings merge, everything else replaces)."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def validate(schema: type[C], tree: dict[str, Any], source: str = "config") -> C:
+    try:
+        return schema.model_validate(tree)
+    except ValidationError as err:
+        problems = [_describe(schema, e) for e in err.errors()]
+        header = f"{source}: {len(problems)} invalid setting{'s' if len(problems) > 1 else ''}"
+        raise ConfigError(header + "\n" + "\n".join(f"  - {p}" for p in problems)) from None
+
+
+def _describe(schema: type[BaseModel], error: dict[str, Any]) -> str:
+    loc = [part for part in error["loc"] if isinstance(part, str)]
+    key = ".".join(str(part) for part in error["loc"]) or "(top level)"
+    if error["type"] == "extra_forbidden":
+        parent = _schema_at(schema, loc[:-1])
+        message = f"{key}: unknown key"
+        if parent is not None:
+            known = list(parent.model_fields)
+            close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
+            prefix = ".".join(loc[:-1] + [close[0]]) if close else None
+            message += f"; did you mean {prefix}?" if close else f"; known keys here: {', '.join(known)}"
+        return message
+    if error["type"] == "missing":
+        return f"{key}: required key is missing"
+    if not error["loc"] or error["type"] == "value_error":
+        return f"{key}: {error['msg'].removeprefix('Value error, ')}"
+    expected = _expected_type(schema, loc)
+    got = error.get("input")
+    return f"{key}: expected {expected}, got {got!r} ({type(got).__name__}): {error['msg']}"
+
+
+def _schema_at(schema: type[BaseModel], loc: list[str]) -> type[BaseModel] | None:
+    node: type[BaseModel] | None = schema
+    for part in loc:
+        if node is None or part not in node.model_fields:
+            return None
+        node = _model_in(node.model_fields[part].annotation)
+    return node
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _expected_type(schema: type[BaseModel], loc: list[str]) -> str:
+    parent = _schema_at(schema, loc[:-1]) if loc else None
+    if parent is None or not loc or loc[-1] not in parent.model_fields:
+        return "a valid value"
+    return type_name(parent.model_fields[loc[-1]].annotation)
+
+
+def type_name(annotation: Any) -> str:
+    """Readable type for messages and --help: int, float, list[str], one of 'a', 'b', ..."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(type_name(a) for a in typing.get_args(annotation)).replace("NoneType", "null")
+    if origin is not None:
+        args = ", ".join(type_name(a) for a in typing.get_args(annotation))
+        return f"{origin.__name__}[{args}]"
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", str(annotation))

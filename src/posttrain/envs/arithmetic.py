@@ -1,0 +1,76 @@
+"""The arithmetic task: n-digit additions with a verifiable answer.
+
+A problem is the prompt ``"a+b="`` with the answer ``str(a + b)``. Every (a, b) pair belongs to
+exactly one split, decided by a hash of the pair, so the training and held-out splits never
+overlap whatever sizes or seeds are asked for. About a tenth of the pairs are held out.
+
+The task provides SFT rows (prompt/completion) and, through the same problems, the prompts and
+answers that RL recipes score with `exact_match`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Split = Literal["train", "heldout"]
+HELDOUT_FRACTION_DENOMINATOR = 10
+
+
+@dataclass(frozen=True)
+class Problem:
+    a: int
+    b: int
+
+    @property
+    def prompt(self) -> str:
+        return f"{self.a}+{self.b}="
+
+    @property
+    def answer(self) -> str:
+        return str(self.a + self.b)
+
+
+def split_of(a: int, b: int) -> Split:
+    """Deterministic split membership of the pair (a, b), independent of Python's hash seed."""
+    digest = hashlib.sha256(f"{a}+{b}".encode()).digest()
+    return "heldout" if digest[0] % HELDOUT_FRACTION_DENOMINATOR == 0 else "train"
+
+
+def all_problems(split: Split, num_digits: int = 2) -> list[Problem]:
+    """Every problem of the split, both operands with exactly `num_digits` digits, in a fixed order."""
+    low, high = 10 ** (num_digits - 1) if num_digits > 1 else 0, 10**num_digits
+    return [Problem(a, b) for a in range(low, high) for b in range(low, high) if split_of(a, b) == split]
+
+
+def sample_problems(split: Split, n: int | None = None, seed: int = 0, num_digits: int = 2) -> list[Problem]:
+    """`n` distinct problems of the split in a seeded random order (all of them when n is None)."""
+    problems = all_problems(split, num_digits)
+    random.Random(f"arithmetic/{split}/{num_digits}/{seed}").shuffle(problems)
+    if n is None:
+        return problems
+    if n > len(problems):
+        raise ValueError(f"asked for {n} {split} problems with {num_digits} digits, but the split has {len(problems)}")
+    return problems[:n]
+
+
+def extract_answer(completion: str) -> str:
+    """The model's answer: the completion up to its first newline, spaces stripped."""
+    return completion.split("\n", 1)[0].strip()
+
+
+def exact_match(completion: str, answer: str) -> float:
+    return 1.0 if extract_answer(completion) == answer else 0.0
+
+
+def write_jsonl(problems: list[Problem], path: Path) -> Path:
+    """Write prompt/completion rows (plus an `answer` column for reward functions)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for p in problems:
+            f.write(json.dumps({"prompt": p.prompt, "completion": p.answer, "answer": p.answer}) + "\n")
+    return path

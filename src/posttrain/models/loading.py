@@ -1,0 +1,55 @@
+"""Loading causal LMs and tokenizers from hub ids, local directories or embedded model names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from posttrain.config.schema import ModelConfig
+from posttrain.models.tiny import ensure_embedded_model, is_embedded
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Embedded names (posttrain/tiny) become their cached directory; anything else passes through."""
+    if is_embedded(name_or_path):
+        return str(ensure_embedded_model(name_or_path))
+    return name_or_path
+
+
+def load_tokenizer(cfg: ModelConfig, padding_side: str = "right") -> PreTrainedTokenizerBase:
+    """The model's tokenizer, with a pad token and the requested padding side.
+
+    padding_side is not restored by from_pretrained, so it is always set here: right for training,
+    left for generation.
+    """
+    source = resolve_model_path(cfg.tokenizer_name_or_path or cfg.name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"tokenizer of {source} has neither a pad nor an eos token; set one before training")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+def load_causal_lm(cfg: ModelConfig, path: str | Path | None = None, device: str | torch.device = "cpu") -> PreTrainedModel:
+    """Load the model of `cfg` (or the checkpoint directory `path`, when resuming) for training."""
+    source = str(path) if path is not None else resolve_model_path(cfg.name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(
+        source,
+        dtype=DTYPES[cfg.dtype],
+        attn_implementation=cfg.attn_implementation,
+        trust_remote_code=cfg.trust_remote_code,
+    )
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    return model.to(device)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

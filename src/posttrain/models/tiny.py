@@ -1,0 +1,154 @@
+"""The embedded tiny models: built offline, deterministically, as real Hugging Face directories.
+
+`posttrain/tiny` is a ~1M-parameter Llama-architecture causal LM with a byte-level tokenizer.
+Every UTF-8 string tokenizes (256 byte tokens, no unknown token), digits are single tokens
+(which is what lets so small a model learn arithmetic), and the tokenizer carries a ChatML
+chat template so conversational datasets work too.
+
+The directory is built on first use under the cache directory (``POSTTRAIN_CACHE_DIR`` or the
+user cache dir) in a temporary folder that is renamed into place, so a build interrupted at any
+point never leaves a half-written model behind. Building takes about a second.
+
+Why Llama and not Qwen2: transformers 5 maps ``model_type: qwen2`` to its own ``Qwen2Tokenizer``
+whatever ``tokenizer_config.json`` says, which would replace this tokenizer's pre-tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import platformdirs
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN, IM_START, IM_END)
+
+# ChatML. The assistant's turn ends with <|im_end|>, which is therefore a training target.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Architecture of one embedded model. Bump `version` whenever the build changes."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    max_position_embeddings: int = 512
+    seed: int = 0
+    version: int = 1
+
+
+EMBEDDED_MODELS: dict[str, TinySpec] = {
+    "posttrain/tiny": TinySpec(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4),
+    "posttrain/tiny-2m": TinySpec(hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=6),
+}
+
+
+def cache_dir() -> Path:
+    """Root of posttrain's cache: POSTTRAIN_CACHE_DIR, else the platform's user cache dir."""
+    return Path(os.environ.get("POSTTRAIN_CACHE_DIR") or platformdirs.user_cache_dir("posttrain"))
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer: 256 byte tokens, then the special tokens. No merges, so no training and no drift."""
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda ch: _byte_of(ch))
+    vocab = {ch: i for i, ch in enumerate(byte_chars)}
+    for token in SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    # use_regex=False: the regex split only guides merges, and there are none.
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[IM_START, IM_END],
+        clean_up_tokenization_spaces=False,
+        model_max_length=EMBEDDED_MODELS["posttrain/tiny"].max_position_embeddings,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _byte_of(ch: str) -> int:
+    """Inverse of GPT-2's byte-to-unicode table, so token id i is byte i."""
+    code = ord(ch)
+    if 33 <= code <= 126 or 161 <= code <= 172 or 174 <= code <= 255:
+        return code
+    # The remaining 68 bytes are mapped, in order, to code points 256, 257, ...
+    missing = [b for b in range(256) if not (33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255)]
+    return missing[code - 256]
+
+
+def build_model(spec: TinySpec, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_attention_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=0.02,
+    )
+    # Initialization draws from the global RNG: fork it so building never disturbs the caller's stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = None
+    return model
+
+
+def ensure_embedded_model(name: str) -> Path:
+    """Return the directory of embedded model `name`, building it on first use."""
+    if name not in EMBEDDED_MODELS:
+        raise KeyError(f"unknown embedded model {name!r}; embedded models: {', '.join(sorted(EMBEDDED_MODELS))}")
+    spec = EMBEDDED_MODELS[name]
+    target = cache_dir() / "models" / f"{name.replace('/', '--')}-v{spec.version}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        tokenizer = build_tokenizer()
+        build_model(spec, tokenizer).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / "posttrain_embedded.json").write_text(json.dumps({"name": name, "version": spec.version}) + "\n")
+        try:
+            os.rename(staging, target)
+        except OSError:
+            # Another process finished the same build first; its copy is identical.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def is_embedded(name_or_path: str) -> bool:
+    return name_or_path in EMBEDDED_MODELS
