@@ -14,6 +14,7 @@ from pydantic import BaseModel
 
 from posttrain.config.schema import TrainerConfig
 from posttrain.data.types import SFTBatch
+from posttrain.models.packing import block_causal_mask
 
 CONFIG_FILE = "config.yaml"
 
@@ -67,10 +68,18 @@ def autocast(cfg: TrainerConfig, device: torch.device) -> contextlib.AbstractCon
 
 
 def forward_logits(model: torch.nn.Module, batch: SFTBatch) -> torch.Tensor:
-    """Logits [B, T, V] for a padded or packed batch (packed: attention_mask is None, see SFTBatch)."""
+    """Logits [B, T, V] for a padded or packed batch.
+
+    Packed batches (attention_mask None) get a block-diagonal causal mask built from their position ids;
+    flash-attention-2 instead reads the example boundaries from position_ids itself.
+    """
+    attention_mask = batch.attention_mask
+    implementation = model.config._attn_implementation
+    if attention_mask is None and implementation != "flash_attention_2":
+        attention_mask = block_causal_mask(batch.position_ids, implementation, model.dtype)
     return model(
         input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
+        attention_mask=attention_mask,
         position_ids=batch.position_ids,
         use_cache=False,
     ).logits

@@ -49,8 +49,8 @@ def pack_rows(lengths: Sequence[int], max_length: int) -> list[list[int]]:
 def collate_packed(examples: Sequence[TokenizedExample], pad_token_id: int, max_length: int) -> SFTBatch:
     """Several examples per row, each with its own position ids starting at 0.
 
-    attention_mask is None: transformers then derives a block-diagonal causal mask from the position-id
-    resets, so a token attends only to earlier tokens of its own example. The first token of every example
+    attention_mask is None: the forward pass builds a block-diagonal causal mask from the position-id
+    resets (posttrain.models.packing), so a token attends only to earlier tokens of its own example. The first token of every example
     is never a target (its loss_mask is 0 by construction), so nothing is predicted across a boundary.
     The padded tail of a row is its own segment (positions 0, 1, ...) and carries no loss.
     """

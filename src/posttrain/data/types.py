@@ -36,8 +36,8 @@ class SFTBatch:
     input_ids: [B, T] long token ids; padding positions hold the pad id.
     loss_mask: [B, T] float, 1.0 where input_ids[b, t] is a target predicted from earlier tokens of the same example.
     position_ids: [B, T] long, restarting at 0 at the start of every example (packed rows hold several).
-    attention_mask: [B, T] long, 1 for real tokens, for padded batches; None for packed batches, where the
-        model derives a block-diagonal causal mask from position_ids so examples never attend to each other.
+    attention_mask: [B, T] long, 1 for real tokens, for padded batches; None for packed batches, whose
+        block-diagonal causal mask is built from position_ids at the forward pass (models.packing).
     num_examples: how many examples the batch holds (rows can hold several when packed).
     num_tokens: real (non-padding) tokens in the batch.
     """

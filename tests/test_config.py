@@ -1,0 +1,79 @@
+from pathlib import Path
+
+import pytest
+
+from posttrain.config import ConfigError, SFTConfig, load_config, parse_overrides
+
+
+def test_overrides_are_typed_and_nested():
+    tree = parse_overrides(["trainer.max_steps=5", "trainer.learning_rate=1e-3", "data.train_files=[a.jsonl,b.jsonl]",
+                            "trainer.max_grad_norm=null", "data.packing=true", "output_dir=runs/x"])
+    assert tree == {"trainer": {"max_steps": 5, "learning_rate": 1e-3, "max_grad_norm": None},
+                    "data": {"train_files": ["a.jsonl", "b.jsonl"], "packing": True}, "output_dir": "runs/x"}
+
+
+def test_yaml_then_overrides(tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  max_steps: 7\n  learning_rate: 1.0e-4\ndata:\n  train_files: [x.jsonl]\n")
+    cfg = load_config(SFTConfig, path, ["trainer.max_steps=9"])
+    assert cfg.trainer.max_steps == 9
+    assert cfg.trainer.learning_rate == 1e-4
+    assert cfg.data.train_files == ["x.jsonl"]
+    assert cfg.trainer.micro_batch_size == 8  # schema default
+
+
+def test_defaults_include(tmp_path: Path):
+    (tmp_path / "base.yaml").write_text("seed: 3\ntrainer:\n  max_steps: 7\n  learning_rate: 0.5\ndata:\n  train_files: [x]\n")
+    (tmp_path / "variant.yaml").write_text("defaults: [base.yaml]\ntrainer:\n  learning_rate: 0.25\n")
+    cfg = load_config(SFTConfig, tmp_path / "variant.yaml")
+    assert (cfg.seed, cfg.trainer.max_steps, cfg.trainer.learning_rate) == (3, 7, 0.25)
+
+
+def test_unknown_key_names_path_and_suggests():
+    with pytest.raises(ConfigError) as err:
+        load_config(SFTConfig, None, ["data.train_files=[x]", "trainer.learning_rat=1e-3"])
+    assert "trainer.learning_rat: unknown key; did you mean trainer.learning_rate?" in str(err.value)
+
+
+def test_unknown_section_suggests():
+    with pytest.raises(ConfigError) as err:
+        load_config(SFTConfig, None, ["data.train_files=[x]", "trainr.max_steps=3"])
+    assert "trainr: unknown key; did you mean trainer?" in str(err.value)
+
+
+def test_wrong_type_names_path_and_expected_type():
+    with pytest.raises(ConfigError) as err:
+        load_config(SFTConfig, None, ["data.train_files=[x]", "trainer.max_steps=abc", "data.format=csv"])
+    message = str(err.value)
+    assert "2 invalid settings" in message
+    assert "trainer.max_steps: expected int, got 'abc' (str)" in message
+    assert "data.format: expected one of 'auto', 'text'" in message
+
+
+def test_yaml_error_names_line(tmp_path: Path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("trainer:\n  max_steps: 3\n  lr: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml:\d+: invalid YAML"):
+        load_config(SFTConfig, path)
+
+
+def test_missing_file_and_bad_override():
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(SFTConfig, "/nonexistent/c.yaml")
+    with pytest.raises(ConfigError, match="expected dotted.key=value"):
+        load_config(SFTConfig, None, ["trainer.max_steps"])
+
+
+def test_cross_field_validation():
+    with pytest.raises(ConfigError, match="data.train_files is empty"):
+        load_config(SFTConfig, None, [])
+    with pytest.raises(ConfigError, match="has no SFT target"):
+        load_config(SFTConfig, None, ["data.train_files=[x]", "data.format=preference"])
+
+
+def test_shipped_configs_validate():
+    root = Path(__file__).resolve().parents[1] / "configs"
+    shipped = sorted(root.glob("sft_*.yaml"))
+    assert len(shipped) >= 2
+    for path in shipped:
+        load_config(SFTConfig, path)

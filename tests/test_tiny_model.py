@@ -1,0 +1,66 @@
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from posttrain.models.loading import resolve_model_path
+from posttrain.models.tiny import EMBEDDED_MODELS, build_model, build_tokenizer
+
+SAMPLES = [
+    "what is 12+3",
+    "  leading and trailing spaces  ",
+    "héllo wörld — 日本語 • emoji 🙂🚀\n\ttabs\r\nand CRLF",
+    "code: def f(x):\n    return x ** 2  # comment",
+    "special-looking <|im_start|> text",
+    "\x00\x07 control bytes \u200b zero width",
+]
+
+
+def test_roundtrip_after_save_and_autotokenizer_reload(tiny_model_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tokenizer.unk_token_id is None
+    for text in SAMPLES:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == text
+    # Byte-level: digits are single tokens, and token id i is byte i.
+    assert tokenizer("12+34=", add_special_tokens=False)["input_ids"] == list(b"12+34=")
+
+
+def test_reloaded_tokenizer_matches_the_built_one(tiny_model_dir):
+    built, reloaded = build_tokenizer(), AutoTokenizer.from_pretrained(tiny_model_dir)
+    for text in SAMPLES:
+        assert built(text)["input_ids"] == reloaded(text)["input_ids"]
+    assert (reloaded.eos_token, reloaded.pad_token) == ("<|endoftext|>", "<|pad|>")
+    assert reloaded.eos_token_id != reloaded.pad_token_id
+
+
+def test_chat_template():
+    tokenizer = build_tokenizer()
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+
+
+def test_model_loads_with_automodel_and_is_small(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert model.config.model_type == "llama"
+    assert 1_000_000 <= sum(p.numel() for p in model.parameters()) <= 3_000_000
+    logits = model(torch.tensor([[1, 2, 3]])).logits
+    assert logits.shape == (1, 3, len(build_tokenizer()))
+
+
+def test_build_is_deterministic_and_does_not_touch_global_rng():
+    tokenizer = build_tokenizer()
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    torch.manual_seed(123)
+    a = build_model(EMBEDDED_MODELS["posttrain/tiny"], tokenizer)
+    after = torch.rand(1)
+    b = build_model(EMBEDDED_MODELS["posttrain/tiny"], tokenizer)
+    assert torch.equal(before, after)
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(pa, pb), name
+
+
+def test_embedded_name_resolves_and_other_names_pass_through(tiny_model_dir):
+    assert resolve_model_path("posttrain/tiny") == str(tiny_model_dir)
+    assert resolve_model_path("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
