@@ -153,6 +153,7 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
                 "learning_rate": learning_rate,
                 "grad_norm": float(grad_norm),
                 "tokens_per_second": sum(mb.num_tokens for mb in micro_batches) / elapsed,
+                "step_seconds": elapsed,
                 "target_tokens": target_tokens,
                 "epoch": sampler.epochs_completed,
             }

@@ -1,0 +1,224 @@
+"""Helpers shared by the posttrain-vs-TRL benchmarks (sft_vs_trl.py; later grpo_vs_trl.py, dpo_vs_trl.py).
+
+A benchmark script runs every measured training call in its own fresh Python process (a "worker"), so each
+framework's imports, allocator state and peak memory are its own. The parent process only prepares the
+inputs, starts the workers one at a time, collects their JSON results and prints medians and ratios.
+
+Nothing here imports torch, transformers or TRL: the parent stays light, and a worker imports only what
+its framework needs.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+# Everything runs offline: nothing may be fetched from the Hugging Face hub, and no telemetry is sent.
+OFFLINE_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "DO_NOT_TRACK": "1",
+    "WANDB_DISABLED": "true",
+    "WANDB_MODE": "disabled",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONHASHSEED": "0",
+}
+
+
+def apply_offline_env() -> None:
+    """Set OFFLINE_ENV in this process (before transformers/datasets/TRL are imported)."""
+    os.environ.update(OFFLINE_ENV)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Memory (Linux /proc)
+
+
+def _proc_status_kib(key: str) -> int | None:
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    match = re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(match.group(1)) if match else None
+
+
+def rss_mib() -> float | None:
+    """Current resident set size of this process (VmRSS), MiB."""
+    kib = _proc_status_kib("VmRSS")
+    return None if kib is None else kib / 1024
+
+
+def peak_rss_mib() -> float | None:
+    """Peak resident set size of this process (VmHWM) since start or the last reset_peak_rss(), MiB."""
+    kib = _proc_status_kib("VmHWM")
+    return None if kib is None else kib / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0: write 5 to /proc/self/clear_refs). True if it worked."""
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as file:
+            file.write("5")
+    except OSError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Environment description
+
+
+def package_versions(names: Iterable[str]) -> dict[str, str | None]:
+    """Installed distribution versions (None when not installed), read without importing the packages."""
+    versions: dict[str, str | None] = {}
+    for name in names:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def loadavg() -> list[float] | None:
+    """1-, 5- and 15-minute load averages: a busy machine makes every timing here unreliable."""
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return None
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+    }
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info["loadavg_at_start"] = loadavg()
+    return info
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Workers
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def run_worker(
+    argv: Sequence[str], result_path: Path, log_path: Path, timeout_s: float, env: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """Run `python argv...` in a fresh process; it must write its result as JSON to result_path.
+
+    stdout and stderr go to log_path. Raises WorkerError (with the log's tail) on a non-zero exit, a
+    timeout or a missing result.
+    """
+    result_path.unlink(missing_ok=True)
+    full_env = {**os.environ, **OFFLINE_ENV, **(env or {})}
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:
+            process = subprocess.run(
+                [sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT, env=full_env, timeout=timeout_s
+            )
+            returncode: int | str = process.returncode
+        except subprocess.TimeoutExpired:
+            returncode = f"timeout after {timeout_s:.0f}s"
+    elapsed = time.perf_counter() - started
+    if returncode != 0 or not result_path.is_file():
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
+        raise WorkerError(f"worker {' '.join(argv)} failed (exit {returncode}); last lines of {log_path}:\n{tail}")
+    result = json.loads(result_path.read_text())
+    result["process_seconds"] = elapsed
+    return result
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Numbers
+
+
+def steady_state_throughput(tokens_per_step: Sequence[int], step_end_times: Sequence[float], skip: int) -> dict[str, float]:
+    """Tokens per second over steps skip+1..N, timed from the end of step `skip` to the end of step N.
+
+    step_end_times[i] is a perf_counter() reading taken when step i+1 ended (same clock within one process);
+    tokens_per_step[i] the tokens step i+1 processed. The first `skip` steps (warm-up) are left out.
+    """
+    if len(tokens_per_step) != len(step_end_times):
+        raise ValueError(f"{len(tokens_per_step)} token counts but {len(step_end_times)} step times")
+    if not 0 < skip < len(step_end_times) - 1:
+        raise ValueError(f"cannot skip {skip} of {len(step_end_times)} steps and keep at least two")
+    seconds = step_end_times[-1] - step_end_times[skip - 1]
+    tokens = sum(tokens_per_step[skip:])
+    durations = [b - a for a, b in zip(step_end_times[skip - 1 : -1], step_end_times[skip:])]
+    return {
+        "tokens_per_second": tokens / seconds,
+        "steady_seconds": seconds,
+        "steady_tokens": tokens,
+        "steady_steps": len(durations),
+        "median_step_ms": 1000 * statistics.median(durations),
+    }
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or denominator == 0:
+        return None
+    return numerator / denominator
+
+
+def fmt(value: float | None, digits: int = 2) -> str:
+    if value is None:
+        return "n/a"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    return f"{value:.{digits}f}"
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    separator = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    return "\n".join([line(headers), separator, *(line(r) for r in rows)])
+
+
+def alternating_orders(frameworks: Sequence[str], repeats: int) -> list[list[str]]:
+    """Run order per repeat: as given, then reversed, and so on, so neither framework always goes first."""
+    return [list(frameworks) if r % 2 == 0 else list(reversed(frameworks)) for r in range(repeats)]
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    started = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - started
