@@ -180,6 +180,9 @@ def steady_state_throughput(tokens_per_step: Sequence[int], step_end_times: Sequ
     durations = [b - a for a, b in zip(step_end_times[skip - 1 : -1], step_end_times[skip:])]
     return {
         "tokens_per_second": tokens / seconds,
+        # Robust to a few steps stalled by other processes (equal to the above on a quiet machine, give or take
+        # the spread of step lengths).
+        "median_step_tokens_per_second": statistics.median(t / d for t, d in zip(tokens_per_step[skip:], durations)),
         "steady_seconds": seconds,
         "steady_tokens": tokens,
         "steady_steps": len(durations),

@@ -62,6 +62,9 @@ def test_missing_file_and_bad_override():
         load_config(SFTConfig, "/nonexistent/c.yaml")
     with pytest.raises(ConfigError, match="expected dotted.key=value"):
         load_config(SFTConfig, None, ["trainer.max_steps"])
+    with pytest.raises(ConfigError, match=r"bad override 'data.train_files=\[a\[:3\]\]'.*quote values"):
+        load_config(SFTConfig, None, ["data.train_files=[a[:3]]"])
+    assert parse_overrides(["data.train_files=['a[:3]',b]"]) == {"data": {"train_files": ["a[:3]", "b"]}}
 
 
 def test_cross_field_validation():

@@ -14,8 +14,8 @@ import torch
 from posttrain.checkpoint import latest_checkpoint, list_checkpoints
 
 ARGS = [
-    "data.train_files=[posttrain/arithmetic:train[:256]]",
-    "data.eval_files=[posttrain/arithmetic:heldout[:32]]",
+    "data.train_files=['posttrain/arithmetic:train[:256]']",
+    "data.eval_files=['posttrain/arithmetic:heldout[:32]']",
     "trainer.max_steps=60", "trainer.save_every=10", "trainer.keep_last=2", "trainer.eval_every=20",
     "trainer.micro_batch_size=16", "trainer.gradient_accumulation_steps=2", "trainer.learning_rate=3e-3",
     "trainer.warmup_steps=5", "logging.progress=none", "logging.plot=false",

@@ -69,10 +69,15 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         key, sep, _ = item.partition("=")
         if not sep or not key or key.startswith(".") or key.endswith("."):
             raise ConfigError(f"bad override {item!r}: expected dotted.key=value, for example trainer.max_steps=100")
-    try:
-        return OmegaConf.to_container(OmegaConf.from_dotlist(list(overrides)), resolve=True)  # type: ignore[return-value]
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"bad override: {err}".splitlines()[0]) from err
+    tree: dict[str, Any] = {}
+    for item in overrides:
+        try:
+            parsed = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=True)
+        except (OmegaConfBaseException, yaml.YAMLError) as err:
+            hint = " (quote values with brackets or commas: key=['name[:10]'])" if "[" in item.partition("=")[2] else ""
+            raise ConfigError(f"bad override {item!r}: {str(err).splitlines()[0]}{hint}") from err
+        tree = deep_merge(tree, parsed)  # type: ignore[arg-type]
+    return tree
 
 
 def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
