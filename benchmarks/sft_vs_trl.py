@@ -65,11 +65,11 @@ Known remaining differences (not removed)
       logits) and also computes per-token entropy and top-1 accuracy for its logged metrics every step;
       posttrain computes the full logits and cross-entropy. Per-step losses therefore agree closely but not
       bit for bit, and the difference grows over training.
-    - Learning-rate schedule: transformers' warm-up gives the first update lr 0 (posttrain gives it
-      lr/warmup) and its cosine and linear decays end a step short of 0, so for any schedule other than the
-      default (constant, no warm-up: TRL's own, identical) TRL is given posttrain's schedule (the formula of
-      posttrain.optim.lr_multiplier, through SFTTrainer.create_scheduler). TRL's own code is unchanged
-      otherwise.
+    - (Removed) Learning-rate schedule: transformers' warm-up gives the first update lr 0 (posttrain gives
+      it lr/warmup) and its cosine and linear decays end a step short of 0. So for any schedule other than
+      the default (constant, no warm-up, where TRL's own is identical) TRL is given posttrain's schedule (the
+      formula of posttrain.optim.lr_multiplier, through SFTTrainer.create_scheduler); nothing else of TRL's
+      is replaced.
     - posttrain turns on torch.use_deterministic_algorithms(True, warn_only=True); TRL leaves it off.
     - The baseline memory differs because the imports differ (TRL brings in datasets and accelerate);
       compare the increase over the baseline for the training itself.
