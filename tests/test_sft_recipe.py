@@ -50,3 +50,15 @@ def test_full_quickstart_reaches_80_percent(tmp_path: Path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["base"]["accuracy"] < 0.05
     assert summary["sft"]["accuracy"] >= 0.8
+
+
+def test_bf16_packing_and_gradient_checkpointing_run(tmp_path: Path, tiny_model_dir):
+    """The memory/speed knobs change how the step is computed, not what it computes."""
+    common = ["data.train_files=['posttrain/arithmetic:train[:64]']", "trainer.max_steps=3", "trainer.micro_batch_size=16",
+              "trainer.learning_rate=1e-3", "logging.progress=none", "logging.plot=false"]
+    plain = train_sft(load_config(SFTConfig, None, common + [f"output_dir={tmp_path / 'plain'}"]))
+    knobs = train_sft(load_config(SFTConfig, None, common + [
+        f"output_dir={tmp_path / 'knobs'}", "data.packing=true", "model.gradient_checkpointing=true"]))
+    assert knobs.final_loss == pytest.approx(plain.final_loss, abs=1e-4)
+    bf16 = train_sft(load_config(SFTConfig, None, common + [f"output_dir={tmp_path / 'bf16'}", "trainer.precision=bf16"]))
+    assert bf16.final_loss == pytest.approx(plain.final_loss, rel=0.05)

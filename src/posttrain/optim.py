@@ -21,8 +21,8 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainerConfig) -> torch.optim.A
         lr=cfg.learning_rate,
         betas=(cfg.adam_beta1, cfg.adam_beta2),
         eps=cfg.adam_epsilon,
-        # foreach kernels are faster on CPU and GPU alike for many small tensors.
-        foreach=True,
+        # One fused kernel over all parameters: measurably cheaper per step than foreach on CPU and GPU.
+        fused=True,
     )
 
 
