@@ -38,7 +38,7 @@ if [ "$has_gpu" = 0 ] && ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 
   if [ -n "${POSTTRAIN_TORCH_INDEX:-}" ]; then
     "${PIP[@]}" install "torch==$TORCH_VERSION" --index-url "$POSTTRAIN_TORCH_INDEX"
   else
-    "${PIP[@]}" install "torch==$TORCH_VERSION"
+    "${PIP[@]}" install "torch==$TORCH_VERSION" 2> >(grep -v "^WARNING: Location" >&2)
   fi
 fi
 

@@ -46,7 +46,7 @@ def load_causal_lm(cfg: ModelConfig, path: str | Path | None = None, device: str
         trust_remote_code=cfg.trust_remote_code,
     )
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
         model.config.use_cache = False
     return model.to(device)
 
