@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain.algorithms.common import forward_logits
+from posttrain.algorithms.common import batch_to, forward_logits
 from posttrain.algorithms.sft import train_sft
 from posttrain.config import SFTConfig, load_config
 from posttrain.data.collate import collate_packed, collate_padded
@@ -39,11 +39,15 @@ ARGS = ["data.train_files=[posttrain/arithmetic:train]", "data.packing=true", "d
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
-    out = Path(parser.parse_args().out or tempfile.mkdtemp(prefix="hv1-"))
-    if not torch.cuda.is_available():
+    parser.add_argument("--allow-cpu", action="store_true", help="dry-run the script's logic on the CPU")
+    args = parser.parse_args()
+    out = Path(args.out or tempfile.mkdtemp(prefix="hv1-"))
+    if not torch.cuda.is_available() and not args.allow_cpu:
         print(json.dumps({"hv": "HV-1", "error": "no CUDA device"}))
         return 2
-    results: dict = {"hv": "HV-1", "device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (dry run)"
+    results: dict = {"hv": "HV-1", "device": name, "torch": torch.__version__}
 
     full = load_config(SFTConfig, None, ARGS + [f"output_dir={out / 'full'}"])
     train_sft(full)
@@ -51,16 +55,18 @@ def main() -> int:
     results["loss_first"], results["loss_last"] = losses[0], losses[-1]
     results["loss_falls"] = losses[-1] < 0.5 * losses[0]
 
-    model = load_causal_lm(full.model, device="cuda").eval()
+    model = load_causal_lm(full.model.model_copy(update={"name_or_path": str(out / "full" / "final")}),
+                           device=device).eval()
     g = torch.Generator().manual_seed(0)
     examples = [TokenizedExample(tuple(torch.randint(0, 256, (n,), generator=g).tolist()), tuple([0] + [1] * (n - 1)))
                 for n in (5, 60, 17, 33, 9, 41)]
     padded, packed = collate_padded(examples, 257), collate_packed(examples, 257, 128)
-    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        lp_pad = token_logprobs(forward_logits(model, _cuda(padded)), padded.input_ids.cuda())
-        lp_pack = token_logprobs(forward_logits(model, _cuda(packed)), packed.input_ids.cuda())
-    pad_targets = torch.cat([lp_pad[i][padded.loss_mask[i].cuda() > 0] for i in range(len(examples))]).sort().values
-    pack_targets = lp_pack[packed.loss_mask.cuda() > 0].sort().values
+    padded, packed = batch_to(padded, device), batch_to(packed, device)
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        lp_pad = token_logprobs(forward_logits(model, padded), padded.input_ids)
+        lp_pack = token_logprobs(forward_logits(model, packed), packed.input_ids)
+    pad_targets = torch.cat([lp_pad[i][padded.loss_mask[i] > 0] for i in range(len(examples))]).sort().values
+    pack_targets = lp_pack[packed.loss_mask > 0].sort().values
     results["packing_max_abs_diff"] = float((pad_targets - pack_targets).abs().max())
     results["packing_matches"] = results["packing_max_abs_diff"] < 5e-2
 
@@ -78,12 +84,6 @@ def main() -> int:
     results["passed"] = bool(ok)
     print(json.dumps(results))
     return 0 if ok else 1
-
-
-def _cuda(batch):
-    from posttrain.algorithms.common import batch_to
-
-    return batch_to(batch, torch.device("cuda"))
 
 
 if __name__ == "__main__":
