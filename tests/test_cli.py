@@ -60,3 +60,8 @@ def test_eval_json_on_base_model(tiny_model_dir):
     payload = json.loads(result.stdout.strip().splitlines()[-1])
     assert payload["task"] == "arithmetic" and payload["num_examples"] == 20
     assert payload["accuracy"] == 0.0  # an untrained model does not add
+
+
+def test_missing_model_directory_is_a_clear_error(tmp_path: Path, capsys):
+    assert main(["eval", "--model", str(tmp_path / "runs" / "nope" / "final"), "--task", "arithmetic"]) == 1
+    assert "model not found" in capsys.readouterr().err

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.algorithms.evaluate import evaluate_arithmetic
-from posttrain.algorithms.quickstart import preset_path
+from posttrain.config.presets import preset_path
 from posttrain.algorithms.sft import train_sft
 from posttrain.config import SFTConfig, load_config
 from posttrain.logging import read_metrics

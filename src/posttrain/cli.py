@@ -15,8 +15,10 @@ from pydantic_core import PydanticUndefined
 
 from posttrain.config import ConfigError, EvalConfig, QuickstartConfig, RecipeConfig, SFTConfig, load_config
 from posttrain.config.loader import type_name
+from posttrain.config.presets import quickstart_base_config
 from posttrain.config.schema import Section
 from posttrain.data.errors import DataError
+from posttrain.models.errors import ModelNotFoundError
 
 
 @dataclass(frozen=True)
@@ -57,19 +59,13 @@ def _run_quickstart(cfg: QuickstartConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def _quickstart_base() -> dict[str, Any]:
-    from posttrain.algorithms.quickstart import quickstart_base_config
-
-    return quickstart_base_config()
-
-
 RECIPES = {
     r.name: r
     for r in (
         Recipe("sft", SFTConfig, "supervised fine-tuning (completion-only loss, chat templates, packing)", _run_sft),
         Recipe("eval", EvalConfig, "greedy exact-match accuracy of a model on a built-in task", _run_eval),
         Recipe("quickstart", QuickstartConfig, "build the tiny model, train it on arithmetic, show before/after",
-               _run_quickstart, _quickstart_base),
+               _run_quickstart, quickstart_base_config),
     )
 }
 
@@ -148,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         return recipe.run(cfg, args)
     except DataError as err:
         print(f"posttrain {recipe.name}: bad data: {err}", file=sys.stderr)
+        return 1
+    except ModelNotFoundError as err:
+        print(f"posttrain {recipe.name}: {err}", file=sys.stderr)
         return 1
 
 

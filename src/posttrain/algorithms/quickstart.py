@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import time
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -21,15 +19,6 @@ from posttrain.algorithms.evaluate import EvalResult, evaluate_arithmetic
 from posttrain.algorithms.sft import train_sft
 from posttrain.config.schema import QuickstartConfig
 from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer
-
-
-def preset_path(name: str) -> Path:
-    """A config shipped with posttrain (the repository's configs/ folder)."""
-    return Path(str(resources.files("posttrain") / "configs" / name))
-
-
-def quickstart_base_config() -> dict[str, Any]:
-    return {"sft": yaml.safe_load(preset_path("sft_arithmetic.yaml").read_text())}
 
 
 def _measure(cfg: QuickstartConfig, model_path: str) -> EvalResult:
