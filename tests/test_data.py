@@ -437,7 +437,7 @@ def test_truncate_and_drop_are_counted(tmp_path, tokenizer):
     assert [len(example) for example in dropped] == [lengths[0]]
     assert (stats.truncated, stats.dropped_overlong, stats.rows_skipped, stats.rows_read) == (0, 2, 0, 3)
 
-    with pytest.raises(DataError, match=rf"train\.jsonl:3: no target tokens left after truncation"):
+    with pytest.raises(DataError, match=r"train\.jsonl:3: no target tokens left after truncation"):
         load_sft_examples([path], tokenizer, sft_config(path, max_length=max_length))
 
 
