@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from posttrain.config import ConfigError, EvalConfig, QuickstartConfig, RecipeConfig, SFTConfig, load_config
+from posttrain.config import ConfigError, DPOConfig, EvalConfig, QuickstartConfig, RecipeConfig, SFTConfig, load_config
 from posttrain.config.loader import type_name
 from posttrain.config.presets import quickstart_base_config
 from posttrain.config.schema import Section
@@ -36,6 +36,15 @@ def _run_sft(cfg: SFTConfig, args: argparse.Namespace) -> int:
 
     result = train_sft(cfg)
     print(f"done: {result.steps} steps, final loss {result.final_loss}, model in {result.final_dir}")
+    return 0
+
+
+def _run_dpo(cfg: DPOConfig, args: argparse.Namespace) -> int:
+    from posttrain.algorithms.dpo import train_dpo
+
+    result = train_dpo(cfg)
+    print(f"done: {result.steps} steps, final loss {result.final_loss}, eval reward accuracy "
+          f"{result.eval_reward_accuracy}, model in {result.final_dir}")
     return 0
 
 
@@ -63,6 +72,7 @@ RECIPES = {
     r.name: r
     for r in (
         Recipe("sft", SFTConfig, "supervised fine-tuning (completion-only loss, chat templates, packing)", _run_sft),
+        Recipe("dpo", DPOConfig, "offline preference optimization: DPO, IPO, cDPO, DPOP, R-DPO, SimPO, ORPO", _run_dpo),
         Recipe("eval", EvalConfig, "greedy exact-match accuracy of a model on a built-in task", _run_eval),
         Recipe("quickstart", QuickstartConfig, "build the tiny model, train it on arithmetic, show before/after",
                _run_quickstart, quickstart_base_config),

@@ -3,6 +3,7 @@
 from posttrain.config.loader import ConfigError, deep_merge, load_config, parse_overrides, validate
 from posttrain.config.schema import (
     DataConfig,
+    DPOConfig,
     EvalConfig,
     LoggingConfig,
     ModelConfig,
@@ -13,6 +14,6 @@ from posttrain.config.schema import (
 )
 
 __all__ = [
-    "ConfigError", "DataConfig", "EvalConfig", "LoggingConfig", "ModelConfig", "QuickstartConfig", "RecipeConfig",
+    "ConfigError", "DataConfig", "DPOConfig", "EvalConfig", "LoggingConfig", "ModelConfig", "QuickstartConfig", "RecipeConfig",
     "SFTConfig", "TrainerConfig", "deep_merge", "load_config", "parse_overrides", "validate",
 ]

@@ -227,3 +227,73 @@ class QuickstartConfig(Section):
 
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Held-out evaluation before and after each stage."""
+
+
+class PreferenceLossSection(Section):
+    """The preference loss and its coefficients (posttrain.losses.preference.PreferenceLossConfig)."""
+
+    type: Literal["dpo", "ipo", "cdpo", "dpop", "rdpo", "simpo", "orpo"] = "dpo"
+    """The loss: dpo, ipo, cdpo, dpop, rdpo (against a reference model) or simpo, orpo (reference-free)."""
+
+    beta: float = Field(0.1, gt=0)
+    """β: scale of the implicit reward β·log(π/π_ref) (SimPO: β·π/|y|); IPO's τ, target margin 1/(2β)."""
+
+    label_smoothing: float = Field(0.0, ge=0, le=0.5)
+    """cdpo: the assumed probability ε that a preference label is flipped."""
+
+    dpop_lambda: float = Field(50.0, ge=0)
+    """dpop: weight λ of max(0, ref_c − π_c), the penalty for lowering the chosen log-probability."""
+
+    rdpo_alpha: float = 0.0
+    """rdpo: per-token weight α of the length difference |y_w| − |y_l| inside the sigmoid."""
+
+    simpo_gamma: float = 0.5
+    """simpo: the target reward margin γ itself (not γ/β)."""
+
+    orpo_lambda: float = Field(0.1, ge=0)
+    """orpo: weight λ of the odds-ratio term added to the NLL of the chosen completion."""
+
+    sft_weight: float = Field(0.0, ge=0)
+    """Weight of an extra NLL-on-chosen term (mean per token) added to any loss; 0 turns it off."""
+
+    average_logprobs: bool = False
+    """Score each completion by its per-token MEAN log-probability instead of the sum (e.g. for IPO).
+    simpo and orpo length-normalize themselves and need it false."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "PreferenceLossSection":
+        if self.average_logprobs and self.type in ("simpo", "orpo"):
+            raise ValueError(
+                f"loss.average_logprobs=true does not apply to loss.type={self.type!r}: it normalizes by length "
+                "itself and needs summed log-probabilities; set loss.average_logprobs=false"
+            )
+        return self
+
+    @property
+    def reference_free(self) -> bool:
+        return self.type in ("simpo", "orpo")
+
+
+class DPOConfig(RecipeConfig):
+    """Offline preference optimization (DPO and its family) on prompt/chosen/rejected pairs."""
+
+    output_dir: str = "runs/dpo"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/. Re-running with the same directory resumes."""
+
+    loss: PreferenceLossSection = Field(default_factory=PreferenceLossSection)
+    """The preference loss."""
+
+    reference: Literal["frozen_copy", "precomputed"] = "frozen_copy"
+    """Reference log-probabilities: frozen_copy (a frozen copy of the starting model scores every batch) or
+    precomputed (scored once for every pair before training and kept in memory; no reference model stays
+    loaded). simpo and orpo are reference-free and load no reference either way."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "DPOConfig":
+        if not self.data.train_files:
+            raise ValueError("data.train_files is empty: give at least one preference file or dataset name")
+        if self.data.format not in ("auto", "preference"):
+            raise ValueError(f"data.format={self.data.format!r}: DPO trains on preference rows; use auto or preference")
+        if self.data.packing:
+            raise ValueError("data.packing=true is not supported by DPO (pairs are padded); set data.packing=false")
+        return self

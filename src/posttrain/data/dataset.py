@@ -66,9 +66,9 @@ def load_rows(sources: Sequence[str], cfg: DataConfig) -> tuple[list[Row], DataS
     Raises DataError when sources are given but no row survives.
     """
     stats = DataStats()
-    rows = [row for _, row in _iter_rows(sources, cfg, stats)]
+    rows = [row for _, row in iter_rows(sources, cfg, stats)]
     stats.examples = len(rows)
-    _check_not_empty(sources, stats)
+    check_not_empty(sources, stats)
     return rows, stats
 
 
@@ -83,26 +83,26 @@ def load_sft_examples(
     """
     stats = DataStats()
     examples: list[TokenizedExample] = []
-    for location, row in _iter_rows(sources, cfg, stats):
+    for location, row in iter_rows(sources, cfg, stats):
         try:
             example = _sft_example(row, tokenizer, cfg, location, stats)
         except DataError as error:
-            _skip_or_raise(error, cfg.on_error, stats)
+            skip_or_raise(error, cfg.on_error, stats)
             continue
         if example is not None:
             examples.append(example)
             stats.examples += 1
             stats.target_tokens += example.num_targets
-    _check_not_empty(sources, stats)
+    check_not_empty(sources, stats)
     return examples, stats
 
 
-def _iter_rows(sources: Sequence[str], cfg: DataConfig, stats: DataStats) -> Iterator[tuple[str, Row]]:
+def iter_rows(sources: Sequence[str], cfg: DataConfig, stats: DataStats) -> Iterator[tuple[str, Row]]:
     """(location, validated row) for every usable record; counts reads and skips into stats."""
 
     def unreadable(error: DataError) -> None:
         stats.rows_read += 1
-        _skip_or_raise(error, cfg.on_error, stats)
+        skip_or_raise(error, cfg.on_error, stats)
 
     for source in sources:
         fmt = None if cfg.format == "auto" else cfg.format
@@ -113,7 +113,7 @@ def _iter_rows(sources: Sequence[str], cfg: DataConfig, stats: DataStats) -> Ite
                 fmt = fmt or detect_format(record, location)
                 row = parse_row(fmt, record, location)
             except DataError as error:
-                _skip_or_raise(error, cfg.on_error, stats)
+                skip_or_raise(error, cfg.on_error, stats)
                 continue
             yield location, row
 
@@ -140,13 +140,13 @@ def _sft_example(
     return kept
 
 
-def _skip_or_raise(error: DataError, on_error: str, stats: DataStats) -> None:
+def skip_or_raise(error: DataError, on_error: str, stats: DataStats) -> None:
     if on_error == "raise":
         raise error
     stats.record_skip(error)
 
 
-def _check_not_empty(sources: Sequence[str], stats: DataStats) -> None:
+def check_not_empty(sources: Sequence[str], stats: DataStats) -> None:
     if sources and stats.examples == 0:
         reasons = "; ".join(stats.skip_reasons[:3])
         raise DataError(

@@ -3,6 +3,8 @@
     posttrain/arithmetic                 the training split of 2-digit additions (prompt, completion, answer)
     posttrain/arithmetic:heldout         the held-out split (never overlaps the training split)
     posttrain/arithmetic:train[:300]     the first 300 rows of the (seeded, shuffled) training split
+    posttrain/arithmetic-preference      the same problems as preference pairs (prompt, chosen = the sum,
+                                         rejected = a plausible wrong sum); same splits and [:N] limits
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 from posttrain.data.errors import DataError
 
 _NAME = re.compile(r"^posttrain/(?P<task>[a-z_-]+)(?::(?P<split>[a-z]+))?(?:\[:(?P<count>\d+)\])?$")
-TASKS = ("arithmetic",)
+TASKS = ("arithmetic", "arithmetic-preference")
 
 
 def is_embedded_dataset(source: str) -> bool:
@@ -33,4 +35,8 @@ def iter_embedded(source: str) -> Iterator[tuple[str, dict[str, Any]]]:
         raise DataError(source, f"unknown split {split!r}; the arithmetic task has train and heldout")
     count = int(match["count"]) if match["count"] else None
     for row_number, problem in enumerate(arithmetic.sample_problems(split, count), start=1):
-        yield f"{source} row {row_number}", {"prompt": problem.prompt, "completion": problem.answer, "answer": problem.answer}
+        if match["task"] == "arithmetic-preference":
+            rejected = arithmetic.wrong_answer(problem, arithmetic.preference_rng(problem))
+            yield f"{source} row {row_number}", {"prompt": problem.prompt, "chosen": problem.answer, "rejected": rejected}
+        else:
+            yield f"{source} row {row_number}", {"prompt": problem.prompt, "completion": problem.answer, "answer": problem.answer}

@@ -53,3 +53,28 @@ class SFTBatch:
     def num_target_tokens(self) -> int:
         return int(self.loss_mask.sum().item())
 
+
+
+@dataclass(frozen=True)
+class PreferenceExample:
+    """One (chosen, rejected) pair after tokenization; the prompt is shared.
+
+    prompt_ids: [P] token ids of the prompt (with the chat template's generation prompt for conversations).
+    chosen_ids: [C] token ids of the preferred completion, ending with EOS (or the template's end of turn).
+    rejected_ids: [R] token ids of the dispreferred completion, ending likewise.
+    source: where the pair came from ("file.jsonl:12"), for error messages.
+    """
+
+    prompt_ids: tuple[int, ...]
+    chosen_ids: tuple[int, ...]
+    rejected_ids: tuple[int, ...]
+    source: str = ""
+
+    def sequence(self, which: str) -> TokenizedExample:
+        """The prompt followed by the chosen or rejected completion, completion tokens as targets."""
+        completion = {"chosen": self.chosen_ids, "rejected": self.rejected_ids}[which]
+        return TokenizedExample(
+            input_ids=self.prompt_ids + completion,
+            loss_mask=(0,) * len(self.prompt_ids) + (1,) * len(completion),
+            source=self.source,
+        )

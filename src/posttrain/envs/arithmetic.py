@@ -4,7 +4,8 @@ A problem is the prompt ``"a+b="`` with the answer ``str(a + b)``. Every (a, b) 
 exactly one split, decided by a hash of the pair, so the training and held-out splits never
 overlap whatever sizes or seeds are asked for. About a tenth of the pairs are held out.
 
-The task provides SFT rows (prompt/completion) and, through the same problems, the prompts and
+The task provides SFT rows (prompt/completion), preference pairs (the correct sum chosen, a
+plausible wrong one rejected: `wrong_answer`) and, through the same problems, the prompts and
 answers that RL recipes score with `exact_match`.
 """
 
@@ -56,6 +57,28 @@ def sample_problems(split: Split, n: int | None = None, seed: int = 0, num_digit
     if n > len(problems):
         raise ValueError(f"asked for {n} {split} problems with {num_digits} digits, but the split has {len(problems)}")
     return problems[:n]
+
+
+def wrong_answer(problem: Problem, rng: random.Random) -> str:
+    """A plausible wrong sum for `problem`: off by one, off by ten, or two digits swapped.
+
+    Drawn with `rng` among the candidates that are non-negative and differ from the answer; for the
+    pair's fixed rejected completion use `preference_rng(problem)`, so every split and size agrees.
+    """
+    total = problem.a + problem.b
+    candidates = {total + 1, total - 1, total + 10, total - 10}
+    digits = str(total)
+    for i in range(len(digits) - 1):
+        swapped = digits[:i] + digits[i + 1] + digits[i] + digits[i + 2 :]
+        if not swapped.startswith("0"):
+            candidates.add(int(swapped))
+    candidates = sorted(c for c in candidates if c >= 0 and c != total)
+    return str(rng.choice(candidates))
+
+
+def preference_rng(problem: Problem) -> random.Random:
+    """The seeded RNG that fixes the rejected completion of `problem` (independent of order and split size)."""
+    return random.Random(f"arithmetic-preference/{problem.a}+{problem.b}")
 
 
 def extract_answer(completion: str) -> str:

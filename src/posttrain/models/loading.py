@@ -10,12 +10,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from posttrain.config.schema import ModelConfig
 from posttrain.models.errors import ModelNotFoundError
 from posttrain.models.tiny import EMBEDDED_MODELS, ensure_embedded_model, is_embedded
+from posttrain.models.trained import TRAINED_MODELS, ensure_trained_model, is_trained_embedded
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Embedded names (posttrain/tiny) become their cached directory; directories and hub ids pass through.
+    """Embedded names (posttrain/tiny, posttrain/tiny-arithmetic-sft) become their cached directory; directories and hub ids pass through.
 
     Something that can only be a local path (absolute, relative with ./ or ~, or with more than one
     slash, which hub ids never have) and does not exist fails here with a clear message, instead of
@@ -23,11 +24,13 @@ def resolve_model_path(name_or_path: str) -> str:
     """
     if is_embedded(name_or_path):
         return str(ensure_embedded_model(name_or_path))
+    if is_trained_embedded(name_or_path):
+        return str(ensure_trained_model(name_or_path))
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
     if looks_local and not Path(name_or_path).expanduser().exists():
         raise ModelNotFoundError(
             f"model not found: {name_or_path!r} is not an existing directory (embedded models: "
-            f"{', '.join(sorted(EMBEDDED_MODELS))}; hub ids look like org/name)"
+            f"{', '.join(sorted([*EMBEDDED_MODELS, *TRAINED_MODELS]))}; hub ids look like org/name)"
         )
     return str(Path(name_or_path).expanduser()) if looks_local else name_or_path
 

@@ -1,0 +1,75 @@
+"""Embedded models that are trained, not just built: built on first use by running a shipped recipe.
+
+    posttrain/tiny-arithmetic-sft   posttrain/tiny after configs/sft_arithmetic.yaml (SFT on 2-digit
+                                    addition, ~2 minutes on two CPU cores the first time; >80% exact match)
+
+The starting point for recipes that need an already-competent policy (DPO, GRPO on arithmetic). The run
+trains in a hidden temporary directory beside the cache entry and only its final/ model is renamed into
+place, so an interrupted build leaves nothing that looks finished.
+
+Layering: models/ does not otherwise import algorithms/; the recipe is imported lazily, only when a
+trained embedded model is first asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from posttrain.models.tiny import cache_dir
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainedSpec:
+    """A shipped SFT preset (posttrain.config.presets) and a version to bump whenever its result changes."""
+
+    sft_preset: str
+    version: int = 1
+
+
+TRAINED_MODELS: dict[str, TrainedSpec] = {
+    "posttrain/tiny-arithmetic-sft": TrainedSpec(sft_preset="sft_arithmetic.yaml"),
+}
+
+
+def is_trained_embedded(name: str) -> bool:
+    return name in TRAINED_MODELS
+
+
+def ensure_trained_model(name: str) -> Path:
+    """Directory of trained embedded model `name`, training it on first use."""
+    spec = TRAINED_MODELS[name]
+    target = cache_dir() / "models" / f"{name.replace('/', '--')}-v{spec.version}"
+    if (target / "config.json").is_file():
+        return target
+    from posttrain.algorithms.sft import train_sft
+    from posttrain.config import SFTConfig, load_config
+    from posttrain.config.presets import preset_path
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        log.warning("building embedded model %s: running %s once (a few minutes on CPU)", name, spec.sft_preset)
+        cfg = load_config(SFTConfig, preset_path(spec.sft_preset), [
+            f"output_dir={staging / 'run'}", "logging.progress=plain", "logging.plot=false",
+        ])
+        final_dir = train_sft(cfg).final_dir
+        (final_dir / "posttrain_embedded.json").write_text(
+            json.dumps({"name": name, "version": spec.version, "sft_preset": spec.sft_preset}) + "\n"
+        )
+        try:
+            os.rename(final_dir, target)
+        except OSError:
+            # Another process finished the same build first.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

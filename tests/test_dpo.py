@@ -1,0 +1,164 @@
+"""The DPO recipe on the embedded tiny model: pairs and batches, the loop's numerics, learning, resume."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.algorithms import dpo
+from posttrain.algorithms.dpo import train_dpo
+from posttrain.config import ConfigError, DPOConfig, load_config
+from posttrain.config.schema import ModelConfig
+from posttrain.data.embedded import iter_embedded
+from posttrain.data.formats import PreferenceRow
+from posttrain.data.preference import collate_preference, tokenize_preference_row
+from posttrain.envs.arithmetic import Problem, preference_rng, wrong_answer
+from posttrain.logging import read_metrics
+from posttrain.models.loading import load_causal_lm, load_tokenizer
+
+BASE = [
+    "model.name_or_path=posttrain/tiny",
+    "data.train_files=['posttrain/arithmetic-preference[:128]']",
+    "data.max_length=32",
+    "trainer.micro_batch_size=16",
+    "trainer.learning_rate=1e-3",
+    "trainer.lr_scheduler=constant",
+    "loss.beta=0.5",
+    "logging.progress=none",
+    "logging.plot=false",
+]
+
+
+def config(output_dir: Path, *overrides: str) -> DPOConfig:
+    return load_config(DPOConfig, None, [*BASE, f"output_dir={output_dir}", *overrides])
+
+
+def losses(output_dir: Path) -> list[float]:
+    return [record["loss"] for record in read_metrics(output_dir / "metrics.jsonl")]
+
+
+def test_arithmetic_preference_rows_are_fixed_per_problem():
+    rows = [row for _, row in iter_embedded("posttrain/arithmetic-preference[:200]")]
+    assert rows[:50] == [row for _, row in iter_embedded("posttrain/arithmetic-preference[:50]")]
+    for row in rows:
+        a, b = map(int, row["prompt"].rstrip("=").split("+"))
+        assert row["chosen"] == str(a + b) and row["rejected"] != row["chosen"] and int(row["rejected"]) >= 0
+    # The wrong answers are the plausible kinds: off by one or ten, or a digit swap.
+    problem = Problem(47, 38)
+    seen = {wrong_answer(problem, preference_rng(Problem(a, 1))) for a in range(40)}
+    assert seen <= {"84", "86", "75", "95", "58"} and len(seen) >= 3
+
+
+def test_collate_puts_chosen_rows_then_rejected_rows(tiny_model_dir):
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
+    pairs = [
+        tokenize_preference_row(PreferenceRow("12+30=", "42", "41"), tokenizer, 32, "truncate"),
+        tokenize_preference_row(PreferenceRow("99+99=", "198", "98"), tokenizer, 32, "truncate"),
+    ]
+    eos = tokenizer.eos_token_id
+    assert pairs[0].chosen_ids == (*tokenizer("42", add_special_tokens=False)["input_ids"], eos)
+    batch = collate_preference(pairs, tokenizer.pad_token_id)
+    assert batch.input_ids.shape[0] == 4 and batch.num_examples == 4
+    texts = [tokenizer.decode(row[mask.bool()]) for row, mask in zip(batch.input_ids, batch.attention_mask)]
+    end = tokenizer.eos_token
+    assert texts == [f"12+30=42{end}", f"99+99=198{end}", f"12+30=41{end}", f"99+99=98{end}"]
+    completions = [tokenizer.decode(row[mask.bool()]) for row, mask in zip(batch.input_ids, batch.loss_mask)]
+    assert completions == [f"42{end}", f"198{end}", f"41{end}", f"98{end}"]
+    assert batch.loss_mask.sum(-1).tolist() == [3, 4, 3, 3]
+    assert batch.attention_mask.sum(-1).tolist() == [9, 10, 9, 9]
+    # Truncation keeps the prompt and cuts both completions; drop drops the pair.
+    cut = tokenize_preference_row(PreferenceRow("99+99=", "198", "98"), tokenizer, 8, "truncate")
+    assert len(cut.prompt_ids) == 6 and len(cut.chosen_ids) == 2 and len(cut.rejected_ids) == 2
+    assert tokenize_preference_row(PreferenceRow("99+99=", "198", "98"), tokenizer, 8, "drop") is None
+
+
+def test_conversational_pairs_use_the_chat_template(tiny_model_dir):
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
+    row = PreferenceRow([{"role": "user", "content": "1+2="}], [{"role": "assistant", "content": "3"}],
+                        [{"role": "assistant", "content": "4"}])
+    pair = tokenize_preference_row(row, tokenizer, 64, "truncate")
+    assert tokenizer.decode(pair.prompt_ids) == "<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(pair.chosen_ids) == "3<|im_end|>"
+    assert tokenizer.decode(pair.rejected_ids) == "4<|im_end|>"
+
+
+def test_short_dpo_run_learns_the_preferences_and_leaves_the_reference_alone(tmp_path, tiny_model_dir, monkeypatch):
+    references = []
+
+    def capture(cfg, device):
+        references.append(load_reference(cfg, device))
+        return references[-1]
+
+    load_reference = dpo.load_reference_model
+    monkeypatch.setattr(dpo, "load_reference_model", capture)
+    result = train_dpo(config(tmp_path, "trainer.max_steps=60",
+                              "data.eval_files=['posttrain/arithmetic-preference:heldout[:32]']"))
+
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(records) == 60
+    # Policy == reference at step 1: every implicit reward is 0, so the DPO loss is log 2 exactly.
+    assert records[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert records[0]["margin"] == 0.0 and records[0]["reward_accuracy"] == 0.0
+    last = records[-10:]
+    assert sum(r["reward_accuracy"] for r in last) / 10 > 0.8  # measured 0.93-0.97 over seeds
+    assert sum(r["margin"] for r in last) / 10 > 1.0  # measured 1.8-2.4
+    assert sum(r["loss"] for r in last) / 10 < 0.4
+    assert {"loss", "reward_accuracy", "chosen_reward", "rejected_reward", "margin", "learning_rate", "grad_norm",
+            "tokens_per_second", "step_seconds", "eval_loss", "eval_reward_accuracy"} <= set(records[-1])
+    assert result.eval_reward_accuracy == records[-1]["eval_reward_accuracy"]
+
+    (reference,) = references
+    assert not any(p.requires_grad for p in reference.parameters())
+    untouched = load_causal_lm(ModelConfig(name_or_path="posttrain/tiny")).state_dict()
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(tensor, untouched[name]), name
+    trained = load_causal_lm(ModelConfig(name_or_path=str(result.final_dir))).state_dict()
+    assert any(not torch.equal(trained[name], untouched[name]) for name in untouched)
+
+
+def test_precomputed_reference_equals_the_frozen_copy(tmp_path, tiny_model_dir):
+    # Unshuffled data and eval_batch_size == micro_batch_size: each precomputed chunk is exactly the
+    # batch the frozen copy scores, so the losses agree exactly.
+    same = ["trainer.max_steps=3", "data.shuffle=false", "trainer.eval_batch_size=16"]
+    train_dpo(config(tmp_path / "frozen", *same, "reference=frozen_copy"))
+    train_dpo(config(tmp_path / "precomputed", *same, "reference=precomputed"))
+    assert losses(tmp_path / "precomputed") == losses(tmp_path / "frozen")
+    assert losses(tmp_path / "frozen")[0] == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_gradient_accumulation_gives_the_same_update(tmp_path, tiny_model_dir):
+    train_dpo(config(tmp_path / "whole", "trainer.max_steps=2"))
+    train_dpo(config(tmp_path / "split", "trainer.max_steps=2", "trainer.micro_batch_size=8",
+                     "trainer.gradient_accumulation_steps=2"))
+    whole, split = losses(tmp_path / "whole"), losses(tmp_path / "split")
+    assert split == pytest.approx(whole, abs=1e-5)
+    assert whole[1] != pytest.approx(whole[0], abs=1e-4)  # step 2 saw the update of step 1
+
+
+def test_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):
+    train_dpo(config(tmp_path / "straight", "trainer.max_steps=20", "trainer.save_every=10"))
+    train_dpo(config(tmp_path / "resumed", "trainer.max_steps=10", "trainer.save_every=10"))
+    train_dpo(config(tmp_path / "resumed", "trainer.max_steps=20", "trainer.save_every=10"))
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+
+
+def test_reference_free_losses_load_no_reference(tmp_path, tiny_model_dir, monkeypatch):
+    def forbidden(cfg, device):
+        raise AssertionError("simpo must not load a reference model")
+
+    monkeypatch.setattr(dpo, "load_reference_model", forbidden)
+    result = train_dpo(config(tmp_path, "trainer.max_steps=2", "loss.type=simpo", "reference=precomputed"))
+    assert result.final_loss is not None and math.isfinite(result.final_loss)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("loss.average_logprobs=true", "average_logprobs"),
+    ("data.packing=true", "packing"),
+    ("data.format=prompt_completion", "format"),
+    ("loss.beta=0", "beta"),
+])
+def test_incompatible_settings_fail_at_load(tmp_path, override, message):
+    overrides = [override, "loss.type=simpo"] if message == "average_logprobs" else [override]
+    with pytest.raises(ConfigError, match=message):
+        config(tmp_path, *overrides)
