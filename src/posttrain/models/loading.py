@@ -5,12 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from posttrain.config.schema import ModelConfig
 from posttrain.models.errors import ModelNotFoundError
 from posttrain.models.tiny import EMBEDDED_MODELS, ensure_embedded_model, is_embedded
-from posttrain.models.trained import TRAINED_MODELS, ensure_trained_model, is_trained_embedded
+from posttrain.models.trained import (
+    TRAINED_MODELS,
+    ensure_trained_model,
+    is_trained_embedded,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

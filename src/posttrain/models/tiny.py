@@ -19,8 +19,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import platformdirs
 import torch
@@ -129,26 +131,40 @@ def ensure_embedded_model(name: str) -> Path:
     if name not in EMBEDDED_MODELS:
         raise KeyError(f"unknown embedded model {name!r}; embedded models: {', '.join(sorted(EMBEDDED_MODELS))}")
     spec = EMBEDDED_MODELS[name]
-    target = cache_dir() / "models" / f"{name.replace('/', '--')}-v{spec.version}"
+
+    def build(staging: Path) -> Path:
+        tokenizer = build_tokenizer()
+        build_model(spec, tokenizer).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        return staging
+
+    return build_into_cache(name, spec.version, build)
+
+
+def build_into_cache(name: str, version: int, build: Callable[[Path], Path], **metadata: Any) -> Path:
+    """The cache directory of model `name` (version `version`), running `build` on first use.
+
+    `build(staging)` writes a Hugging Face model directory somewhere inside the empty folder `staging`
+    and returns it; that directory is renamed into place only once complete, so an interrupted build
+    never leaves a model that looks finished.
+    """
+    target = cache_dir() / "models" / f"{name.replace('/', '--')}-v{version}"
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        tokenizer = build_tokenizer()
-        build_model(spec, tokenizer).save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        (staging / "posttrain_embedded.json").write_text(json.dumps({"name": name, "version": spec.version}) + "\n")
+        built = build(staging)
+        (built / "posttrain_embedded.json").write_text(json.dumps({"name": name, "version": version, **metadata}) + "\n")
         try:
-            os.rename(staging, target)
+            os.rename(built, target)
         except OSError:
-            # Another process finished the same build first; its copy is identical.
+            # Another process finished the same build first; its copy is equivalent.
             if not (target / "config.json").is_file():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
-
 
 def is_embedded(name_or_path: str) -> bool:
     return name_or_path in EMBEDDED_MODELS

@@ -13,15 +13,11 @@ trained embedded model is first asked for.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from posttrain.models.tiny import cache_dir
+from posttrain.models.tiny import build_into_cache
 
 log = logging.getLogger(__name__)
 
@@ -46,30 +42,16 @@ def is_trained_embedded(name: str) -> bool:
 def ensure_trained_model(name: str) -> Path:
     """Directory of trained embedded model `name`, training it on first use."""
     spec = TRAINED_MODELS[name]
-    target = cache_dir() / "models" / f"{name.replace('/', '--')}-v{spec.version}"
-    if (target / "config.json").is_file():
-        return target
-    from posttrain.algorithms.sft import train_sft
-    from posttrain.config import SFTConfig, load_config
-    from posttrain.config.presets import preset_path
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    def build(staging: Path) -> Path:
+        from posttrain.algorithms.sft import train_sft
+        from posttrain.config import SFTConfig, load_config
+        from posttrain.config.presets import preset_path
+
         log.warning("building embedded model %s: running %s once (a few minutes on CPU)", name, spec.sft_preset)
         cfg = load_config(SFTConfig, preset_path(spec.sft_preset), [
             f"output_dir={staging / 'run'}", "logging.progress=plain", "logging.plot=false",
         ])
-        final_dir = train_sft(cfg).final_dir
-        (final_dir / "posttrain_embedded.json").write_text(
-            json.dumps({"name": name, "version": spec.version, "sft_preset": spec.sft_preset}) + "\n"
-        )
-        try:
-            os.rename(final_dir, target)
-        except OSError:
-            # Another process finished the same build first.
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+        return train_sft(cfg).final_dir
+
+    return build_into_cache(name, spec.version, build, sft_preset=spec.sft_preset)
