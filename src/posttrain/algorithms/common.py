@@ -12,8 +12,11 @@ import torch
 import yaml
 from pydantic import BaseModel
 
+from posttrain.checkpoint import Checkpoint, load_training_state
 from posttrain.config.schema import TrainerConfig
+from posttrain.data.sampler import EpochSampler
 from posttrain.data.types import SFTBatch
+from posttrain.logging import RunLogger
 from posttrain.models.packing import block_causal_mask
 
 CONFIG_FILE = "config.yaml"
@@ -101,3 +104,61 @@ def batch_to(batch: SFTBatch, device: torch.device) -> SFTBatch:
 def chunks(items: list, size: int) -> Iterator[list]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
+
+
+def resume_training(
+    resume: Checkpoint | None,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    sampler: EpochSampler,
+) -> int:
+    """Restore optimizer, scheduler, RNG and data position from `resume`; return the last finished step (0 if new)."""
+    if resume is None:
+        return 0
+    state = load_training_state(resume, optimizer, scheduler)
+    sampler.load_state_dict(state["sampler"])
+    return resume.step
+
+
+def announce_run(run_log: RunLogger, data_summary: str, resume: Checkpoint | None, changed_keys: list[str],
+                 model: torch.nn.Module, what: str) -> None:
+    """The lines every recipe prints before its first step."""
+    run_log.message(f"data: {data_summary}")
+    if resume is not None:
+        run_log.message(f"resuming from {resume.path} (step {resume.step})")
+        if changed_keys:
+            run_log.message(f"warning: config differs from the run being resumed in: {', '.join(changed_keys)}")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    run_log.message(f"training {trainable / 1e6:.2f}M parameters on {model.device}, {what}")
+
+
+def optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    max_grad_norm: float | None,
+) -> float:
+    """Clip the accumulated gradients, apply them, advance the schedule; return the pre-clip gradient norm."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(
+        model.parameters(), max_grad_norm if max_grad_norm is not None else float("inf")
+    )
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
+
+
+def is_eval_step(step: int, trainer: TrainerConfig) -> bool:
+    return bool(trainer.eval_every and step % trainer.eval_every == 0) or step == trainer.max_steps
+
+
+def is_save_step(step: int, trainer: TrainerConfig) -> bool:
+    return bool(trainer.save_every and step % trainer.save_every == 0) or step == trainer.max_steps
+
+
+def log_step(run_log: RunLogger, step: int, metrics: dict[str, float], trainer: TrainerConfig) -> None:
+    """A metrics.jsonl record every log_every steps, at the end and whenever an eval ran; progress otherwise."""
+    if step % trainer.log_every == 0 or step == trainer.max_steps or "eval_loss" in metrics:
+        run_log.log(step, metrics)
+    else:
+        run_log.advance(step, metrics)

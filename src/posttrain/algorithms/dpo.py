@@ -21,15 +21,21 @@ from pathlib import Path
 
 import torch
 from posttrain.algorithms.common import (
+    announce_run,
     autocast,
     batch_to,
     chunks,
     configure_torch,
     forward_logits,
+    is_eval_step,
+    is_save_step,
+    log_step,
+    optimizer_step,
     prepare_output_dir,
+    resume_training,
     seed_everything,
 )
-from posttrain.checkpoint import export_final, latest_checkpoint, load_training_state, save_checkpoint
+from posttrain.checkpoint import export_final, latest_checkpoint, save_checkpoint
 from posttrain.config.schema import DPOConfig, PreferenceLossSection, TrainerConfig
 from posttrain.data.preference import collate_preference, load_preference_examples
 from posttrain.data.sampler import EpochSampler
@@ -221,26 +227,15 @@ def train_dpo(cfg: DPOConfig) -> DPOResult:
     optimizer = build_optimizer(policy, trainer)
     scheduler = build_scheduler(optimizer, trainer)
     sampler = EpochSampler(len(train_examples), seed=cfg.seed, shuffle=cfg.data.shuffle)
-    start_step = 0
-    if resume is not None:
-        state = load_training_state(resume, optimizer, scheduler)
-        sampler.load_state_dict(state["sampler"])
-        start_step = resume.step
+    start_step = resume_training(resume, optimizer, scheduler, sampler)
 
     pairs_per_step = trainer.micro_batch_size * trainer.gradient_accumulation_steps
     with RunLogger(output_dir, cfg.logging, recipe="dpo", total_steps=trainer.max_steps, start_step=start_step,
                    run_config=cfg.model_dump(mode="json")) as run_log:
-        run_log.message(f"data: {train_stats.summary()}")
-        if resume is not None:
-            run_log.message(f"resuming from {resume.path} (step {resume.step})")
-            if changed_keys:
-                run_log.message(f"warning: config differs from the run being resumed in: {', '.join(changed_keys)}")
         reference_note = "no reference (reference-free loss)" if cfg.loss.reference_free else f"reference {cfg.reference}"
-        run_log.message(
-            f"training {sum(p.numel() for p in policy.parameters() if p.requires_grad) / 1e6:.2f}M parameters on "
-            f"{device} with {cfg.loss.type}, {reference_note}, {pairs_per_step} pairs per step "
-            f"({len(train_examples)} in the training set)"
-        )
+        announce_run(run_log, train_stats.summary(), resume, changed_keys, policy,
+                     f"{cfg.loss.type} with {reference_note}, {pairs_per_step} pairs per step "
+                     f"({len(train_examples)} in the training set)")
 
         metrics: dict[str, float] = {}
         eval_metrics: dict[str, float] = {}
@@ -253,32 +248,23 @@ def train_dpo(cfg: DPOConfig) -> DPOResult:
                 micro_batches.append((batch, indices))
             learning_rate = scheduler.get_last_lr()[0]
             step_metrics = accumulate_gradients(policy, micro_batches, train_reference, cfg, loss_cfg, device)
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                policy.parameters(), trainer.max_grad_norm if trainer.max_grad_norm is not None else float("inf")
-            )
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm = optimizer_step(policy, optimizer, scheduler, trainer.max_grad_norm)
             elapsed = time.perf_counter() - started
 
             metrics = {
                 **step_metrics,
                 "learning_rate": learning_rate,
-                "grad_norm": float(grad_norm),
+                "grad_norm": grad_norm,
                 "tokens_per_second": sum(batch.num_tokens for batch, _ in micro_batches) / elapsed,
                 "step_seconds": elapsed,
                 "epoch": sampler.epochs_completed,
             }
-            is_last = step == trainer.max_steps
-            if eval_examples and ((trainer.eval_every and step % trainer.eval_every == 0) or is_last):
+            if eval_examples and is_eval_step(step, trainer):
                 eval_metrics = evaluate_preferences(policy, eval_examples, eval_reference, cfg, loss_cfg,
                                                     tokenizer.pad_token_id, device)
                 metrics.update(eval_metrics)
-            if step % trainer.log_every == 0 or is_last or "eval_loss" in metrics:
-                run_log.log(step, metrics)
-            else:
-                run_log.advance(step, metrics)
-            if (trainer.save_every and step % trainer.save_every == 0) or is_last:
+            log_step(run_log, step, metrics, trainer)
+            if is_save_step(step, trainer):
                 save_checkpoint(output_dir, step, policy, tokenizer, optimizer, scheduler,
                                 {"sampler": sampler.state_dict()}, trainer.keep_last)
 
