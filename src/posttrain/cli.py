@@ -16,7 +16,7 @@ from pydantic_core import PydanticUndefined
 from posttrain.config import ConfigError, DPOConfig, EvalConfig, QuickstartConfig, RecipeConfig, SFTConfig, load_config
 from posttrain.config.loader import type_name
 from posttrain.config.presets import quickstart_base_config
-from posttrain.config.schema import Section
+from posttrain.config.schema import GRPOConfig, Section
 from posttrain.data.errors import DataError
 from posttrain.models.errors import ModelNotFoundError
 
@@ -36,6 +36,15 @@ def _run_sft(cfg: SFTConfig, args: argparse.Namespace) -> int:
 
     result = train_sft(cfg)
     print(f"done: {result.steps} steps, final loss {result.final_loss}, model in {result.final_dir}")
+    return 0
+
+
+def _run_grpo(cfg: GRPOConfig, args: argparse.Namespace) -> int:
+    from posttrain.algorithms.grpo import train_grpo
+
+    result = train_grpo(cfg)
+    shown = {k: round(v, 4) for k, v in result.final_metrics.items() if k.startswith(("val/", "reward/mean"))}
+    print(f"done: {result.steps} steps, {shown}, model in {result.final_dir}")
     return 0
 
 
@@ -73,6 +82,8 @@ RECIPES = {
     for r in (
         Recipe("sft", SFTConfig, "supervised fine-tuning (completion-only loss, chat templates, packing)", _run_sft),
         Recipe("dpo", DPOConfig, "offline preference optimization: DPO, IPO, cDPO, DPOP, R-DPO, SimPO, ORPO", _run_dpo),
+        Recipe("grpo", GRPOConfig, "online RL with verifiable rewards: GRPO, DAPO, GSPO, CISPO, RLOO, Dr. GRPO, "
+               "GDPO, REINFORCE++", _run_grpo),
         Recipe("eval", EvalConfig, "greedy exact-match accuracy of a model on a built-in task", _run_eval),
         Recipe("quickstart", QuickstartConfig, "build the tiny model, train it on arithmetic, show before/after",
                _run_quickstart, quickstart_base_config),

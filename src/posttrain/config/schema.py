@@ -6,7 +6,7 @@ are rejected (``extra="forbid"``) so a typo never silently falls back to a defau
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -296,4 +296,205 @@ class DPOConfig(RecipeConfig):
             raise ValueError(f"data.format={self.data.format!r}: DPO trains on preference rows; use auto or preference")
         if self.data.packing:
             raise ValueError("data.packing=true is not supported by DPO (pairs are padded); set data.packing=false")
+        return self
+
+
+class RolloutSection(Section):
+    """How completions are sampled each step."""
+
+    prompts_per_step: int = Field(16, gt=0)
+    """Prompts drawn per RL step (groups in the rollout batch)."""
+
+    num_generations_per_prompt: int = Field(8, gt=0)
+    """Completions sampled per prompt: the group that group-relative advantages compare."""
+
+    max_new_tokens: int = Field(256, gt=0)
+    """Completion budget in tokens per turn; a completion that reaches it is truncated."""
+
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature. The trainer scores tokens under the same temperature."""
+
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling (1: off). Anything but 1 makes the sampler's distribution differ from the trainer's."""
+
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0: off)."""
+
+    stop_strings: list[str] = Field(default_factory=list)
+    """Stop a completion once its text contains one of these (the completion keeps the stop string)."""
+
+    backend: Literal["transformers", "vllm"] = "transformers"
+    """Generator: transformers (samples from the trained model itself; CPU or GPU) or vllm (GPU extra)."""
+
+    generation_batch_size: int = Field(256, gt=0)
+    """Sequences sampled together by the transformers backend."""
+
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)
+    """Fraction of GPU memory vLLM may take (vllm backend)."""
+
+    max_turns: int = Field(1, gt=0)
+    """Assistant turns per episode; multi-turn environments return an observation after each until done."""
+
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop groups whose rewards are all equal (no learning signal) and sample more
+    prompts until prompts_per_step groups are kept or max_sampling_rounds is reached."""
+
+    max_sampling_rounds: int = Field(4, gt=0)
+    """Upper bound on generation rounds per step with dynamic_sampling (the step trains on what it has)."""
+
+    overlong_filtering: bool = False
+    """DAPO overlong filtering: truncated completions (max_new_tokens reached) get no loss."""
+
+    overlong_buffer_length: int = Field(0, ge=0)
+    """DAPO soft overlong punishment: the last this-many tokens before max_new_tokens are a buffer where the
+    reward falls linearly by up to overlong_penalty_factor; a truncated completion gets the full penalty. 0: off."""
+
+    overlong_penalty_factor: float = Field(1.0, ge=0)
+    """Largest soft overlong penalty subtracted from the reward."""
+
+
+class EnvironmentSection(Section):
+    """What scores the completions."""
+
+    kind: Literal["arithmetic", "math", "code", "python"] = "arithmetic"
+    """arithmetic (exact match of the sum), math (math-verify on the final or boxed answer against the row's
+    `answer`), code (the program run against the row's `tests` in a sandbox), python (your reward functions)."""
+
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword options of the environment, e.g. {timeout_s: 5, num_workers: 2}; python takes
+    {functions: ["my_pkg.rewards:fn", ...]} (see docs/rl.md)."""
+
+    max_error_fraction: float = Field(0.5, ge=0, le=1)
+    """Samples whose reward failed (raised, timed out, NaN) are masked and counted in reward/errors; the run
+    stops with a clear message only when a step's failed fraction exceeds this."""
+
+
+class AdvantageSection(Section):
+    """How rewards become advantages (posttrain.advantages)."""
+
+    estimator: Literal["grpo", "rloo", "gdpo", "reinforce++", "raw"] = "grpo"
+    """grpo (group mean baseline), rloo (leave-one-out), gdpo (per-component group normalization, weighted sum,
+    batch whitening), reinforce++ (global whitening), raw (the reward itself)."""
+
+    normalize_std: bool = True
+    """grpo/gdpo: divide by the group's reward std (skipped where it is 0). Dr. GRPO turns it off."""
+
+    leave_one_out: bool = False
+    """grpo: baseline each sample by the mean of the others in its group instead of the group mean."""
+
+    component_weights: dict[str, float] = Field(default_factory=dict)
+    """gdpo: weight of each named reward component (missing components weigh 1)."""
+
+
+class PolicyLossSection(Section):
+    """The clipped policy-gradient loss (posttrain.losses.policy_gradient.PolicyLossConfig); see docs/rl.md."""
+
+    ratio_level: Literal["token", "sequence", "none"] = "token"
+    """token: PPO/GRPO per-token ratio; sequence: GSPO's length-normalized sequence ratio; none: REINFORCE/RLOO."""
+
+    clip_mode: Literal["ppo", "cispo"] = "ppo"
+    """ppo: clipped surrogate; cispo: detached clipped ratio times A·logπ (every token keeps a gradient)."""
+
+    ratio_clip_low: float = Field(0.2, ge=0)
+    """ε_low: the ratio is clipped below at 1 − ε_low."""
+
+    ratio_clip_high: float = Field(0.2, ge=0)
+    """ε_high: clipped above at 1 + ε_high (DAPO clip-higher: 0.28)."""
+
+    ratio_clip_c: float | None = None
+    """Dual clip c > 1 bounding the loss of negative-advantage tokens with huge ratios; null: off."""
+
+    reference_kl_penalty: float = Field(0.0, ge=0)
+    """β of the per-token KL(π‖π_ref) penalty; > 0 loads a frozen reference model."""
+
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator (k3 = exp(d) − 1 − d, unbiased value; see docs/rl.md for their gradients)."""
+
+    kl_clamp: float | None = Field(10.0, gt=0)
+    """Clamp the log-ratio to ±kl_clamp before the estimator; null: no clamp."""
+
+    importance_correction: Literal["none", "tis", "icepop", "seq-mask-tis"] = "none"
+    """Correct the generator/trainer logprob mismatch: tis (truncated weight), icepop (mask tokens outside the
+    band), seq-mask-tis (mask whole sequences outside the band, truncate the rest); none."""
+
+    is_threshold_low: float = Field(0.5, ge=0)
+    """Lower bound of the accepted mismatch weight (icepop, seq-mask-tis)."""
+
+    is_threshold_high: float = Field(2.0, gt=0)
+    """Upper bound of the mismatch weight and truncation value (tis, seq-mask-tis)."""
+
+    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    """token-mean (over the step's valid tokens), seq-mean-token-mean, seq-mean-token-sum, or seq-mean-token-sum-norm
+    (Dr. GRPO: token sums divided by a constant, aggregation_constant or rollout.max_new_tokens)."""
+
+    aggregation_constant: float | None = Field(None, gt=0)
+    """Constant divisor of seq-mean-token-sum-norm (default: rollout.max_new_tokens × rollout.max_turns)."""
+
+    def to_loss_config(self, default_constant: float | None = None):
+        """The loss's own (validated) dataclass; raises ValueError on incompatible knobs."""
+        from posttrain.losses.policy_gradient import PolicyLossConfig
+
+        values = self.model_dump()
+        if values["aggregation"] == "seq-mean-token-sum-norm" and values["aggregation_constant"] is None:
+            values["aggregation_constant"] = default_constant
+        return PolicyLossConfig(**values)
+
+
+class PolicyUpdateSection(Section):
+    """How one rollout batch is turned into optimizer steps."""
+
+    ppo_epochs: int = Field(1, gt=0)
+    """Passes over each rollout batch."""
+
+    num_minibatches: int = Field(1, gt=0)
+    """Optimizer steps per pass: the rollout batch is split into this many minibatches. With ppo_epochs=1 and
+    num_minibatches=1 the update is on-policy and the separate old-logprob pass is skipped."""
+
+
+class GRPOConfig(RecipeConfig):
+    """Online RL with verifiable rewards: sample groups of completions, score them, compute group-relative
+    advantages, and update with the clipped policy-gradient loss (GRPO, DAPO, GSPO, CISPO, RLOO, Dr. GRPO, GDPO)."""
+
+    output_dir: str = "runs/grpo"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/. Re-running with the same directory resumes."""
+
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    """Sampling."""
+
+    environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
+    """Rewards."""
+
+    advantage: AdvantageSection = Field(default_factory=AdvantageSection)
+    """Advantage estimator."""
+
+    loss: PolicyLossSection = Field(default_factory=PolicyLossSection)
+    """Policy-gradient loss."""
+
+    update: PolicyUpdateSection = Field(default_factory=PolicyUpdateSection)
+    """Optimizer steps per rollout batch."""
+
+    @model_validator(mode="after")
+    def _check(self) -> "GRPOConfig":
+        if not self.data.train_files:
+            raise ValueError("data.train_files is empty: give at least one file or dataset of prompts")
+        if self.data.format not in ("auto", "prompt_only"):
+            raise ValueError(f"data.format={self.data.format!r}: GRPO reads prompts; use auto or prompt_only "
+                             "(every column other than prompt is passed to the environment)")
+        if self.trainer.gradient_accumulation_steps != 1:
+            raise ValueError("trainer.gradient_accumulation_steps does not apply to GRPO: each minibatch "
+                             "(rollout batch / update.num_minibatches) is split into micro-batches of "
+                             "trainer.micro_batch_size; leave it at 1")
+        rollout_size = self.rollout.prompts_per_step * self.rollout.num_generations_per_prompt
+        if rollout_size % self.update.num_minibatches:
+            raise ValueError(f"update.num_minibatches={self.update.num_minibatches} must divide the rollout batch "
+                             f"(rollout.prompts_per_step × num_generations_per_prompt = {rollout_size})")
+        if self.advantage.estimator in ("grpo", "rloo", "gdpo") and self.rollout.num_generations_per_prompt < 2:
+            raise ValueError(f"advantage.estimator={self.advantage.estimator!r} compares samples of a group: "
+                             "rollout.num_generations_per_prompt must be at least 2")
+        if self.rollout.overlong_buffer_length >= self.rollout.max_new_tokens:
+            raise ValueError("rollout.overlong_buffer_length must be smaller than rollout.max_new_tokens")
+        try:
+            self.loss.to_loss_config(self.rollout.max_new_tokens * self.rollout.max_turns)
+        except ValueError as error:
+            raise ValueError(f"loss: {error}") from None
         return self

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 
 from posttrain.data.errors import DataError
-from posttrain.data.formats import Messages, MessagesRow, PromptCompletionRow, TextRow
+from posttrain.data.formats import Message, Messages, MessagesRow, PromptCompletionRow, TextRow
 from posttrain.data.types import TokenizedExample
 
 if TYPE_CHECKING:  # annotations only: importing transformers takes seconds
@@ -139,3 +139,29 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generati
 
 def _tokenizer_name(tokenizer: PreTrainedTokenizerBase) -> str:
     return repr(tokenizer.name_or_path) if tokenizer.name_or_path else type(tokenizer).__name__
+
+
+def tokenize_prompt(prompt: str | Messages, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Token ids a model is asked to continue, encoded as the SFT path encodes prompts.
+
+    A string gets the tokenizer's special tokens (BOS), like an SFT prompt; a conversation is rendered
+    with the chat template and its generation prompt (the assistant turn's opening).
+    """
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    if tokenizer.chat_template is None:
+        raise ValueError(f"tokenizer {_tokenizer_name(tokenizer)} has no chat template, so conversational prompts "
+                         "cannot be rendered; give prompts as strings, or set tokenizer.chat_template")
+    return list(tokenizer(_render(tokenizer, prompt, add_generation_prompt=True), add_special_tokens=False)["input_ids"])
+
+
+def tokenize_next_turn(history: Messages, observation: Message, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Tokens that follow a finished assistant turn to open the next one: the chat template's rendering of
+    `observation` (a user or tool message) and the generation prompt, as the difference between the rendering
+    of history + [observation] (with generation prompt) and of history."""
+    before = _render(tokenizer, history)
+    after = _render(tokenizer, [*history, observation], add_generation_prompt=True)
+    if not after.startswith(before):
+        raise ValueError(f"the chat template of tokenizer {_tokenizer_name(tokenizer)} does not render "
+                         "conversations incrementally, so a multi-turn episode cannot be extended token by token")
+    return list(tokenizer(after[len(before):], add_special_tokens=False)["input_ids"])

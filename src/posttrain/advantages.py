@@ -1,0 +1,211 @@
+"""Advantage estimators: the rewards of N sampled completions in, one advantage per completion out.
+
+Every function is pure and returns float32 [N], 0 for invalid samples and never nan.
+
+Groups are the samples of one prompt and are keyed by an explicit `group_ids` [N] (integer), never by prompt text:
+the same prompt drawn twice in a batch makes two groups (PITFALLS). Groups may have different sizes and their
+samples may come in any order.
+
+`valid` [N] bool marks the samples whose reward is usable. Invalid samples (a reward function that raised or
+timed out) are left out of every baseline and statistic and get advantage 0. A non-finite reward (nan, inf) is
+treated as invalid too, so one broken score cannot turn a whole batch of advantages into nan.
+
+Choices the papers leave open:
+- Standard deviations are the unbiased (Bessel-corrected, divisor n − 1) ones, as `torch.std` computes them in
+  the GRPO implementations of TRL and verl, so advantages match theirs exactly. A group (or batch) with fewer than
+  two valid samples has no spread and is only centered.
+- Where a group's rewards are all equal its std is 0; dividing is skipped, and its advantages are exactly 0 (the
+  centered rewards, computed exactly rather than as r − mean rounded). Such groups carry no signal; DAPO's
+  dynamic sampling drops them upstream.
+- Statistics are computed in float64 and the result is cast to float32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def grpo_advantages(
+    rewards: Tensor,
+    group_ids: Tensor,
+    *,
+    normalize_std: bool = True,
+    leave_one_out: bool = False,
+    epsilon: float = 1e-6,
+    valid: Tensor | None = None,
+) -> Tensor:
+    """Group-relative advantages (GRPO, Shao et al. 2024, DeepSeekMath §4.1.2): A_i = (r_i − b_i) / (std_g + ε).
+
+    rewards: [N] one scalar reward per completion. group_ids: [N] integer, equal for the samples of one prompt.
+    normalize_std: divide by the group's unbiased std (plus `epsilon`) where it is positive. False gives Dr. GRPO's
+        centered rewards (Liu et al. 2025): the division favours questions of middling difficulty.
+    leave_one_out: the baseline b_i is the mean of the OTHER valid samples of the group (RLOO's), which equals
+        n/(n − 1)·(r_i − mean); else the group mean including r_i. A sample alone in its group gets 0.
+    valid: [N] bool, the samples with a usable reward (default: all with a finite reward).
+    Returns float32 [N].
+    """
+    valid = _valid_samples(rewards, valid, group_ids)
+    r = torch.where(valid, rewards.double(), 0.0)
+    inverse, num_groups = _group_index(group_ids)
+    count = _group_sum(valid.double(), inverse, num_groups)
+    total = _group_sum(r, inverse, num_groups)
+    mean = total / count.clamp(min=1)
+    if leave_one_out:
+        others = (count[inverse] - 1).clamp(min=1)
+        centered = r - (total[inverse] - r) / others
+    else:
+        centered = r - mean[inverse]
+    squared = _group_sum(torch.where(valid, (r - mean[inverse]).square(), 0.0), inverse, num_groups)
+    std = (squared / (count - 1).clamp(min=1)).sqrt()
+    constant = _constant_groups(r, valid, inverse, num_groups)  # all equal, or fewer than two valid samples
+    centered = torch.where(constant[inverse], 0.0, centered)
+    if normalize_std:
+        centered = torch.where(constant[inverse], 0.0, centered / (std[inverse] + epsilon))
+    return torch.where(valid, centered, 0.0).float()
+
+
+def rloo_advantages(rewards: Tensor, group_ids: Tensor, valid: Tensor | None = None) -> Tensor:
+    """REINFORCE leave-one-out (Kool et al. 2019; Ahmadian et al. 2024, eq. 6): A_i = r_i − mean_{j≠i} r_j.
+
+    The mean is over the other valid samples of i's group; a sample alone in its group gets 0.
+    rewards, group_ids, valid: [N] as in `grpo_advantages`. Returns float32 [N].
+    """
+    return grpo_advantages(rewards, group_ids, normalize_std=False, leave_one_out=True, valid=valid)
+
+
+def gdpo_advantages(
+    rewards: dict[str, Tensor],
+    group_ids: Tensor,
+    weights: dict[str, float],
+    *,
+    normalize_std: bool = True,
+    valid: Tensor | None = None,
+    epsilon: float = 1e-6,
+) -> Tensor:
+    """Multi-reward advantages of GDPO (Liu et al. 2026, NVIDIA, "GDPO: Group reward-Decoupled Normalization Policy
+    Optimization for Multi-reward RL Optimization", arXiv 2601.05242).
+
+    Each reward component k is group-normalized on its own (`grpo_advantages`), the results are summed with
+    `weights`, and the sum is re-whitened over the batch's valid samples: A = (S − mean(S)) / (std(S) + ε),
+    S_i = Σ_k w_k·A_i^k. Normalizing the weighted SUM of rewards per group instead (plain GRPO) maps different
+    reward combinations to the same advantage; the batch whitening keeps the scale independent of the number of
+    components.
+
+    rewards: component name -> [N] rewards. weights: the same names -> their weight.
+    group_ids, valid: [N] as in `grpo_advantages`; a sample is invalid if any of its components is non-finite.
+    Returns float32 [N].
+    """
+    if set(rewards) != set(weights):
+        raise ValueError(f"weights name {sorted(weights)} but rewards name {sorted(rewards)}: give one per component")
+    if not rewards:
+        raise ValueError("gdpo_advantages needs at least one reward component")
+    for name, component in rewards.items():
+        if component.shape != group_ids.shape:
+            raise ValueError(
+                f"rewards[{name!r}] has shape {tuple(component.shape)}, group_ids {tuple(group_ids.shape)}"
+            )
+    for component in rewards.values():
+        valid = _valid_samples(component, valid, group_ids)
+    combined = sum(
+        weights[name] * grpo_advantages(
+            component, group_ids, normalize_std=normalize_std, epsilon=epsilon, valid=valid
+        ).double()
+        for name, component in rewards.items()
+    )
+    return _whiten(combined, valid, epsilon).float()
+
+
+def reinforce_plus_plus_advantages(
+    rewards: Tensor,
+    *,
+    kl: Tensor | None = None,
+    kl_coef: float = 0.0,
+    valid: Tensor | None = None,
+    epsilon: float = 1e-6,
+) -> Tensor:
+    """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models").
+
+    The KL-shaped return r − kl_coef·kl, whitened over the batch's valid samples (global, not per-group,
+    normalization): A = (x − mean(x)) / (std(x) + ε).
+    rewards: [N]. kl: [N] per-sample KL(π‖π_ref) summed over the completion's tokens; required when kl_coef > 0.
+    valid: [N] bool (default: all with finite reward and kl).
+    Departure: the paper subtracts the KL per token and sums it from each token to the end (γ = 1), so early tokens
+    see more of the penalty; here the whole sequence's KL shapes one advantage shared by all its tokens.
+    Returns float32 [N].
+    """
+    valid = _valid_samples(rewards, valid)
+    shaped = rewards.double()
+    if kl_coef != 0:
+        if kl is None:
+            raise ValueError(f"kl_coef={kl_coef} needs kl (the per-sample summed KL)")
+        if kl.shape != rewards.shape:
+            raise ValueError(f"kl has shape {tuple(kl.shape)}, rewards {tuple(rewards.shape)}")
+        valid = valid & torch.isfinite(kl)
+        shaped = shaped - kl_coef * kl.double()
+    return _whiten(torch.where(valid, shaped, 0.0), valid, epsilon).float()
+
+
+def raw_reward_advantages(rewards: Tensor, valid: Tensor | None = None) -> Tensor:
+    """A = r (no baseline), e.g. for rewards already centered upstream. rewards, valid: [N]. Returns float32 [N]."""
+    valid = _valid_samples(rewards, valid)
+    return torch.where(valid, rewards.double(), 0.0).float()
+
+
+def to_token_advantages(advantages: Tensor, mask: Tensor) -> Tensor:
+    """Broadcast per-sequence advantages [N] to the completion tokens: float32 [N, T], 0 where mask is 0."""
+    if advantages.dim() != 1 or mask.dim() != 2 or mask.shape[0] != advantages.shape[0]:
+        raise ValueError(f"advantages must be [N] and mask [N, T], got {tuple(advantages.shape)}, {tuple(mask.shape)}")
+    return torch.where(mask.bool(), advantages.float()[:, None], 0.0)
+
+
+# ---- helpers ------------------------------------------------------------------------------------------------
+
+
+def _valid_samples(rewards: Tensor, valid: Tensor | None, group_ids: Tensor | None = None) -> Tensor:
+    """Check shapes and dtypes; return the given `valid` (default all True) AND finite(rewards), bool [N]."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be [N], got shape {tuple(rewards.shape)}")
+    if group_ids is not None:
+        if group_ids.shape != rewards.shape:
+            raise ValueError(f"group_ids has shape {tuple(group_ids.shape)}, rewards {tuple(rewards.shape)}")
+        if group_ids.dtype.is_floating_point or group_ids.dtype.is_complex or group_ids.dtype == torch.bool:
+            raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
+    finite = torch.isfinite(rewards)
+    if valid is None:
+        return finite
+    if valid.shape != rewards.shape or valid.dtype != torch.bool:
+        raise ValueError(f"valid must be a bool tensor shaped like rewards {tuple(rewards.shape)}")
+    return valid & finite
+
+
+def _group_index(group_ids: Tensor) -> tuple[Tensor, int]:
+    """Each sample's group as an index in [0, G), and G."""
+    unique, inverse = torch.unique(group_ids, return_inverse=True)
+    return inverse, unique.numel()
+
+
+def _group_sum(values: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
+    return values.new_zeros(num_groups).index_add_(0, inverse, values)
+
+
+def _constant_groups(r: Tensor, valid: Tensor, inverse: Tensor, num_groups: int) -> Tensor:
+    """[G] bool: True where the group's valid rewards are all equal (a group of 0 or 1 valid samples included)."""
+    index, values = inverse[valid], r[valid]
+    high = r.new_zeros(num_groups).scatter_reduce(0, index, values, "amax", include_self=False)
+    low = r.new_zeros(num_groups).scatter_reduce(0, index, values, "amin", include_self=False)
+    return high == low
+
+
+def _whiten(x: Tensor, valid: Tensor, epsilon: float) -> Tensor:
+    """(x − mean) / (std + ε) over the valid entries (unbiased std); only centered where std is 0; 0 if invalid."""
+    count = valid.sum()
+    values = x[valid]
+    if count == 0:
+        return torch.zeros_like(x)
+    centered = x - values.mean()
+    if count > 1 and values.max() > values.min():
+        centered = centered / (values.std() + epsilon)
+    else:
+        centered = torch.zeros_like(x)  # every valid value equal: exactly zero, not rounding noise
+    return torch.where(valid, centered, 0.0)

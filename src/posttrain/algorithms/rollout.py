@@ -1,0 +1,236 @@
+"""Rollouts for online RL: sample episodes from a generator, score them with an environment, and pack
+them into the typed batch the trainer reads.
+
+An episode starts from one prompt row and runs up to `max_turns` assistant turns: each turn the
+generator continues the episode's tokens, the environment scores the reply and either ends the
+episode or returns an observation, whose chat-template tokens are appended before the next turn.
+Only tokens the model sampled carry loss; prompt and observation tokens never do.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from posttrain.data.formats import Message, Messages
+from posttrain.data.tokenize import tokenize_next_turn
+from posttrain.envs.base import Environment, Reward
+from posttrain.generation.base import Generator, SamplingParams
+
+
+@dataclass(frozen=True)
+class PromptRow:
+    """One RL prompt and its row's other columns (answers, tests), passed to the environment."""
+
+    prompt: str | Messages
+    prompt_ids: list[int]
+    metadata: dict[str, Any]
+
+
+@dataclass
+class Episode:
+    """One sampled episode, filled in turn by turn."""
+
+    group_id: int
+    """Samples of the same prompt row in the same step share it (advantages compare within a group)."""
+    messages: list[Message]
+    """The conversation as the environment sees it: the prompt, then assistant replies and observations."""
+    metadata: dict[str, Any]
+    token_ids: list[int]
+    """Prompt, then every turn's sampled tokens and observation tokens, as the model saw them."""
+    prompt_length: int
+    sampled: list[bool] = field(default_factory=list)
+    """Per token after the prompt: True where the model sampled it (gets loss), False for observations."""
+    generator_logprobs: list[float] = field(default_factory=list)
+    """Per token after the prompt: the sampler's logprob (0 for observation tokens)."""
+    reward: Reward = None
+    error: str | None = None
+    truncated: bool = False
+    """The last turn ran out of max_new_tokens."""
+    last_turn_length: int = 0
+    num_turns: int = 0
+    done: bool = False
+
+    @property
+    def reply(self) -> str:
+        return self.messages[-1]["content"] if self.messages and self.messages[-1]["role"] == "assistant" else ""
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        return sum(self.sampled)
+
+
+@dataclass(frozen=True)
+class RolloutTimes:
+    generate: float
+    score: float
+    generated_tokens: int
+
+
+def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, generator: Generator,
+                 environment: Environment, tokenizer, params: SamplingParams, max_turns: int) -> tuple[list[Episode], RolloutTimes]:
+    """`num_samples` episodes per row (group ids first_group_id, first_group_id + 1, ...), run to the end."""
+    episodes = [
+        Episode(group_id=first_group_id + i, messages=_initial_messages(row.prompt), metadata=dict(row.metadata),
+                token_ids=list(row.prompt_ids), prompt_length=len(row.prompt_ids))
+        for i, row in enumerate(rows) for _ in range(num_samples)
+    ]
+    generate_seconds = score_seconds = 0.0
+    generated_tokens = 0
+    active = episodes
+    for turn in range(max_turns):
+        started = time.perf_counter()
+        output = generator.generate([e.token_ids for e in active], params, num_samples=1)
+        generate_seconds += time.perf_counter() - started
+        generated_tokens += output.num_generated_tokens
+        for episode, (completion,) in zip(active, output.completions):
+            episode.token_ids += completion.token_ids
+            episode.sampled += [True] * len(completion.token_ids)
+            episode.generator_logprobs += completion.logprobs
+            episode.messages.append({"role": "assistant", "content": completion.text})
+            episode.truncated = completion.truncated
+            episode.last_turn_length = len(completion.token_ids)
+            episode.num_turns += 1
+
+        started = time.perf_counter()
+        result = environment.step([e.messages for e in active], [e.metadata for e in active])
+        if len(result.rewards) != len(active):
+            raise ValueError(f"the environment returned {len(result.rewards)} rewards for {len(active)} episodes")
+        for i, episode in enumerate(active):
+            episode.reward, episode.error, episode.metadata = result.rewards[i], result.errors[i], result.metadata[i]
+            observation = result.observations[i]
+            episode.done = result.done[i] or observation is None or turn + 1 == max_turns
+            if not episode.done:
+                next_ids = tokenize_next_turn(episode.messages, observation, tokenizer)
+                episode.token_ids += next_ids
+                episode.sampled += [False] * len(next_ids)
+                episode.generator_logprobs += [0.0] * len(next_ids)
+                episode.messages.append(observation)
+        score_seconds += time.perf_counter() - started
+        active = [e for e in active if not e.done]
+        if not active:
+            break
+    return episodes, RolloutTimes(generate_seconds, score_seconds, generated_tokens)
+
+
+def _initial_messages(prompt: str | Messages) -> list[Message]:
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+
+
+def scalar_reward(reward: Reward, weights: dict[str, float]) -> float | None:
+    """A dict of components as their weighted sum (weight 1 for components without one)."""
+    if isinstance(reward, dict):
+        return sum(weights.get(name, 1.0) * value for name, value in reward.items())
+    return reward
+
+
+def overlong_penalty(length: int, truncated: bool, max_new_tokens: int, buffer_length: int, factor: float) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), scaled by `factor`.
+
+    0 up to max_new_tokens − buffer_length tokens, then falling linearly to −factor at max_new_tokens; a truncated
+    completion (the model had not finished) gets −factor.
+    """
+    if buffer_length == 0:
+        return 0.0
+    if truncated:
+        return -factor
+    free = max_new_tokens - buffer_length
+    return -factor * max(0, length - free) / buffer_length
+
+
+def has_reward_variance(group: list[Episode], weights: dict[str, float]) -> bool:
+    """True when the group's valid rewards are not all equal (DAPO dynamic sampling keeps only such groups)."""
+    rewards = [scalar_reward(e.reward, weights) for e in group if e.reward is not None]
+    return len(rewards) > 1 and max(rewards) > min(rewards)
+
+
+def groups_of(episodes: list[Episode]) -> list[list[Episode]]:
+    groups: dict[int, list[Episode]] = {}
+    for episode in episodes:
+        groups.setdefault(episode.group_id, []).append(episode)
+    return list(groups.values())
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """N episodes as right-padded tensors; token t of a row is predicted from tokens < t."""
+
+    input_ids: torch.Tensor
+    """[N, T] prompt and episode tokens, right-padded."""
+    attention_mask: torch.Tensor
+    """[N, T] 1 on real tokens."""
+    loss_mask: torch.Tensor
+    """[N, T] float, 1 on sampled tokens that get loss (0 for prompts, observations, padding and masked episodes)."""
+    generator_logprobs: torch.Tensor
+    """[N, T] the sampler's logprob of each sampled token (0 elsewhere)."""
+    rewards: torch.Tensor
+    """[N] scalar reward (components combined, overlong penalty included); 0 where invalid."""
+    reward_components: dict[str, torch.Tensor]
+    """name -> [N] per-component rewards, when the environment returns named components (else empty)."""
+    valid: torch.Tensor
+    """[N] bool, False where scoring failed (the episode is masked and counted)."""
+    group_ids: torch.Tensor
+    """[N] long, the group of each episode."""
+    truncated: torch.Tensor
+    """[N] bool, the last turn ran out of tokens."""
+    response_lengths: torch.Tensor
+    """[N] sampled tokens per episode."""
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, index: torch.Tensor) -> RolloutBatch:
+        return RolloutBatch(
+            self.input_ids[index], self.attention_mask[index], self.loss_mask[index], self.generator_logprobs[index],
+            self.rewards[index], {k: v[index] for k, v in self.reward_components.items()}, self.valid[index],
+            self.group_ids[index], self.truncated[index], self.response_lengths[index],
+        )
+
+
+def to_batch(episodes: list[Episode], pad_token_id: int, weights: dict[str, float], overlong_filtering: bool,
+             penalties: list[float]) -> RolloutBatch:
+    """Pack episodes into a RolloutBatch.
+
+    penalties: [N] added to each valid scalar reward (the soft overlong punishment; zeros when off).
+    overlong_filtering: truncated episodes keep their reward (for the group baseline) but get no loss.
+    """
+    n, width = len(episodes), max(len(e.token_ids) for e in episodes)
+    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((n, width), dtype=torch.long)
+    loss_mask = torch.zeros((n, width))
+    generator_logprobs = torch.zeros((n, width))
+    component_names = sorted({name for e in episodes if isinstance(e.reward, dict) for name in e.reward})
+    components = {name: torch.zeros(n) for name in component_names}
+    rewards = torch.zeros(n)
+    valid = torch.tensor([e.reward is not None for e in episodes])
+    for i, episode in enumerate(episodes):
+        length = len(episode.token_ids)
+        input_ids[i, :length] = torch.tensor(episode.token_ids)
+        attention_mask[i, :length] = 1
+        start = episode.prompt_length
+        generator_logprobs[i, start:length] = torch.tensor(episode.generator_logprobs)
+        if episode.reward is None or (overlong_filtering and episode.truncated):
+            continue
+        loss_mask[i, start:length] = torch.tensor(episode.sampled, dtype=torch.float)
+    for i, episode in enumerate(episodes):
+        if episode.reward is None:
+            continue
+        rewards[i] = scalar_reward(episode.reward, weights) + penalties[i]
+        if isinstance(episode.reward, dict):
+            for name in component_names:
+                components[name][i] = episode.reward[name]
+    return RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        loss_mask=loss_mask,
+        generator_logprobs=generator_logprobs,
+        rewards=rewards,
+        reward_components=components,
+        valid=valid,
+        group_ids=torch.tensor([e.group_id for e in episodes], dtype=torch.long),
+        truncated=torch.tensor([e.truncated for e in episodes]),
+        response_lengths=torch.tensor([e.num_sampled_tokens for e in episodes], dtype=torch.float),
+    )

@@ -1,0 +1,80 @@
+"""The `Generator` protocol: prompts in, sampled completions with their logprobs out.
+
+Every backend (transformers on CPU/GPU, vLLM on GPU) returns the same typed result, so the RL
+loop never knows which one sampled. Logprobs are those of the sampled tokens under the sampling
+distribution actually used (temperature applied, before top-p/top-k renormalization is a
+backend detail documented by each backend); the trainer recomputes its own and corrects the
+difference with importance sampling (see losses.policy_gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+"""stop: an eos token or a stop string ended the completion; length: max_new_tokens ran out."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    """Completion budget in tokens."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (1 keeps all)."""
+    top_k: int = 0
+    """Keep the k most probable tokens (0 keeps all)."""
+    stop_strings: tuple[str, ...] = ()
+    """Stop when the decoded completion contains one of these; the completion keeps the stop string."""
+    seed: int | None = None
+    """Seed of this call's sampling (None: continue the backend's generator)."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion of one prompt."""
+
+    prompt_ids: list[int]
+    """Token ids of the prompt as the model saw it (no padding)."""
+    token_ids: list[int]
+    """Sampled token ids, up to and including the eos token or the token that completed a stop string."""
+    logprobs: list[float]
+    """Log-probability of each sampled token under the sampling distribution (len == len(token_ids))."""
+    text: str
+    """The decoded completion, special tokens removed."""
+    finish_reason: FinishReason
+    """stop (eos or stop string) or length (the budget ran out)."""
+
+    @property
+    def truncated(self) -> bool:
+        """True when the budget ran out before the model finished."""
+        return self.finish_reason == "length"
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    completions: list[list[Completion]]
+    """completions[i][j]: the j-th sample of prompt i."""
+    seconds: float = 0.0
+    """Wall time of the call."""
+    num_generated_tokens: int = 0
+    """Total sampled tokens over every completion."""
+    extra: dict = field(default_factory=dict)
+    """Backend-specific details (for metrics)."""
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """Samples completions; `update_weights` keeps it in sync with the trained policy."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
+        """`num_samples` completions for each prompt (prompts given as token ids)."""
+        ...
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load the trainer's current weights (a no-op when the generator shares the trainer's model)."""
+        ...

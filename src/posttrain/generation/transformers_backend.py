@@ -1,0 +1,167 @@
+"""Batched, KV-cached sampling with a transformers model, on CPU or GPU.
+
+`TransformersGenerator` samples from the very model the trainer updates (no weight copy, so
+`update_weights` has nothing to do), which is what a single-process CPU run wants. Prompts are
+left-padded into one batch per `batch_size` rows; each step feeds one new token per row through
+the model's KV cache. A row stops at an eos token or once its decoded text contains a stop
+string; the batch stops when every row has.
+
+Logprobs are those of the distribution actually sampled from: logits divided by the
+temperature, then top-k and top-p applied and renormalized. With top_k=0 and top_p=1 (the
+RL defaults) this equals log_softmax(logits / temperature), which is what the trainer
+recomputes; otherwise the two differ by the renormalization and importance-sampling
+correction accounts for it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from posttrain.generation.base import Completion, GenerationOutput, SamplingParams
+
+
+class TransformersGenerator:
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_size: int = 256,
+                 seed: int = 0):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.device = next(model.parameters()).device
+        self.rng = torch.Generator(device=self.device).manual_seed(seed)
+        self.pad_token_id = tokenizer.pad_token_id
+        self.eos_token_ids = _eos_token_ids(model, tokenizer)
+        # transformers renamed the KV-cache argument and output from past_key_values to cache (5.2x).
+        self.cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Nothing to do: this generator samples from the trainer's own model object."""
+
+    def state_dict(self) -> dict:
+        """The sampling RNG's state as a list of bytes (JSON-serializable, for trainer_state.json)."""
+        return {"rng": self.rng.get_state().tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rng.set_state(torch.tensor(state["rng"], dtype=torch.uint8))
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
+        started = time.perf_counter()
+        if params.seed is not None:
+            self.rng.manual_seed(params.seed)
+        was_training = self.model.training
+        self.model.eval()
+        rows = [prompt for prompt in prompts for _ in range(num_samples)]
+        flat: list[Completion] = []
+        for start in range(0, len(rows), self.batch_size):
+            flat += self._generate_batch(rows[start : start + self.batch_size], params)
+        self.model.train(was_training)
+        grouped = [flat[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
+        return GenerationOutput(grouped, time.perf_counter() - started, sum(len(c.token_ids) for c in flat))
+
+    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((batch, width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):  # left padding: every prompt ends at the last column
+            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt):] = 1
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        eos = torch.tensor(self.eos_token_ids, device=self.device)
+
+        tokens = torch.empty((batch, params.max_new_tokens), dtype=torch.long, device=self.device)
+        logprobs = torch.zeros((batch, params.max_new_tokens), device=self.device)
+        finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long, device=self.device)
+        stopped_by_string = [False] * batch
+
+        output = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=True)
+        cache, next_logits = getattr(output, self.cache_name), output.logits[:, -1]
+        next_position = position_ids[:, -1:] + 1
+        steps = 0
+        for t in range(params.max_new_tokens):
+            token, token_logprob = sample_next_token(next_logits, params, self.rng)
+            token = torch.where(finished, self.pad_token_id, token)
+            tokens[:, t], logprobs[:, t] = token, torch.where(finished, 0.0, token_logprob)
+            steps = t + 1
+            newly_done = ~finished & torch.isin(token, eos)
+            if params.stop_strings:
+                newly_done |= self._stop_string_hits(tokens[:, : t + 1], finished, params.stop_strings, stopped_by_string)
+            lengths = torch.where(newly_done, t + 1, lengths)
+            finished |= newly_done
+            if bool(finished.all()) or t + 1 == params.max_new_tokens:
+                break
+            attention_mask = torch.cat([attention_mask, torch.ones((batch, 1), dtype=torch.long, device=self.device)], 1)
+            output = self.model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=next_position,
+                                use_cache=True, **{self.cache_name: cache})
+            cache, next_logits = getattr(output, self.cache_name), output.logits[:, -1]
+            next_position = next_position + 1
+
+        tokens_list, logprobs_list, lengths_list = tokens[:, :steps].tolist(), logprobs[:, :steps].tolist(), lengths.tolist()
+        finished_list = finished.tolist()
+        completions = []
+        for row in range(batch):
+            n = lengths_list[row]
+            ids = tokens_list[row][:n]
+            completions.append(Completion(
+                prompt_ids=list(prompts[row]),
+                token_ids=ids,
+                logprobs=logprobs_list[row][:n],
+                text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                finish_reason="stop" if finished_list[row] else "length",
+            ))
+        return completions
+
+    def _stop_string_hits(self, tokens: torch.Tensor, finished: torch.Tensor, stop_strings: tuple[str, ...],
+                          stopped: list[bool]) -> torch.Tensor:
+        """Rows (not yet finished) whose decoded completion now contains a stop string."""
+        hits = torch.zeros_like(finished)
+        for row in (~finished).nonzero().flatten().tolist():
+            text = self.tokenizer.decode(tokens[row].tolist(), skip_special_tokens=True)
+            if any(s in text for s in stop_strings):
+                hits[row] = True
+                stopped[row] = True
+        return hits
+
+
+def sample_next_token(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row from logits [B, V]; return (tokens [B], their logprobs [B]) under the sampling distribution.
+
+    temperature 0 is greedy (logprob 0, the distribution being a point mass).
+    """
+    logits = logits.float()
+    if params.temperature == 0:
+        token = logits.argmax(-1)
+        return token, torch.zeros(token.shape, device=logits.device)
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        sorted_probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens ranked above it already reach top_p (the top token always stays).
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    logprobs = logits.log_softmax(-1)
+    token = torch.multinomial(logprobs.exp(), 1, generator=rng).squeeze(-1)
+    return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
+
+
+def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Every id that ends a completion: the tokenizer's eos and the model's generation-config eos ids."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    generation_eos = model.generation_config.eos_token_id
+    if isinstance(generation_eos, int):
+        ids.add(generation_eos)
+    elif generation_eos:
+        ids.update(generation_eos)
+    if not ids:
+        raise ValueError("the tokenizer and model define no eos token; completions could never end")
+    return sorted(ids)

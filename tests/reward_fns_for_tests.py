@@ -1,0 +1,61 @@
+"""Tiny batched reward functions for tests/test_envs.py (imported by module name and by file path)."""
+
+import os
+import time
+
+
+def exact(prompts, completions, answer, **kwargs):
+    return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+
+def length(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def raises_on_bad(prompts, completions, **kwargs):
+    out = []
+    for c in completions:
+        if c == "bad":
+            raise ValueError(f"cannot score {c!r}")
+        out.append(1.0)
+    return out
+
+
+def sleeps_on_slow(prompts, completions, **kwargs):
+    for c in completions:
+        if c == "slow":
+            time.sleep(60)
+    return [1.0] * len(completions)
+
+
+def nan_or_none(prompts, completions, **kwargs):
+    return [{"nan": float("nan"), "none": None, "inf": float("inf"), "text": "1.0"}.get(c, 0.5) for c in completions]
+
+
+def one_value_too_many(prompts, completions, **kwargs):
+    return [1.0] * (len(completions) + 1)
+
+
+def scalar_not_list(prompts, completions, **kwargs):
+    return 1.0
+
+
+def exits_process(prompts, completions, **kwargs):
+    if "crash" in completions:
+        os._exit(3)
+    return [1.0] * len(completions)
+
+
+def pid(prompts, completions, **kwargs):
+    return [float(os.getpid())] * len(completions)
+
+
+NOT_CALLABLE = 3
+
+
+def returns_local_class_instance(prompts, completions, **kwargs):
+    # A local class cannot be pickled back to the training process.
+    class Score(float):
+        pass
+
+    return [Score(1.0) for _ in completions]
