@@ -59,3 +59,14 @@ def returns_local_class_instance(prompts, completions, **kwargs):
         pass
 
     return [Score(1.0) for _ in completions]
+
+
+def digit_fraction(prompts, completions, **kwargs):
+    """Dense, learnable reward for GRPO loop tests: the fraction of the completion's characters that are digits."""
+    return [sum(ch.isdigit() for ch in c) / len(c) if c else 0.0 for c in completions]
+
+
+def fails_every_fourth(prompts, completions, **kwargs):
+    """Masks every fourth sample of each call (None), scores the rest by digit fraction."""
+    scores = digit_fraction(prompts, completions)
+    return [None if i % 4 == 0 else s for i, s in enumerate(scores)]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,8 @@ from posttrain.algorithms.rollout import (
 )
 from posttrain.checkpoint import export_final, latest_checkpoint, load_training_state, save_checkpoint
 from posttrain.config.schema import GRPOConfig, TrainerConfig
-from posttrain.data.dataset import load_rows
+from posttrain.data.dataset import DataStats, check_not_empty, iter_rows, skip_or_raise
+from posttrain.data.errors import DataError
 from posttrain.data.formats import PromptOnlyRow
 from posttrain.data.sampler import EpochSampler
 from posttrain.data.tokenize import tokenize_prompt
@@ -64,7 +65,7 @@ from posttrain.generation.base import SamplingParams
 from posttrain.logging import RunLogger
 from posttrain.losses.nll import token_logprobs
 from posttrain.losses.policy_gradient import loss_normalizer, masked_entropy, policy_gradient_loss
-from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer
+from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer, resolve_model_path
 from posttrain.optim import build_optimizer, build_scheduler
 
 PROGRESS_METRICS = ("reward/mean", "accuracy", "val/accuracy", "kl", "response_length/mean")
@@ -115,7 +116,6 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
         state = load_training_state(resume, optimizer, scheduler)
         sampler.load_state_dict(state["sampler"])
         budget.load_state_dict(state["reward_errors"])
-        generator.load_state_dict(state["generator"])
         next_group_id, start_step = state["next_group_id"], resume.step
 
     rollout_size = rollout.prompts_per_step * rollout.num_generations_per_prompt
@@ -135,8 +135,10 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
             generated_tokens = 0
             while True:
                 rows = [prompts[i] for i in sampler.next_indices(rollout.prompts_per_step)]
+                # Seeded per round from the group counter, so a resumed run samples what an uninterrupted one would.
+                seeded = replace(sampling, seed=cfg.seed * 1_000_003 + next_group_id)
                 new, times = run_episodes(rows, next_group_id, rollout.num_generations_per_prompt, generator,
-                                          environment, tokenizer, sampling, rollout.max_turns)
+                                          environment, tokenizer, seeded, rollout.max_turns)
                 next_group_id += len(rows)
                 rounds, groups_seen = rounds + 1, groups_seen + len(rows)
                 generate_seconds, score_seconds = generate_seconds + times.generate, score_seconds + times.score
@@ -159,7 +161,7 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
                 run_log.message(f"step {step}: every group of {rounds} sampling round(s) had equal rewards; "
                                 "no update this step")
                 log_and_save(run_log, step, metrics, cfg, model, tokenizer, optimizer, scheduler, output_dir,
-                             sampler, budget, generator, next_group_id)
+                             sampler, budget, next_group_id)
                 continue
             penalties = [overlong_penalty(e.last_turn_length, e.truncated, rollout.max_new_tokens,
                                           rollout.overlong_buffer_length, rollout.overlong_penalty_factor)
@@ -208,7 +210,7 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
                 metrics.update(validate(eval_prompts, generator, environment, tokenizer, greedy, rollout.max_turns,
                                         reward_weights))
             log_and_save(run_log, step, metrics, cfg, model, tokenizer, optimizer, scheduler, output_dir,
-                         sampler, budget, generator, next_group_id)
+                         sampler, budget, next_group_id)
 
         final_dir = export_final(output_dir, model, tokenizer)
         run_log.message(f"final model: {final_dir}")
@@ -221,27 +223,55 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
 
 
 def load_prompts(sources: list[str], cfg: GRPOConfig, tokenizer) -> tuple[list[PromptRow], str]:
-    """Prompt rows (every non-prompt column kept as metadata for the environment), tokenized once."""
+    """Prompt rows (every non-prompt column kept as metadata for the environment), formatted and tokenized once."""
     if not sources:
         return [], "no data"
     data_cfg = cfg.data.model_copy(update={"format": "prompt_only"})
-    rows, stats = load_rows(sources, data_cfg)
+    stats = DataStats()
     prompts = []
-    for row in rows:
+    for location, row in iter_rows(sources, data_cfg, stats):
         assert isinstance(row, PromptOnlyRow)
-        prompt_ids = tokenize_prompt(row.prompt, tokenizer)
-        if len(prompt_ids) > cfg.data.max_length:
-            raise ValueError(f"a prompt has {len(prompt_ids)} tokens, more than data.max_length={cfg.data.max_length}: "
-                             f"{str(row.prompt)[:80]!r}")
-        prompts.append(PromptRow(row.prompt, prompt_ids, row.extras))
+        try:
+            prompt = format_prompt(row, cfg, location)
+            prompt_ids = tokenize_prompt(prompt, tokenizer)
+            if len(prompt_ids) > cfg.data.max_length:
+                raise DataError(location, f"the prompt has {len(prompt_ids)} tokens, more than "
+                                f"data.max_length={cfg.data.max_length}", "prompt")
+        except DataError as error:
+            skip_or_raise(error, cfg.data.on_error, stats)
+            continue
+        prompts.append(PromptRow(prompt, prompt_ids, row.extras))
+    stats.examples = len(prompts)
+    check_not_empty(sources, stats)
     return prompts, stats.summary()
+
+
+def format_prompt(row: PromptOnlyRow, cfg: GRPOConfig, location: str) -> str | list[dict]:
+    """The row's prompt after prompt.template, as a string or (chat template, system prompt) as messages."""
+    p = cfg.prompt
+    prompt = row.prompt
+    if isinstance(prompt, str):
+        try:
+            prompt = p.template.format(prompt=prompt, **row.extras)
+        except (KeyError, IndexError, ValueError) as error:
+            raise DataError(location, f"prompt.template {p.template!r} cannot be filled: {error!r} (columns: "
+                            f"prompt, {', '.join(sorted(row.extras))})", "prompt") from None
+        if not p.use_chat_template:
+            return prompt
+        prompt = [{"role": "user", "content": prompt}]
+    if p.system_prompt is not None and prompt[0]["role"] != "system":
+        prompt = [{"role": "system", "content": p.system_prompt}, *prompt]
+    return prompt
 
 
 def build_generator(cfg: GRPOConfig, model, tokenizer):
     if cfg.rollout.backend == "vllm":
         from posttrain.generation.vllm_backend import VLLMGenerator
 
-        return VLLMGenerator.for_training(cfg, model, tokenizer)
+        generator = VLLMGenerator(resolve_model_path(cfg.model.name_or_path), seed=cfg.seed,
+                                  gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization)
+        generator.update_weights(model.state_dict())  # a resumed run's weights, not the starting model's
+        return generator
     from posttrain.generation.transformers_backend import TransformersGenerator
 
     return TransformersGenerator(model, tokenizer, batch_size=cfg.rollout.generation_batch_size, seed=cfg.seed)
@@ -373,7 +403,7 @@ def validate(prompts: list[PromptRow], generator, environment, tokenizer, params
 
 def log_and_save(run_log: RunLogger, step: int, metrics: dict[str, float], cfg: GRPOConfig, model, tokenizer,
                  optimizer, scheduler, output_dir: Path, sampler: EpochSampler, budget: RewardErrorBudget,
-                 generator, next_group_id: int) -> None:
+                 next_group_id: int) -> None:
     trainer = cfg.trainer
     if step % trainer.log_every == 0 or step == trainer.max_steps or any(k.startswith("val/") for k in metrics):
         run_log.log(step, metrics)
@@ -381,7 +411,7 @@ def log_and_save(run_log: RunLogger, step: int, metrics: dict[str, float], cfg: 
         run_log.advance(step, metrics)
     if is_due(step, trainer.save_every) or step == trainer.max_steps:
         state: dict[str, Any] = {"sampler": sampler.state_dict(), "reward_errors": budget.state_dict(),
-                                 "generator": generator.state_dict(), "next_group_id": next_group_id}
+                                 "next_group_id": next_group_id}
         save_checkpoint(output_dir, step, model, tokenizer, optimizer, scheduler, state, trainer.keep_last)
 
 

@@ -10,7 +10,7 @@ Only tokens the model sampled carry loss; prompt and observation tokens never do
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -83,7 +83,8 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
     active = episodes
     for turn in range(max_turns):
         started = time.perf_counter()
-        output = generator.generate([e.token_ids for e in active], params, num_samples=1)
+        turn_params = params if params.seed is None else replace(params, seed=params.seed + 7919 * turn)
+        output = generator.generate([e.token_ids for e in active], turn_params, num_samples=1)
         generate_seconds += time.perf_counter() - started
         generated_tokens += output.num_generated_tokens
         for episode, (completion,) in zip(active, output.completions):

@@ -66,7 +66,10 @@ class DataConfig(Section):
     """Reshuffle the training examples every epoch (deterministically from seed)."""
 
     max_eval_examples: int | None = Field(None, gt=0)
-    """Use at most this many eval examples (the first ones) for eval_loss."""
+    """Use at most this many eval examples (the first ones) for eval_loss (GRPO: for validation)."""
+
+    column_map: dict[str, str] = Field(default_factory=dict)
+    """Rename columns as they are read, e.g. {question: prompt, solution: answer}, before the format is detected."""
 
 
 class TrainerConfig(Section):
@@ -451,12 +454,29 @@ class PolicyUpdateSection(Section):
     num_minibatches=1 the update is on-policy and the separate old-logprob pass is skipped."""
 
 
+class PromptSection(Section):
+    """How a row's prompt becomes the text the policy continues."""
+
+    template: str = "{prompt}"
+    """Python format string applied to string prompts; {prompt} is the row's prompt and every other column is
+    available by name, e.g. "{prompt}\nPut your final answer within \\boxed{{}}."."""
+
+    use_chat_template: bool = False
+    """Send string prompts as one user message through the tokenizer's chat template (instruct models)."""
+
+    system_prompt: str | None = None
+    """A system message put before the user message (with use_chat_template, or for conversational prompts)."""
+
+
 class GRPOConfig(RecipeConfig):
     """Online RL with verifiable rewards: sample groups of completions, score them, compute group-relative
     advantages, and update with the clipped policy-gradient loss (GRPO, DAPO, GSPO, CISPO, RLOO, Dr. GRPO, GDPO)."""
 
     output_dir: str = "runs/grpo"
     """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/. Re-running with the same directory resumes."""
+
+    prompt: PromptSection = Field(default_factory=PromptSection)
+    """Prompt formatting."""
 
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     """Sampling."""

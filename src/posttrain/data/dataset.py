@@ -108,6 +108,8 @@ def iter_rows(sources: Sequence[str], cfg: DataConfig, stats: DataStats) -> Iter
         fmt = None if cfg.format == "auto" else cfg.format
         for location, record in iter_records(source, on_bad_record=unreadable):
             stats.rows_read += 1
+            if cfg.column_map:
+                record = {cfg.column_map.get(key, key): value for key, value in record.items()}
             try:
                 # Each source may have its own layout; its first well-formed record decides it.
                 fmt = fmt or detect_format(record, location)

@@ -97,3 +97,13 @@ def write_jsonl(problems: list[Problem], path: Path) -> Path:
         for p in problems:
             f.write(json.dumps({"prompt": p.prompt, "completion": p.answer, "answer": p.answer}) + "\n")
     return path
+
+
+def correct_reward(prompts: list[str], completions: list[str], answer: list[str], **_: object) -> list[float]:
+    """Batched reward function (environment kind "python"): exact match of each completion's answer."""
+    return [exact_match(completion, str(gold)) for completion, gold in zip(completions, answer)]
+
+
+def format_reward(prompts: list[str], completions: list[str], **_: object) -> list[float]:
+    """Batched reward function: 1.0 when the completion's first line is a bare non-negative integer."""
+    return [1.0 if extract_answer(completion).isdigit() else 0.0 for completion in completions]

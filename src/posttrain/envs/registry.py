@@ -5,6 +5,7 @@
 - "arithmetic": `ArithmeticEnvironment()` (no options)
 - "math": `MathEnvironment(timeout_s, num_workers, format_weight, reward_components)`
 - "python": `PythonRewardEnvironment(functions, timeout_s, num_workers, samples_per_call, reward_components)`
+- "code": `CodeEnvironment(time_limit_s, memory_limit_mb, output_limit_bytes, num_workers, all_or_nothing)`
 
 How many failed samples a step tolerates (`max_error_fraction`) belongs to the training loop
 (`rewards.RewardErrorBudget`), not to the environment.
@@ -18,6 +19,7 @@ from typing import Any
 
 from posttrain.envs.arithmetic_env import ArithmeticEnvironment
 from posttrain.envs.base import Environment
+from posttrain.envs.code import CodeEnvironment
 from posttrain.envs.math import MathEnvironment
 from posttrain.envs.python_reward import PythonRewardEnvironment
 
@@ -25,6 +27,7 @@ ENVIRONMENTS: dict[str, type] = {
     "arithmetic": ArithmeticEnvironment,
     "math": MathEnvironment,
     "python": PythonRewardEnvironment,
+    "code": CodeEnvironment,
 }
 
 

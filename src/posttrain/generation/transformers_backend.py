@@ -40,13 +40,6 @@ class TransformersGenerator:
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Nothing to do: this generator samples from the trainer's own model object."""
 
-    def state_dict(self) -> dict:
-        """The sampling RNG's state as a list of bytes (JSON-serializable, for trainer_state.json)."""
-        return {"rng": self.rng.get_state().tolist()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.rng.set_state(torch.tensor(state["rng"], dtype=torch.uint8))
-
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
         started = time.perf_counter()

@@ -1,0 +1,200 @@
+"""The GRPO loop on the embedded tiny model: on-/off-policy ratios, learning, resume, reward errors, DAPO
+pieces, multi-turn episodes and config validation."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.algorithms import grpo
+from posttrain.algorithms.grpo import train_grpo
+from posttrain.algorithms.rollout import Episode, PromptRow, overlong_penalty, run_episodes, to_batch
+from posttrain.config import ConfigError, load_config
+from posttrain.config.presets import preset_path
+from posttrain.config.schema import GRPOConfig, ModelConfig
+from posttrain.envs.base import EnvStep
+from posttrain.envs.rewards import RewardError
+from posttrain.generation.base import SamplingParams
+from posttrain.generation.transformers_backend import TransformersGenerator
+from posttrain.logging import read_metrics
+from posttrain.models.loading import load_causal_lm, load_tokenizer
+
+REWARDS = str(Path(__file__).with_name("reward_fns_for_tests.py"))
+BASE = [
+    "model.name_or_path=posttrain/tiny",
+    "data.train_files=['posttrain/arithmetic[:256]']",
+    "data.max_length=32",
+    "rollout.prompts_per_step=8",
+    "rollout.num_generations_per_prompt=4",
+    "rollout.max_new_tokens=6",
+    "trainer.learning_rate=1e-3",
+    "trainer.lr_scheduler=constant",
+    "trainer.micro_batch_size=16",
+    "logging.progress=none",
+    "logging.plot=false",
+]
+
+
+DIGITS = ["environment.kind=python", f"environment.options={{functions: ['{REWARDS}:digit_fraction'], num_workers: 0}}"]
+
+
+def config(output_dir: Path, *overrides: str, environment: list[str] = DIGITS) -> GRPOConfig:
+    return load_config(GRPOConfig, None, [*BASE, *environment, f"output_dir={output_dir}", *overrides])
+
+
+def test_on_policy_update_has_ratio_exactly_one_and_nothing_clipped(tmp_path, tiny_model_dir):
+    train_grpo(config(tmp_path, "trainer.max_steps=3"))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(records) == 3
+    for r in records:
+        assert r["ratio_mean"] == r["ratio_min"] == r["ratio_max"] == 1.0
+        assert r["clip_fraction_low"] == r["clip_fraction_high"] == 0.0
+        assert r["time/logprobs"] < 0.05  # the old-logprob pass is skipped on-policy; no reference without KL
+        assert "kl" not in r
+        # The transformers sampler and the trainer compute the same logprobs at the same weights.
+        assert r["generator_logprob_error"] < 1e-4
+
+
+def test_several_updates_per_batch_move_the_ratio_off_one(tmp_path, tiny_model_dir):
+    train_grpo(config(tmp_path, "trainer.max_steps=3", "update.ppo_epochs=2", "update.num_minibatches=2",
+                      "trainer.learning_rate=1e-2"))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert any(r["ratio_max"] > 1.0 or r["ratio_min"] < 1.0 for r in records)
+    assert any(r["clip_fraction_low"] + r["clip_fraction_high"] > 0 for r in records)
+
+
+def test_kl_penalty_loads_a_frozen_reference(tmp_path, tiny_model_dir, monkeypatch):
+    loaded = []
+    real = grpo.load_causal_lm
+
+    def counting(*args, **kwargs):
+        loaded.append(kwargs.get("path"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "load_causal_lm", counting)
+    train_grpo(config(tmp_path, "trainer.max_steps=2", "loss.reference_kl_penalty=0.1"))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert len(loaded) == 2  # the policy and the reference
+    assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts equal to the reference
+    assert records[1]["kl"] > 0.0
+
+
+def test_grpo_raises_a_learnable_reward(tmp_path, tiny_model_dir):
+    # The random tiny model writes mostly non-digits; a dense reward for digits is learned in a few dozen steps.
+    train_grpo(config(tmp_path, "trainer.max_steps=40", "trainer.learning_rate=3e-3"))
+    rewards = [r["reward/mean"] for r in read_metrics(tmp_path / "metrics.jsonl")]
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.3, (first, last)  # measured 0.1 -> 0.9
+
+
+def test_resume_repeats_the_uninterrupted_run(tmp_path, tiny_model_dir):
+    keys = ("reward/mean", "loss", "grad_norm", "response_length/mean")
+    train_grpo(config(tmp_path / "full", "trainer.max_steps=4", "trainer.save_every=2"))
+    full = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    train_grpo(config(tmp_path / "resumed", "trainer.max_steps=2", "trainer.save_every=2"))
+    train_grpo(config(tmp_path / "resumed", "trainer.max_steps=4", "trainer.save_every=2"))
+    resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(full, resumed):
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+
+
+def test_failed_rewards_are_masked_and_counted_then_stop_the_run_past_the_limit(tmp_path, tiny_model_dir):
+    flaky = ["environment.kind=python",
+             f"environment.options={{functions: ['{REWARDS}:fails_every_fourth'], num_workers: 0, samples_per_call: 4}}"]
+    train_grpo(config(tmp_path / "ok", "trainer.max_steps=2", environment=flaky))
+    records = read_metrics(tmp_path / "ok" / "metrics.jsonl")
+    assert [r["reward/errors"] for r in records] == [8, 8]  # a quarter of 32 samples per step
+    assert records[-1]["reward/errors_total"] == 16
+    assert all(r["loss"] == r["loss"] for r in records)  # no nan from the masked samples
+    with pytest.raises(RewardError, match="8 of 32 samples.*max_error_fraction 0.1"):
+        train_grpo(config(tmp_path / "stop", "trainer.max_steps=2", "environment.max_error_fraction=0.1",
+                          environment=flaky))
+
+
+def test_dynamic_sampling_filters_groups_without_signal(tmp_path, tiny_model_dir):
+    # The untrained model never answers an addition right: every group has equal (zero) rewards.
+    train_grpo(config(tmp_path, "trainer.max_steps=1", "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=3",
+                      environment=["environment.kind=arithmetic"]))
+    (record,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert record["sampling/rounds"] == 3 and record["sampling/groups_kept"] == 0
+    assert record["sampling/groups_filtered"] == 24 and "loss" not in record
+
+
+def test_overlong_filtering_and_soft_penalty():
+    # DAPO eq. 13 with max 8 and buffer 4: free up to 4 tokens, then -(length - 4)/4, truncated -1.
+    assert [overlong_penalty(n, False, 8, 4, 1.0) for n in (3, 4, 5, 6, 8)] == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert overlong_penalty(8, True, 8, 4, 0.5) == -0.5 and overlong_penalty(8, True, 8, 0, 1.0) == 0.0
+    episodes = [
+        Episode(0, [], {}, [1, 2, 3, 4], 2, sampled=[True, True], generator_logprobs=[-0.1, -0.2], reward=1.0),
+        Episode(0, [], {}, [1, 2, 5, 6, 7], 2, sampled=[True] * 3, generator_logprobs=[-0.3] * 3, reward=0.0,
+                truncated=True),
+        Episode(1, [], {}, [1, 2, 8], 2, sampled=[True], generator_logprobs=[-0.4], reward=None, error="boom"),
+    ]
+    batch = to_batch(episodes, pad_token_id=0, weights={}, overlong_filtering=True, penalties=[0.0, -1.0, 0.0])
+    assert batch.loss_mask.tolist() == [[0, 0, 1, 1, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 0]]
+    assert batch.rewards.tolist() == [1.0, -1.0, 0.0] and batch.valid.tolist() == [True, True, False]
+    assert batch.attention_mask.sum(-1).tolist() == [4, 5, 3]
+    assert batch.generator_logprobs[0].tolist() == pytest.approx([0, 0, -0.1, -0.2, 0])
+
+
+class TwoTurnEnvironment:
+    """Turn 1: always asks to try again; turn 2: reward 1 when the reply is non-empty."""
+
+    def step(self, message_logs, metadata):
+        rewards, done, observations = [], [], []
+        for log in message_logs:
+            first_turn = sum(m["role"] == "assistant" for m in log) == 1
+            rewards.append(0.0 if first_turn else 1.0)
+            done.append(not first_turn)
+            observations.append({"role": "user", "content": "again"} if first_turn else None)
+        n = len(message_logs)
+        return EnvStep(rewards, done, observations, [None] * n, [dict(m) for m in metadata])
+
+
+def test_multi_turn_episodes_append_observations_without_loss(tiny_model_dir):
+    cfg = ModelConfig(name_or_path=str(tiny_model_dir))
+    tokenizer, model = load_tokenizer(cfg), load_causal_lm(cfg)
+    prompt = [{"role": "user", "content": "1+2="}]
+    prompt_ids = tokenizer(tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False)["input_ids"]
+    rows = [PromptRow(prompt, prompt_ids, {"id": 7})]
+    episodes, _ = run_episodes(rows, 5, 2, TransformersGenerator(model, tokenizer), TwoTurnEnvironment(), tokenizer,
+                               SamplingParams(max_new_tokens=4, seed=0), max_turns=3)
+    for episode in episodes:
+        assert episode.group_id == 5 and episode.num_turns == 2 and episode.reward == 1.0
+        assert [m["role"] for m in episode.messages] == ["user", "assistant", "user", "assistant"]
+        observation = [t for t, s in zip(episode.token_ids[episode.prompt_length:], episode.sampled) if not s]
+        assert "again" in tokenizer.decode(observation) and "<|im_start|>assistant" in tokenizer.decode(observation)
+        assert len(episode.sampled) == len(episode.token_ids) - episode.prompt_length
+        assert sum(episode.sampled) == len([lp for lp, s in zip(episode.generator_logprobs, episode.sampled) if s])
+
+
+def test_every_preset_loads_and_differs_from_the_base_only_in_its_knobs():
+    base = load_config(GRPOConfig, preset_path("grpo_arithmetic.yaml"), []).model_dump()
+    expected = {
+        "dapo": {"rollout", "loss"}, "gspo": {"loss"}, "cispo": {"loss"}, "rloo": {"advantage", "loss"},
+        "dr_grpo": {"advantage", "loss"}, "gdpo": {"environment", "advantage"},
+    }
+    for name, sections in expected.items():
+        variant = load_config(GRPOConfig, preset_path(f"{name}_arithmetic.yaml"), []).model_dump()
+        changed = {key for key in base if base[key] != variant[key]} - {"output_dir"}
+        assert changed == sections, name
+
+
+@pytest.mark.parametrize("override, message", [
+    (["loss.clip_mode=cispo", "loss.ratio_clip_c=3"], "cispo"),
+    (["loss.ratio_level=sequence"], "sequence-level aggregation"),
+    (["trainer.gradient_accumulation_steps=2"], "gradient_accumulation_steps"),
+    (["update.num_minibatches=3"], "must divide"),
+    (["rollout.num_generations_per_prompt=1"], "at least 2"),
+    (["data.format=preference"], "prompt"),
+])
+def test_incompatible_settings_fail_at_load(tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        config(tmp_path, *override)
+
+
+def test_gdpo_needs_named_reward_components(tmp_path, tiny_model_dir):
+    with pytest.raises(ValueError, match="named components"):
+        train_grpo(config(tmp_path, "trainer.max_steps=1", "advantage.estimator=gdpo"))
