@@ -1,4 +1,4 @@
-"""Helpers shared by the posttrain-vs-TRL benchmarks (sft_vs_trl.py; later grpo_vs_trl.py, dpo_vs_trl.py).
+"""Helpers shared by the posttrain-vs-TRL benchmarks (sft_vs_trl.py, grpo_vs_trl.py; later dpo_vs_trl.py).
 
 A benchmark script runs every measured training call in its own fresh Python process (a "worker"), so each
 framework's imports, allocator state and peak memory are its own. The parent process only prepares the
@@ -187,6 +187,25 @@ def steady_state_throughput(tokens_per_step: Sequence[int], step_end_times: Sequ
         "steady_tokens": tokens,
         "steady_steps": len(durations),
         "median_step_ms": 1000 * statistics.median(durations),
+    }
+
+
+def steady_state_step_seconds(step_end_times: Sequence[float], skip: int) -> dict[str, float]:
+    """Seconds per step over steps skip+1..N, each step timed from the previous step's end to its own end.
+
+    step_end_times[i] is a perf_counter() reading taken when step i+1 ended; the first `skip` steps (warm-up)
+    are left out. For jobs whose work per step is not a fixed token count (RL: sampled completions vary).
+    """
+    if not 0 < skip < len(step_end_times) - 1:
+        raise ValueError(f"cannot skip {skip} of {len(step_end_times)} steps and keep at least two")
+    durations = [b - a for a, b in zip(step_end_times[skip - 1 : -1], step_end_times[skip:])]
+    seconds = step_end_times[-1] - step_end_times[skip - 1]
+    return {
+        # Robust to a few steps stalled by other processes.
+        "median_step_seconds": statistics.median(durations),
+        "mean_step_seconds": seconds / len(durations),
+        "steady_seconds": seconds,
+        "steady_steps": len(durations),
     }
 
 

@@ -35,7 +35,8 @@ def test_quickstart_help_shows_preset_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["quickstart", "--help"])
     out = capsys.readouterr().out
-    assert '  sft.data.train_files  list[str] = ["posttrain/arithmetic:train"]' in out
+    assert '  sft.data.train_files  list[str] = ["posttrain/arithmetic:train[:500]"]' in out
+    assert "  grpo.rollout.num_generations_per_prompt  int = 8" in out
 
 
 def test_invalid_config_exits_2_with_key_path(capsys):

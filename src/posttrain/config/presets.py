@@ -14,5 +14,8 @@ def preset_path(name: str) -> Path:
 
 
 def quickstart_base_config() -> dict[str, Any]:
-    """The quickstart's SFT stage defaults: configs/sft_arithmetic.yaml."""
-    return {"sft": yaml.safe_load(preset_path("sft_arithmetic.yaml").read_text())}
+    """The quickstart's stage defaults: configs/sft_arithmetic_small.yaml and configs/grpo_arithmetic.yaml."""
+    from posttrain.config.loader import read_yaml_with_defaults
+
+    return {"sft": read_yaml_with_defaults(preset_path("sft_arithmetic_small.yaml")),
+            "grpo": read_yaml_with_defaults(preset_path("grpo_arithmetic.yaml"))}

@@ -219,19 +219,6 @@ class EvalConfig(Section):
     """Seed of the task's held-out split."""
 
 
-class QuickstartConfig(Section):
-    """Build the tiny model, measure it, fine-tune it with SFT on arithmetic, measure again."""
-
-    output_dir: str = "runs/quickstart"
-    """Where each stage writes its run directory and where summary.json goes."""
-
-    sft: SFTConfig
-    """The SFT stage (defaults: configs/sft_arithmetic.yaml; override as sft.trainer.max_steps=...)."""
-
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    """Held-out evaluation before and after each stage."""
-
-
 class PreferenceLossSection(Section):
     """The preference loss and its coefficients (posttrain.losses.preference.PreferenceLossConfig)."""
 
@@ -518,3 +505,23 @@ class GRPOConfig(RecipeConfig):
         except ValueError as error:
             raise ValueError(f"loss: {error}") from None
         return self
+
+
+class QuickstartConfig(Section):
+    """RL from verifiable rewards on two CPU cores: the tiny model learns addition from a small labelled pool with
+    SFT, then improves with GRPO on unlabelled prompts scored by a verifier; a control continues SFT instead."""
+
+    output_dir: str = "runs/quickstart"
+    """Where each stage writes its run directory, and where summary.json and curves.png go."""
+
+    sft: SFTConfig
+    """The SFT stage (defaults: configs/sft_arithmetic_small.yaml; override as sft.trainer.max_steps=...)."""
+
+    grpo: GRPOConfig
+    """The GRPO stage, started from the SFT stage's model (defaults: configs/grpo_arithmetic.yaml)."""
+
+    control_steps: int = Field(500, ge=0)
+    """The control: this many more SFT steps on the same labelled pool, from the SFT stage's model (0: skip)."""
+
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Held-out evaluation before and after each stage."""

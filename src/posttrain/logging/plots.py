@@ -24,6 +24,11 @@ _KNOWN_PANELS: tuple[tuple[str, ...], ...] = (
     ("learning_rate",),
     ("grad_norm",),
     ("tokens_per_second",),
+    ("reward/mean", "val/reward_mean"),
+    ("accuracy", "val/accuracy"),
+    ("kl",),
+    ("entropy",),
+    ("response_length/mean",),
 )
 
 
