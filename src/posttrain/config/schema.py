@@ -520,8 +520,9 @@ class QuickstartConfig(Section):
     grpo: GRPOConfig
     """The GRPO stage, started from the SFT stage's model (defaults: configs/grpo_arithmetic.yaml)."""
 
-    control_steps: int = Field(500, ge=0)
-    """The control: this many more SFT steps on the same labelled pool, from the SFT stage's model (0: skip)."""
+    control_steps: int = Field(1100, ge=0)
+    """The control: this many more SFT steps on the same labelled pool, from the SFT stage's model (default: as many
+    optimizer steps as the GRPO stage takes; 0: skip)."""
 
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Held-out evaluation before and after each stage."""
