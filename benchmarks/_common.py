@@ -244,3 +244,21 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
     started = time.perf_counter()
     out = fn()
     return out, time.perf_counter() - started
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Worker helpers
+
+
+def load_spec(path: str) -> dict[str, Any]:
+    """The JSON spec a benchmark's parent wrote for one worker run."""
+    return json.loads(Path(path).read_text())
+
+
+def baseline_rss_mib(load_model_and_tokenizer: Callable[[], tuple[Any, Any]]) -> float | None:
+    """Load the model and tokenizer once (pulling in the lazily imported modeling code), free them, and
+    return the RSS then: the worker's baseline (the caller resets the peak to it before training)."""
+    model, tokenizer = load_model_and_tokenizer()
+    del model, tokenizer
+    gc.collect()
+    return rss_mib()

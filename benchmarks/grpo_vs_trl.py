@@ -133,21 +133,6 @@ LAST_N_REWARDS = 10
 # Workers: each runs in a fresh process, `grpo_vs_trl.py --worker FRAMEWORK --spec SPEC.json`
 
 
-def _load_spec(path: str) -> dict[str, Any]:
-    return json.loads(Path(path).read_text())
-
-
-def _baseline(load_model_and_tokenizer) -> float | None:
-    """Load the model and tokenizer once (pulling in the lazily imported modeling code), free them, and
-    return the RSS then: the worker's baseline (the caller resets the peak to it before training)."""
-    import gc
-
-    model, tokenizer = load_model_and_tokenizer()
-    del model, tokenizer
-    gc.collect()
-    return _common.rss_mib()
-
-
 def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
@@ -162,7 +147,7 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
     from posttrain.models.loading import load_causal_lm, load_tokenizer
 
     model_cfg = ModelConfig(name_or_path=spec["model_dir"], dtype="float32", attn_implementation="sdpa")
-    baseline = _baseline(lambda: (load_causal_lm(model_cfg), load_tokenizer(model_cfg)))
+    baseline = _common.baseline_rss_mib(lambda: (load_causal_lm(model_cfg), load_tokenizer(model_cfg)))
 
     output_dir = Path(spec["output_dir"])
     if output_dir.exists():  # posttrain would resume from it
@@ -301,7 +286,7 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
 
     model_dir = spec["model_dir"]
     model_kwargs = {"dtype": torch.float32, "attn_implementation": "sdpa"}
-    baseline = _baseline(
+    baseline = _common.baseline_rss_mib(
         lambda: (AutoModelForCausalLM.from_pretrained(model_dir, **model_kwargs), AutoTokenizer.from_pretrained(model_dir))
     )
 
@@ -449,7 +434,7 @@ WORKERS = {"posttrain": worker_posttrain, "trl": worker_trl}
 
 def run_as_worker(framework: str, spec_path: str, result_path: str) -> None:
     _common.apply_offline_env()
-    result = WORKERS[framework](_load_spec(spec_path))
+    result = WORKERS[framework](_common.load_spec(spec_path))
     _common.write_json(Path(result_path), result)
 
 
