@@ -84,10 +84,14 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
     for turn in range(max_turns):
         started = time.perf_counter()
         turn_params = params if params.seed is None else replace(params, seed=params.seed + 7919 * turn)
-        output = generator.generate([e.token_ids for e in active], turn_params, num_samples=1)
+        if turn == 0:  # all samples of a prompt start alike: the generator prefills each prompt once
+            output = generator.generate([row.prompt_ids for row in rows], turn_params, num_samples=num_samples)
+        else:
+            output = generator.generate([e.token_ids for e in active], turn_params, num_samples=1)
         generate_seconds += time.perf_counter() - started
         generated_tokens += output.num_generated_tokens
-        for episode, (completion,) in zip(active, output.completions):
+        completions = [completion for samples in output.completions for completion in samples]
+        for episode, completion in zip(active, completions, strict=True):
             episode.token_ids += completion.token_ids
             episode.sampled += [True] * len(completion.token_ids)
             episode.generator_logprobs += completion.logprobs
@@ -199,23 +203,23 @@ def to_batch(episodes: list[Episode], pad_token_id: int, weights: dict[str, floa
     overlong_filtering: truncated episodes keep their reward (for the group baseline) but get no loss.
     """
     n, width = len(episodes), max(len(e.token_ids) for e in episodes)
-    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, width), dtype=torch.long)
-    loss_mask = torch.zeros((n, width))
-    generator_logprobs = torch.zeros((n, width))
+    ids_rows, attention_rows, loss_rows, logprob_rows = [], [], [], []
+    for episode in episodes:
+        padding = [0] * (width - len(episode.token_ids))
+        prompt = [0] * episode.prompt_length
+        ids_rows.append(episode.token_ids + [pad_token_id] * len(padding))
+        attention_rows.append([1] * len(episode.token_ids) + padding)
+        logprob_rows.append(prompt + episode.generator_logprobs + padding)
+        gets_loss = episode.reward is not None and not (overlong_filtering and episode.truncated)
+        loss_rows.append(prompt + (episode.sampled if gets_loss else [0] * len(episode.sampled)) + padding)
+    input_ids = torch.tensor(ids_rows, dtype=torch.long)
+    attention_mask = torch.tensor(attention_rows, dtype=torch.long)
+    loss_mask = torch.tensor(loss_rows, dtype=torch.float)
+    generator_logprobs = torch.tensor(logprob_rows, dtype=torch.float)
     component_names = sorted({name for e in episodes if isinstance(e.reward, dict) for name in e.reward})
     components = {name: torch.zeros(n) for name in component_names}
     rewards = torch.zeros(n)
     valid = torch.tensor([e.reward is not None for e in episodes])
-    for i, episode in enumerate(episodes):
-        length = len(episode.token_ids)
-        input_ids[i, :length] = torch.tensor(episode.token_ids)
-        attention_mask[i, :length] = 1
-        start = episode.prompt_length
-        generator_logprobs[i, start:length] = torch.tensor(episode.generator_logprobs)
-        if episode.reward is None or (overlong_filtering and episode.truncated):
-            continue
-        loss_mask[i, start:length] = torch.tensor(episode.sampled, dtype=torch.float)
     for i, episode in enumerate(episodes):
         if episode.reward is None:
             continue

@@ -47,34 +47,43 @@ class TransformersGenerator:
             self.rng.manual_seed(params.seed)
         was_training = self.model.training
         self.model.eval()
-        rows = [prompt for prompt in prompts for _ in range(num_samples)]
+        prompts_per_batch = max(1, self.batch_size // num_samples)
         flat: list[Completion] = []
-        for start in range(0, len(rows), self.batch_size):
-            flat += self._generate_batch(rows[start : start + self.batch_size], params)
+        for start in range(0, len(prompts), prompts_per_batch):
+            flat += self._generate_batch(prompts[start : start + prompts_per_batch], params, num_samples)
         self.model.train(was_training)
         grouped = [flat[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
         return GenerationOutput(grouped, time.perf_counter() - started, sum(len(c.token_ids) for c in flat))
 
-    def _generate_batch(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        batch, width = len(prompts), max(len(p) for p in prompts)
-        input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros((batch, width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):  # left padding: every prompt ends at the last column
+    def _generate_batch(self, unique_prompts: list[list[int]], params: SamplingParams, num_samples: int) -> list[Completion]:
+        """`num_samples` completions of each prompt. Each prompt is prefilled once and its KV cache repeated for
+        its samples, which then decode as separate rows."""
+        width = max(len(p) for p in unique_prompts)
+        input_ids = torch.full((len(unique_prompts), width), self.pad_token_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(unique_prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(unique_prompts):  # left padding: every prompt ends at the last column
             input_ids[row, width - len(prompt):] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt):] = 1
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
         eos = torch.tensor(self.eos_token_ids, device=self.device)
 
+        output = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            use_cache=True)
+        cache, next_logits = getattr(output, self.cache_name), output.logits[:, -1]
+        if num_samples > 1:
+            cache.batch_repeat_interleave(num_samples)
+            next_logits = next_logits.repeat_interleave(num_samples, dim=0)
+            attention_mask = attention_mask.repeat_interleave(num_samples, dim=0)
+            position_ids = position_ids.repeat_interleave(num_samples, dim=0)
+        prompts = [prompt for prompt in unique_prompts for _ in range(num_samples)]
+        batch = len(prompts)
+
         tokens = torch.empty((batch, params.max_new_tokens), dtype=torch.long, device=self.device)
         logprobs = torch.zeros((batch, params.max_new_tokens), device=self.device)
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
         lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long, device=self.device)
         stopped_by_string = [False] * batch
-
-        output = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=True)
-        cache, next_logits = getattr(output, self.cache_name), output.logits[:, -1]
         next_position = position_ids[:, -1:] + 1
         steps = 0
         for t in range(params.max_new_tokens):

@@ -452,17 +452,17 @@ def _check_inputs(
 # ---- entropy ------------------------------------------------------------------------------------------------
 
 
-def masked_entropy(logits: Tensor, mask: Tensor) -> Tensor:
+def masked_entropy(logits: Tensor, mask: Tensor, chunk_tokens: int = 4096) -> Tensor:
     """Mean entropy of the next-token distribution per valid token, a metric (no graph kept).
 
-    logits: [B, T, V] (any float dtype); mask: [B, T]. Computed in float32 one sequence at a time, on its valid
-    positions only, so the float32 copy is at most [T, V]. Returns a 0-dim float32 tensor (0 when no token is
-    valid). Logits of −inf (forbidden tokens) contribute 0, not nan.
+    logits: [B, T, V] (any float dtype); mask: [B, T]. Computed in float32 on the valid positions only, at most
+    `chunk_tokens` of them at a time, so the float32 copy is at most [chunk_tokens, V]. Returns a 0-dim float32
+    tensor (0 when no token is valid). Logits of −inf (forbidden tokens) contribute 0, not nan.
     """
     valid = mask.bool()
     total = torch.zeros((), dtype=torch.float32, device=logits.device)
     with torch.no_grad():
-        for row_logits, row_valid in zip(logits, valid):
-            probs = torch.softmax(row_logits[row_valid].float(), dim=-1)
+        for rows, columns in zip(*(index.split(chunk_tokens) for index in valid.nonzero(as_tuple=True))):
+            probs = torch.softmax(logits[rows, columns].float(), dim=-1)
             total += -torch.special.xlogy(probs, probs).sum()
     return total / valid.sum().clamp(min=1)
