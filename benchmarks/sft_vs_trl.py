@@ -58,9 +58,8 @@ between repeats; medians over --repeats are reported)
       work per step, so it does not affect the speed comparison.
 
 Known remaining differences (not removed)
-    - TRL's default optimizer is torch's fused AdamW (optim="adamw_torch_fused"); posttrain uses torch's
-      foreach AdamW. Same update rule, different kernels; --trl-optim adamw_torch gives TRL the
-      non-fused implementation instead.
+    - Both use torch's fused AdamW (TRL's default optim="adamw_torch_fused", posttrain's build_optimizer);
+      --trl-optim adamw_torch gives TRL the non-fused implementation instead.
     - TRL computes the loss through its fused LM head (log-probabilities computed in chunks, never the full
       logits) and also computes per-token entropy and top-1 accuracy for its logged metrics every step;
       posttrain computes the full logits and cross-entropy. Per-step losses therefore agree closely but not
