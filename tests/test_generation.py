@@ -9,7 +9,10 @@ import torch
 from posttrain.algorithms.evaluate import generate_greedy
 from posttrain.config.schema import ModelConfig
 from posttrain.generation.base import Generator, SamplingParams
-from posttrain.generation.transformers_backend import TransformersGenerator, sample_next_token
+from posttrain.generation.transformers_backend import (
+    TransformersGenerator,
+    sample_next_token,
+)
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 
 PROMPTS = ["12+34=", "7+8=", "99+1=", "hello", "a"]
@@ -77,7 +80,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p_and_renormalizes():
 
 
 def test_stop_strings_end_the_completion_and_are_kept(setup):
-    _, tokenizer, ids, generator = setup
+    _, _, ids, generator = setup
     free = generator.generate(ids[:1], SamplingParams(max_new_tokens=8, temperature=0.0)).completions[0][0]
     assert len(free.text) >= 3
     stop = free.text[1:3]
@@ -104,5 +107,5 @@ def test_seeded_sampling_repeats_and_differs_across_seeds(setup):
     first = generator.generate(ids, SamplingParams(max_new_tokens=6, seed=11), num_samples=2)
     again = generator.generate(ids, SamplingParams(max_new_tokens=6, seed=11), num_samples=2)
     other = generator.generate(ids, SamplingParams(max_new_tokens=6, seed=12), num_samples=2)
-    tokens = lambda out: [c.token_ids for row in out.completions for c in row]  # noqa: E731
+    tokens = lambda out: [c.token_ids for row in out.completions for c in row]
     assert tokens(first) == tokens(again) and tokens(first) != tokens(other)

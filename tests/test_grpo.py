@@ -4,11 +4,16 @@ pieces, multi-turn episodes and config validation."""
 from pathlib import Path
 
 import pytest
-import torch
 
 from posttrain.algorithms import grpo
 from posttrain.algorithms.grpo import train_grpo
-from posttrain.algorithms.rollout import Episode, PromptRow, overlong_penalty, run_episodes, to_batch
+from posttrain.algorithms.rollout import (
+    Episode,
+    PromptRow,
+    overlong_penalty,
+    run_episodes,
+    to_batch,
+)
 from posttrain.config import ConfigError, load_config
 from posttrain.config.presets import preset_path
 from posttrain.config.schema import GRPOConfig, ModelConfig

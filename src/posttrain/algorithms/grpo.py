@@ -18,6 +18,7 @@ configs/grpo_arithmetic.yaml only in those knobs.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, replace
@@ -52,7 +53,12 @@ from posttrain.algorithms.rollout import (
     scalar_reward,
     to_batch,
 )
-from posttrain.checkpoint import export_final, latest_checkpoint, load_training_state, save_checkpoint
+from posttrain.checkpoint import (
+    export_final,
+    latest_checkpoint,
+    load_training_state,
+    save_checkpoint,
+)
 from posttrain.config.schema import GRPOConfig, TrainerConfig
 from posttrain.data.dataset import DataStats, check_not_empty, iter_rows, skip_or_raise
 from posttrain.data.errors import DataError
@@ -64,8 +70,17 @@ from posttrain.envs.rewards import RewardErrorBudget
 from posttrain.generation.base import SamplingParams
 from posttrain.logging import RunLogger
 from posttrain.losses.nll import token_logprobs
-from posttrain.losses.policy_gradient import loss_normalizer, masked_entropy, policy_gradient_loss
-from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer, resolve_model_path
+from posttrain.losses.policy_gradient import (
+    loss_normalizer,
+    masked_entropy,
+    policy_gradient_loss,
+)
+from posttrain.models.loading import (
+    default_device,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_model_path,
+)
 from posttrain.optim import build_optimizer, build_scheduler
 
 PROGRESS_METRICS = ("reward/mean", "accuracy", "val/accuracy", "kl", "response_length/mean")
@@ -118,9 +133,10 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
         budget.load_state_dict(state["reward_errors"])
         next_group_id, start_step = state["next_group_id"], resume.step
 
-    rollout_size = rollout.prompts_per_step * rollout.num_generations_per_prompt
+    # closing(): reward worker processes stop with the run, also when it fails.
     with RunLogger(output_dir, cfg.logging, recipe="grpo", total_steps=trainer.max_steps, start_step=start_step,
-                   run_config=cfg.model_dump(mode="json"), progress_metrics=PROGRESS_METRICS) as run_log:
+                   run_config=cfg.model_dump(mode="json"), progress_metrics=PROGRESS_METRICS) as run_log, \
+            contextlib.closing(environment):
         announce_run(run_log, data_summary, resume, changed_keys, model,
                      f"{rollout.prompts_per_step} prompts x {rollout.num_generations_per_prompt} samples per step, "
                      f"{updates_per_step} optimizer step(s) per rollout batch")
@@ -214,8 +230,6 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
 
         final_dir = export_final(output_dir, model, tokenizer)
         run_log.message(f"final model: {final_dir}")
-    if hasattr(environment, "close"):
-        environment.close()
     return GRPOResult(output_dir, final_dir, trainer.max_steps, metrics)
 
 

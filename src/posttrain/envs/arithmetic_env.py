@@ -9,7 +9,14 @@ from __future__ import annotations
 from typing import Any
 
 from posttrain.envs.arithmetic import extract_answer
-from posttrain.envs.base import EnvStep, Message, check_batch, reply_of, required_column, single_turn_step
+from posttrain.envs.base import (
+    EnvStep,
+    Message,
+    check_batch,
+    reply_of,
+    required_column,
+    single_turn_step,
+)
 from posttrain.envs.rewards import score_in_process, validate_outcomes
 
 

@@ -29,7 +29,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.envs.base import EnvStep, Message, check_batch, reply_of, single_turn_step
+from posttrain.envs.base import (
+    EnvStep,
+    Message,
+    check_batch,
+    reply_of,
+    single_turn_step,
+)
 from posttrain.envs.sandbox import SandboxResult, run_sandboxed
 
 FENCED_PYTHON = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)

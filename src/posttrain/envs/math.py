@@ -31,7 +31,14 @@ import math
 import threading
 from typing import Any
 
-from posttrain.envs.base import EnvStep, Message, check_batch, reply_of, required_column, single_turn_step
+from posttrain.envs.base import (
+    EnvStep,
+    Message,
+    check_batch,
+    reply_of,
+    required_column,
+    single_turn_step,
+)
 from posttrain.envs.rewards import CallOutcome, RewardWorkerPool, Task, score_in_process
 
 SCORER_PATH = "posttrain.envs.math:score_math_answer"

@@ -32,7 +32,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.envs.base import EnvStep, Message, Reward, check_batch, prompt_of, reply_of, single_turn_step
+from posttrain.envs.base import (
+    EnvStep,
+    Message,
+    Reward,
+    check_batch,
+    prompt_of,
+    reply_of,
+    single_turn_step,
+)
 from posttrain.envs.rewards import (
     CallOutcome,
     RewardWorkerPool,

@@ -85,7 +85,12 @@ from typing import Any
 
 import torch
 
-from posttrain.generation.base import Completion, FinishReason, GenerationOutput, SamplingParams
+from posttrain.generation.base import (
+    Completion,
+    FinishReason,
+    GenerationOutput,
+    SamplingParams,
+)
 
 VLLM_INSTALL_HINT = "pip install 'posttrain[vllm]' on a machine with an NVIDIA GPU (CUDA)"
 
