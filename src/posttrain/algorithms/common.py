@@ -157,8 +157,10 @@ def is_save_step(step: int, trainer: TrainerConfig) -> bool:
 
 
 def log_step(run_log: RunLogger, step: int, metrics: dict[str, float], trainer: TrainerConfig) -> None:
-    """A metrics.jsonl record every log_every steps, at the end and whenever an eval ran; progress otherwise."""
-    if step % trainer.log_every == 0 or step == trainer.max_steps or "eval_loss" in metrics:
+    """A metrics.jsonl record every log_every steps, at the end and whenever an evaluation ran (eval_* or val/*
+    metrics); progress otherwise."""
+    evaluated = any(key.startswith(("eval_", "val/")) for key in metrics)
+    if step % trainer.log_every == 0 or step == trainer.max_steps or evaluated:
         run_log.log(step, metrics)
     else:
         run_log.advance(step, metrics)

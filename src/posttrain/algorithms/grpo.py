@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -38,6 +39,9 @@ from posttrain.algorithms.common import (
     announce_run,
     autocast,
     configure_torch,
+    is_eval_step,
+    is_save_step,
+    log_step,
     optimizer_step,
     prepare_output_dir,
     seed_everything,
@@ -145,8 +149,9 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
             step_started = time.perf_counter()
 
             # 1-2. Sample and score (dynamic sampling: until enough groups carry signal).
-            episodes, metrics = [], {}
-            rounds = groups_seen = 0
+            kept: list[list[Episode]] = []  # groups of episodes, in sampling order
+            metrics = {"reward/errors": 0}
+            rounds = 0
             generate_seconds = score_seconds = 0.0
             generated_tokens = 0
             while True:
@@ -156,22 +161,21 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
                 new, times = run_episodes(rows, next_group_id, rollout.num_generations_per_prompt, generator,
                                           environment, tokenizer, seeded, rollout.max_turns)
                 next_group_id += len(rows)
-                rounds, groups_seen = rounds + 1, groups_seen + len(rows)
+                rounds += 1
                 generate_seconds, score_seconds = generate_seconds + times.generate, score_seconds + times.score
                 generated_tokens += times.generated_tokens
-                counts = budget.record([e.error for e in new])
-                metrics["reward/errors"] = metrics.get("reward/errors", 0) + counts.step_errors
-                if not rollout.dynamic_sampling:
-                    episodes = new
+                metrics["reward/errors"] += budget.record([e.error for e in new]).step_errors
+                groups = groups_of(new)
+                kept += [g for g in groups if has_reward_variance(g, reward_weights)] if rollout.dynamic_sampling else groups
+                if not rollout.dynamic_sampling or len(kept) >= rollout.prompts_per_step \
+                        or rounds == rollout.max_sampling_rounds:
                     break
-                episodes += [e for g in groups_of(new) if has_reward_variance(g, reward_weights) for e in g]
-                if len(groups_of(episodes)) >= rollout.prompts_per_step or rounds == rollout.max_sampling_rounds:
-                    episodes = [e for g in groups_of(episodes)[: rollout.prompts_per_step] for e in g]
-                    break
+            kept = kept[: rollout.prompts_per_step]
+            episodes = [e for group in kept for e in group]
             if rollout.dynamic_sampling:
-                metrics.update({"sampling/rounds": rounds, "sampling/groups_kept": len(groups_of(episodes)),
-                                "sampling/groups_filtered": groups_seen - len(groups_of(episodes))})
-            metrics.update(rollout_metrics(episodes, reward_weights, rollout.max_new_tokens))
+                metrics.update({"sampling/rounds": rounds, "sampling/groups_kept": len(kept),
+                                "sampling/groups_filtered": rounds * rollout.prompts_per_step - len(kept)})
+            metrics.update(rollout_metrics(episodes, reward_weights))
             metrics["reward/errors_total"] = budget.run_errors
             if not episodes:
                 run_log.message(f"step {step}: every group of {rounds} sampling round(s) had equal rewards; "
@@ -222,7 +226,7 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
                 "generation/tokens_per_second": generated_tokens / max(generate_seconds, 1e-9),
                 "epoch": sampler.epochs_completed,
             })
-            if eval_prompts and (is_due(step, trainer.eval_every) or step == trainer.max_steps):
+            if eval_prompts and is_eval_step(step, trainer):
                 metrics.update(validate(eval_prompts, generator, environment, tokenizer, greedy, rollout.max_turns,
                                         reward_weights))
             log_and_save(run_log, step, metrics, cfg, model, tokenizer, optimizer, scheduler, output_dir,
@@ -378,7 +382,7 @@ def accumulate_policy_gradients(model, batch: RolloutBatch, minibatch: torch.Ten
     return totals
 
 
-def rollout_metrics(episodes: list[Episode], weights: dict[str, float], max_new_tokens: int) -> dict[str, float]:
+def rollout_metrics(episodes: list[Episode], weights: dict[str, float]) -> dict[str, float]:
     """Reward, accuracy, length and truncation statistics of the step's episodes (masked episodes excluded
     from reward statistics)."""
     if not episodes:
@@ -387,7 +391,7 @@ def rollout_metrics(episodes: list[Episode], weights: dict[str, float], max_new_
     lengths = [e.num_sampled_tokens for e in episodes]
     metrics = {
         "reward/mean": sum(rewards) / len(rewards) if rewards else math.nan,
-        "reward/std": _std(rewards),
+        "reward/std": statistics.stdev(rewards) if len(rewards) > 1 else 0.0,
         "response_length/mean": sum(lengths) / len(lengths),
         "response_length/max": max(lengths),
         "truncation_rate": sum(e.truncated for e in episodes) / len(episodes),
@@ -408,7 +412,7 @@ def validate(prompts: list[PromptRow], generator, environment, tokenizer, params
     """Greedy episodes on the eval prompts: val/reward_mean, val/accuracy (when the environment reports
     `correct`), val/response_length."""
     episodes, _ = run_episodes(prompts, 0, 1, generator, environment, tokenizer, params, max_turns)
-    metrics = rollout_metrics(episodes, weights, params.max_new_tokens)
+    metrics = rollout_metrics(episodes, weights)
     out = {"val/reward_mean": metrics["reward/mean"], "val/response_length": metrics["response_length/mean"]}
     if "accuracy" in metrics:
         out["val/accuracy"] = metrics["accuracy"]
@@ -419,18 +423,11 @@ def log_and_save(run_log: RunLogger, step: int, metrics: dict[str, float], cfg: 
                  optimizer, scheduler, output_dir: Path, sampler: EpochSampler, budget: RewardErrorBudget,
                  next_group_id: int) -> None:
     trainer = cfg.trainer
-    if step % trainer.log_every == 0 or step == trainer.max_steps or any(k.startswith("val/") for k in metrics):
-        run_log.log(step, metrics)
-    else:
-        run_log.advance(step, metrics)
-    if is_due(step, trainer.save_every) or step == trainer.max_steps:
+    log_step(run_log, step, metrics, trainer)
+    if is_save_step(step, trainer):
         state: dict[str, Any] = {"sampler": sampler.state_dict(), "reward_errors": budget.state_dict(),
                                  "next_group_id": next_group_id}
         save_checkpoint(output_dir, step, model, tokenizer, optimizer, scheduler, state, trainer.keep_last)
-
-
-def is_due(step: int, every: int) -> bool:
-    return bool(every) and step % every == 0
 
 
 def mean_of(records: list[dict[str, float]]) -> dict[str, float]:
@@ -442,10 +439,3 @@ def mean_of(records: list[dict[str, float]]) -> dict[str, float]:
         values = [r[name] for r in records if name in r]
         out[name] = min(values) if name == "ratio_min" else max(values) if name == "ratio_max" else sum(values) / len(values)
     return out
-
-
-def _std(values: list[float]) -> float:
-    if len(values) < 2:
-        return 0.0
-    mean = sum(values) / len(values)
-    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))

@@ -18,6 +18,7 @@ import torch
 from posttrain.data.formats import Message, Messages
 from posttrain.data.tokenize import tokenize_next_turn
 from posttrain.envs.base import Environment, Reward
+from posttrain.envs.rewards import combine_components
 from posttrain.generation.base import Generator, SamplingParams
 
 
@@ -128,7 +129,7 @@ def _initial_messages(prompt: str | Messages) -> list[Message]:
 def scalar_reward(reward: Reward, weights: dict[str, float]) -> float | None:
     """A dict of components as their weighted sum (weight 1 for components without one)."""
     if isinstance(reward, dict):
-        return sum(weights.get(name, 1.0) * value for name, value in reward.items())
+        return combine_components(reward, {name: weights.get(name, 1.0) for name in reward})
     return reward
 
 

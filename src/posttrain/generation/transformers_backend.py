@@ -83,7 +83,6 @@ class TransformersGenerator:
         logprobs = torch.zeros((batch, params.max_new_tokens), device=self.device)
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
         lengths = torch.full((batch,), params.max_new_tokens, dtype=torch.long, device=self.device)
-        stopped_by_string = [False] * batch
         next_position = position_ids[:, -1:] + 1
         steps = 0
         for t in range(params.max_new_tokens):
@@ -93,7 +92,7 @@ class TransformersGenerator:
             steps = t + 1
             newly_done = ~finished & torch.isin(token, eos)
             if params.stop_strings:
-                newly_done |= self._stop_string_hits(tokens[:, : t + 1], finished, params.stop_strings, stopped_by_string)
+                newly_done |= self._stop_string_hits(tokens[:, : t + 1], finished, params.stop_strings)
             lengths = torch.where(newly_done, t + 1, lengths)
             finished |= newly_done
             if bool(finished.all()) or t + 1 == params.max_new_tokens:
@@ -119,15 +118,13 @@ class TransformersGenerator:
             ))
         return completions
 
-    def _stop_string_hits(self, tokens: torch.Tensor, finished: torch.Tensor, stop_strings: tuple[str, ...],
-                          stopped: list[bool]) -> torch.Tensor:
+    def _stop_string_hits(self, tokens: torch.Tensor, finished: torch.Tensor, stop_strings: tuple[str, ...]) -> torch.Tensor:
         """Rows (not yet finished) whose decoded completion now contains a stop string."""
         hits = torch.zeros_like(finished)
         for row in (~finished).nonzero().flatten().tolist():
             text = self.tokenizer.decode(tokens[row].tolist(), skip_special_tokens=True)
             if any(s in text for s in stop_strings):
                 hits[row] = True
-                stopped[row] = True
         return hits
 
 
