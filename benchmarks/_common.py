@@ -262,3 +262,17 @@ def baseline_rss_mib(load_model_and_tokenizer: Callable[[], tuple[Any, Any]]) ->
     del model, tokenizer
     gc.collect()
     return rss_mib()
+
+
+def announce_environment() -> tuple[dict[str, str | None], dict[str, Any]]:
+    """Print the package versions and the machine (warning when the CPU is busy); return both for the report."""
+    versions = package_versions(["posttrain", "trl", "transformers", "torch", "accelerate", "datasets", "tokenizers"])
+    machine = machine_info()
+    print("Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    load = machine.get("loadavg_at_start")
+    print(f"Machine: {machine.get('cpu_model', '?')}, {machine['cpu_count']} CPUs ({machine['affinity_cpus']} usable), "
+          f"load average at start {load}, Python {machine['python']}")
+    if load and load[0] > 0.5:
+        print(f"warning: the load average is {load[0]:.2f}: other processes are using the CPU, so the timings will be "
+              "noisy and may favour either framework. Re-run on a quiet machine.")
+    return versions, machine

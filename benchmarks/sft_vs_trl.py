@@ -580,15 +580,7 @@ def main(argv: list[str] | None = None) -> int:
     _common.apply_offline_env()
     from posttrain.models.tiny import ensure_embedded_model
 
-    versions = _common.package_versions(["posttrain", "trl", "transformers", "torch", "accelerate", "datasets", "tokenizers"])
-    machine = _common.machine_info()
-    print("Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-    load = machine.get("loadavg_at_start")
-    print(f"Machine: {machine.get('cpu_model', '?')}, {machine['cpu_count']} CPUs ({machine['affinity_cpus']} usable), "
-          f"load average at start {load}, Python {machine['python']}")
-    if load and load[0] > 0.5:
-        print(f"warning: the load average is {load[0]:.2f}: other processes are using the CPU, so the timings will be "
-              "noisy and may favour either framework. Re-run on a quiet machine.")
+    versions, machine = _common.announce_environment()
 
     if args.keep:
         args.keep.mkdir(parents=True, exist_ok=True)
