@@ -13,7 +13,16 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from posttrain.config import ConfigError, DPOConfig, EvalConfig, QuickstartConfig, RecipeConfig, SFTConfig, load_config
+from posttrain.config import (
+    ConfigError,
+    DPOConfig,
+    EvalConfig,
+    QuickstartConfig,
+    RecipeConfig,
+    RMConfig,
+    SFTConfig,
+    load_config,
+)
 from posttrain.config.loader import type_name
 from posttrain.config.presets import quickstart_base_config
 from posttrain.config.schema import GRPOConfig, Section
@@ -57,6 +66,15 @@ def _run_dpo(cfg: DPOConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_rm(cfg: RMConfig, args: argparse.Namespace) -> int:
+    from posttrain.algorithms.rm import train_rm
+
+    result = train_rm(cfg)
+    print(f"done: {result.steps} steps, final loss {result.final_loss}, eval accuracy {result.eval_accuracy}, "
+          f"model in {result.final_dir}")
+    return 0
+
+
 def _run_eval(cfg: EvalConfig, args: argparse.Namespace) -> int:
     from posttrain.algorithms.evaluate import run_eval
 
@@ -82,6 +100,7 @@ RECIPES = {
     for r in (
         Recipe("sft", SFTConfig, "supervised fine-tuning (completion-only loss, chat templates, packing)", _run_sft),
         Recipe("dpo", DPOConfig, "offline preference optimization: DPO, IPO, cDPO, DPOP, R-DPO, SimPO, ORPO", _run_dpo),
+        Recipe("rm", RMConfig, "reward model: scalar head, Bradley-Terry loss on preference pairs", _run_rm),
         Recipe("grpo", GRPOConfig, "online RL with verifiable rewards: GRPO, DAPO, GSPO, CISPO, RLOO, Dr. GRPO, "
                "GDPO, REINFORCE++", _run_grpo),
         Recipe("eval", EvalConfig, "greedy exact-match accuracy of a model on a built-in task", _run_eval),

@@ -12,11 +12,12 @@ import torch
 import yaml
 from pydantic import BaseModel
 
-from posttrain.checkpoint import Checkpoint, load_training_state
+from posttrain.checkpoint import Checkpoint, export_final, load_training_state
 from posttrain.config.schema import TrainerConfig
 from posttrain.data.sampler import EpochSampler
 from posttrain.data.types import SFTBatch
 from posttrain.logging import RunLogger
+from posttrain.models.lora import ADAPTER_DIR, is_lora_model, merged_model, save_adapter
 from posttrain.models.packing import block_causal_mask
 
 CONFIG_FILE = "config.yaml"
@@ -164,3 +165,15 @@ def log_step(run_log: RunLogger, step: int, metrics: dict[str, float], trainer: 
         run_log.log(step, metrics)
     else:
         run_log.advance(step, metrics)
+
+
+def export_model(output_dir: Path, model: torch.nn.Module, tokenizer, run_log: RunLogger) -> Path:
+    """Write OUTPUT/final/ (a Hugging Face model directory) and return it. A LoRA model first writes its adapter
+    alone to OUTPUT/adapter/, then is merged into its base for final/ (so `model` is consumed)."""
+    if is_lora_model(model):
+        adapter_dir = save_adapter(model, Path(output_dir) / ADAPTER_DIR, tokenizer)
+        run_log.message(f"LoRA adapter: {adapter_dir}")
+        model = merged_model(model)
+    final_dir = export_final(output_dir, model, tokenizer)
+    run_log.message(f"final model: {final_dir}")
+    return final_dir

@@ -4,7 +4,8 @@ The loop, top to bottom: load config'd data and model, resume from the newest ch
 output directory has one, then for each optimizer step draw micro_batch_size x
 gradient_accumulation_steps examples, normalize the loss by the target-token count of the whole
 step, backward each micro-batch, clip, step, log, evaluate, checkpoint. At the end write
-OUTPUT/final/ (a Hugging Face model directory).
+OUTPUT/final/ (a Hugging Face model directory). With lora.enabled only LoRA adapters train; checkpoints hold the
+adapter, and the end writes it alone to OUTPUT/adapter/ and merged into the base model to OUTPUT/final/.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from posttrain.algorithms.common import (
     announce_run,
     autocast,
     batch_to,
     chunks,
     configure_torch,
+    export_model,
     forward_logits,
     is_eval_step,
     is_save_step,
@@ -31,7 +34,7 @@ from posttrain.algorithms.common import (
     resume_training,
     seed_everything,
 )
-from posttrain.checkpoint import export_final, latest_checkpoint, save_checkpoint
+from posttrain.checkpoint import latest_checkpoint, save_checkpoint
 from posttrain.config.schema import SFTConfig, TrainerConfig
 from posttrain.data import load_sft_examples
 from posttrain.data.collate import collate
@@ -39,7 +42,11 @@ from posttrain.data.sampler import EpochSampler
 from posttrain.data.types import SFTBatch, TokenizedExample
 from posttrain.logging import RunLogger
 from posttrain.losses.nll import nll_loss
-from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer
+from posttrain.models.loading import (
+    default_device,
+    load_tokenizer,
+    load_trainable_model,
+)
 from posttrain.optim import build_optimizer, build_scheduler
 
 log = logging.getLogger(__name__)
@@ -112,7 +119,7 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
         eval_examples = eval_examples[: cfg.data.max_eval_examples]
 
     resume = latest_checkpoint(output_dir)
-    model = load_causal_lm(cfg.model, path=resume.path if resume else None, device=device)
+    model = load_trainable_model(cfg.model, cfg.lora, resume.path if resume else None, device)
     model.train()
     optimizer = build_optimizer(model, trainer)
     scheduler = build_scheduler(optimizer, trainer)
@@ -155,7 +162,6 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
                 save_checkpoint(output_dir, step, model, tokenizer, optimizer, scheduler,
                                 {"sampler": sampler.state_dict()}, trainer.keep_last)
 
-        final_dir = export_final(output_dir, model, tokenizer)
-        run_log.message(f"final model: {final_dir}")
+        final_dir = export_model(output_dir, model, tokenizer, run_log)
     return SFTResult(output_dir, final_dir, trainer.max_steps, loss, eval_loss)
 

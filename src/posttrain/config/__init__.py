@@ -1,19 +1,41 @@
 """Validated config trees (pydantic) loaded from YAML with dotted command-line overrides."""
 
-from posttrain.config.loader import ConfigError, deep_merge, load_config, parse_overrides, validate
+from posttrain.config.loader import (
+    ConfigError,
+    deep_merge,
+    load_config,
+    parse_overrides,
+    validate,
+)
 from posttrain.config.schema import (
     DataConfig,
     DPOConfig,
     EvalConfig,
     LoggingConfig,
+    LoraSection,
     ModelConfig,
     QuickstartConfig,
     RecipeConfig,
+    RMConfig,
     SFTConfig,
     TrainerConfig,
 )
 
 __all__ = [
-    "ConfigError", "DataConfig", "DPOConfig", "EvalConfig", "LoggingConfig", "ModelConfig", "QuickstartConfig", "RecipeConfig",
-    "SFTConfig", "TrainerConfig", "deep_merge", "load_config", "parse_overrides", "validate",
+    "ConfigError",
+    "DPOConfig",
+    "DataConfig",
+    "EvalConfig",
+    "LoggingConfig",
+    "LoraSection",
+    "ModelConfig",
+    "QuickstartConfig",
+    "RMConfig",
+    "RecipeConfig",
+    "SFTConfig",
+    "TrainerConfig",
+    "deep_merge",
+    "load_config",
+    "parse_overrides",
+    "validate",
 ]

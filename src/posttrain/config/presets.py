@@ -6,8 +6,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 
 def preset_path(name: str) -> Path:
     return Path(str(resources.files("posttrain") / "configs" / name))

@@ -160,6 +160,27 @@ class LoggingConfig(Section):
     """Write OUTPUT/training_curves.png at the end of the run."""
 
 
+class LoraSection(Section):
+    """Low-rank adapters (LoRA, Hu et al. 2021) through peft: only the adapters (and, for reward models, the
+    score head) train; the base weights stay frozen. Supported by sft, dpo and rm."""
+
+    enabled: bool = False
+    """Train LoRA adapters instead of the full model."""
+
+    r: int = Field(16, gt=0)
+    """Rank of each adapter."""
+
+    alpha: float = Field(32.0, gt=0)
+    """Scaling numerator: the adapter's update is multiplied by alpha / r."""
+
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input."""
+
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names (or name suffixes) to adapt, e.g. [q_proj, v_proj]; all-linear: every linear layer but the
+    output head."""
+
+
 class RecipeConfig(Section):
     """Keys every training recipe has."""
 
@@ -181,6 +202,9 @@ class RecipeConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Console progress and experiment loggers."""
 
+    lora: LoraSection = Field(default_factory=LoraSection)
+    """LoRA adapters instead of full fine-tuning."""
+
 
 class SFTConfig(RecipeConfig):
     """Supervised fine-tuning: next-token loss on completions (or whole texts)."""
@@ -189,7 +213,7 @@ class SFTConfig(RecipeConfig):
     """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/. Re-running with the same directory resumes."""
 
     @model_validator(mode="after")
-    def _check(self) -> "SFTConfig":
+    def _check(self) -> SFTConfig:
         if not self.data.train_files:
             raise ValueError("data.train_files is empty: give at least one training file or dataset name")
         if self.data.format in ("preference", "prompt_only"):
@@ -251,7 +275,7 @@ class PreferenceLossSection(Section):
     simpo and orpo length-normalize themselves and need it false."""
 
     @model_validator(mode="after")
-    def _check(self) -> "PreferenceLossSection":
+    def _check(self) -> PreferenceLossSection:
         if self.average_logprobs and self.type in ("simpo", "orpo"):
             raise ValueError(
                 f"loss.average_logprobs=true does not apply to loss.type={self.type!r}: it normalizes by length "
@@ -276,17 +300,52 @@ class DPOConfig(RecipeConfig):
     reference: Literal["frozen_copy", "precomputed"] = "frozen_copy"
     """Reference log-probabilities: frozen_copy (a frozen copy of the starting model scores every batch) or
     precomputed (scored once for every pair before training and kept in memory; no reference model stays
-    loaded). simpo and orpo are reference-free and load no reference either way."""
+    loaded). With lora.enabled no copy is ever loaded: the reference is the policy with its adapters switched
+    off (the frozen base model), scored every batch or once up front. simpo and orpo are reference-free and
+    use no reference either way."""
 
     @model_validator(mode="after")
-    def _check(self) -> "DPOConfig":
-        if not self.data.train_files:
-            raise ValueError("data.train_files is empty: give at least one preference file or dataset name")
-        if self.data.format not in ("auto", "preference"):
-            raise ValueError(f"data.format={self.data.format!r}: DPO trains on preference rows; use auto or preference")
-        if self.data.packing:
-            raise ValueError("data.packing=true is not supported by DPO (pairs are padded); set data.packing=false")
+    def _check(self) -> DPOConfig:
+        check_pair_data(self.data, "DPO")
         return self
+
+
+class RewardLossSection(Section):
+    """The Bradley-Terry reward-model loss (posttrain.losses.reward_model.bradley_terry_loss)."""
+
+    use_margin: bool = False
+    """Subtract each pair's `margin` column from the reward difference inside the sigmoid (Llama 2's graded
+    preferences); every training and evaluation row must then have one."""
+
+    center_rewards_coefficient: float = Field(0.0, ge=0)
+    """Weight of (r_chosen + r_rejected)², which keeps rewards centred on zero; 0 turns it off."""
+
+
+class RMConfig(RecipeConfig):
+    """Reward model training: a scalar head on a language-model backbone, Bradley-Terry loss on
+    prompt/chosen/rejected pairs. OUTPUT/final/ loads with AutoModelForSequenceClassification and scores text
+    through posttrain.models.RewardModel."""
+
+    output_dir: str = "runs/rm"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/. Re-running with the same directory resumes."""
+
+    loss: RewardLossSection = Field(default_factory=RewardLossSection)
+    """The reward-model loss."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RMConfig:
+        check_pair_data(self.data, "reward-model training")
+        return self
+
+
+def check_pair_data(data: DataConfig, recipe: str) -> None:
+    """The data keys DPO and reward-model training share: preference rows, padded pairs."""
+    if not data.train_files:
+        raise ValueError("data.train_files is empty: give at least one preference file or dataset name")
+    if data.format not in ("auto", "preference"):
+        raise ValueError(f"data.format={data.format!r}: {recipe} uses preference rows; use auto or preference")
+    if data.packing:
+        raise ValueError(f"data.packing=true is not supported by {recipe} (pairs are padded); set data.packing=false")
 
 
 class RolloutSection(Section):
@@ -346,9 +405,10 @@ class RolloutSection(Section):
 class EnvironmentSection(Section):
     """What scores the completions."""
 
-    kind: Literal["arithmetic", "math", "code", "python"] = "arithmetic"
+    kind: Literal["arithmetic", "math", "code", "python", "reward_model"] = "arithmetic"
     """arithmetic (exact match of the sum), math (math-verify on the final or boxed answer against the row's
-    `answer`), code (the program run against the row's `tests` in a sandbox), python (your reward functions)."""
+    `answer`), code (the program run against the row's `tests` in a sandbox), python (your reward functions),
+    reward_model (a trained reward model's score; options {path: runs/rm/final})."""
 
     options: dict[str, Any] = Field(default_factory=dict)
     """Keyword options of the environment, e.g. {timeout_s: 5, num_workers: 2}; python takes
@@ -481,12 +541,15 @@ class GRPOConfig(RecipeConfig):
     """Optimizer steps per rollout batch."""
 
     @model_validator(mode="after")
-    def _check(self) -> "GRPOConfig":
+    def _check(self) -> GRPOConfig:
         if not self.data.train_files:
             raise ValueError("data.train_files is empty: give at least one file or dataset of prompts")
         if self.data.format not in ("auto", "prompt_only"):
             raise ValueError(f"data.format={self.data.format!r}: GRPO reads prompts; use auto or prompt_only "
                              "(every column other than prompt is passed to the environment)")
+        if self.lora.enabled:
+            raise ValueError("lora.enabled=true is not supported by grpo yet (sft, dpo and rm support it); "
+                             "set lora.enabled=false")
         if self.trainer.gradient_accumulation_steps != 1:
             raise ValueError("trainer.gradient_accumulation_steps does not apply to GRPO: each minibatch "
                              "(rollout batch / update.num_minibatches) is split into micro-batches of "

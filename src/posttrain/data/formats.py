@@ -9,8 +9,9 @@ messages {"role": ..., "content": ...}.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from posttrain.data.errors import DataError
@@ -57,6 +58,8 @@ class PreferenceRow:
     prompt: str | Messages
     chosen: str | Messages
     rejected: str | Messages
+    margin: float | None = None
+    """How strongly chosen is preferred (an optional numeric `margin` column), for reward-model margins."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,16 @@ def _parse_messages(row: Mapping[str, Any], location: str) -> MessagesRow:
 
 
 def _parse_preference(row: Mapping[str, Any], location: str) -> PreferenceRow:
+    pair = _parse_pair(row, location)
+    margin = row.get("margin")
+    if margin is None:
+        return pair
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+        raise DataError(location, f"expected a finite number, got {_type_name(margin)} {margin!r}", "margin")
+    return replace(pair, margin=float(margin))
+
+
+def _parse_pair(row: Mapping[str, Any], location: str) -> PreferenceRow:
     if "prompt" in row:
         prompt = _string_or_messages(row["prompt"], "prompt", location)
         chosen = _same_kind(_field(row, "chosen", location), prompt, "chosen", "prompt", location)

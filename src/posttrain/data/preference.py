@@ -43,17 +43,26 @@ def tokenize_preference_row(
 
 
 def _tokenize_pair(row: PreferenceRow, tokenizer: PreTrainedTokenizerBase, source: str) -> PreferenceExample:
-    if isinstance(row.prompt, str):
-        prompt_ids = list(tokenizer(row.prompt)["input_ids"])
-        completions = [list(tokenizer(c, add_special_tokens=False)["input_ids"]) for c in (row.chosen, row.rejected)]
-        if tokenizer.eos_token_id is not None:
-            completions = [ids + [tokenizer.eos_token_id] for ids in completions]
-    else:
-        prompt_ids, completions = _chat_pair(row.prompt, [row.chosen, row.rejected], tokenizer, source)
-    chosen_ids, rejected_ids = completions
+    prompt_ids, (chosen_ids, rejected_ids) = tokenize_completions(row.prompt, [row.chosen, row.rejected], tokenizer,
+                                                                   source)
     if not chosen_ids or not rejected_ids:
         raise DataError(source, "a completion tokenizes to no tokens; nothing to compare", "chosen")
-    return PreferenceExample(tuple(prompt_ids), tuple(chosen_ids), tuple(rejected_ids), source)
+    return PreferenceExample(tuple(prompt_ids), tuple(chosen_ids), tuple(rejected_ids), source, row.margin)
+
+
+def tokenize_completions(
+    prompt: str | Messages, completions: Sequence[str | Messages], tokenizer: PreTrainedTokenizerBase, source: str = ""
+) -> tuple[list[int], list[list[int]]]:
+    """(prompt ids, [ids of each completion]) as preference pairs are tokenized: a string prompt as the tokenizer
+    encodes it (with its special tokens), each string completion without special tokens and followed by EOS;
+    a conversation through the chat template (see tokenize_preference_row). Reward models score text the same way."""
+    if isinstance(prompt, str):
+        prompt_ids = list(tokenizer(prompt)["input_ids"])
+        completion_ids = [list(tokenizer(c, add_special_tokens=False)["input_ids"]) for c in completions]
+        if tokenizer.eos_token_id is not None:
+            completion_ids = [ids + [tokenizer.eos_token_id] for ids in completion_ids]
+        return prompt_ids, completion_ids
+    return _chat_pair(prompt, list(completions), tokenizer, source)
 
 
 def fit_pair(

@@ -63,12 +63,14 @@ class PreferenceExample:
     chosen_ids: [C] token ids of the preferred completion, ending with EOS (or the template's end of turn).
     rejected_ids: [R] token ids of the dispreferred completion, ending likewise.
     source: where the pair came from ("file.jsonl:12"), for error messages.
+    margin: the row's optional `margin` column (how strongly chosen is preferred), else None.
     """
 
     prompt_ids: tuple[int, ...]
     chosen_ids: tuple[int, ...]
     rejected_ids: tuple[int, ...]
     source: str = ""
+    margin: float | None = None
 
     def sequence(self, which: str) -> TokenizedExample:
         """The prompt followed by the chosen or rejected completion, completion tokens as targets."""

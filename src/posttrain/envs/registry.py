@@ -6,6 +6,7 @@
 - "math": `MathEnvironment(timeout_s, num_workers, format_weight, reward_components)`
 - "python": `PythonRewardEnvironment(functions, timeout_s, num_workers, samples_per_call, reward_components)`
 - "code": `CodeEnvironment(time_limit_s, memory_limit_mb, output_limit_bytes, num_workers, all_or_nothing)`
+- "reward_model": `RewardModelEnvironment(path, conversational, batch_size, max_length, device)` (a `posttrain rm` model)
 
 How many failed samples a step tolerates (`max_error_fraction`) belongs to the training loop
 (`rewards.RewardErrorBudget`), not to the environment.
@@ -22,12 +23,14 @@ from posttrain.envs.base import Environment
 from posttrain.envs.code import CodeEnvironment
 from posttrain.envs.math import MathEnvironment
 from posttrain.envs.python_reward import PythonRewardEnvironment
+from posttrain.envs.reward_model_env import RewardModelEnvironment
 
 ENVIRONMENTS: dict[str, type] = {
     "arithmetic": ArithmeticEnvironment,
     "math": MathEnvironment,
     "python": PythonRewardEnvironment,
     "code": CodeEnvironment,
+    "reward_model": RewardModelEnvironment,
 }
 
 

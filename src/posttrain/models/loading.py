@@ -7,13 +7,20 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
 
-from posttrain.config.schema import ModelConfig
+from posttrain.config.schema import LoraSection, ModelConfig
 from posttrain.models.errors import ModelNotFoundError
+from posttrain.models.lora import (
+    TaskKind,
+    add_lora,
+    load_lora,
+    prepare_for_gradient_checkpointing,
+)
 from posttrain.models.tiny import EMBEDDED_MODELS, ensure_embedded_model, is_embedded
 from posttrain.models.trained import (
     TRAINED_MODELS,
@@ -62,17 +69,54 @@ def load_tokenizer(cfg: ModelConfig, padding_side: str = "right") -> PreTrainedT
 
 def load_causal_lm(cfg: ModelConfig, path: str | Path | None = None, device: str | torch.device = "cpu") -> PreTrainedModel:
     """Load the model of `cfg` (or the checkpoint directory `path`, when resuming) for training."""
+    return _from_pretrained(AutoModelForCausalLM, cfg, path).to(device)
+
+
+def load_reward_backbone(cfg: ModelConfig, pad_token_id: int, path: str | Path | None = None,
+                         device: str | torch.device = "cpu") -> PreTrainedModel:
+    """`cfg`'s model (or checkpoint `path`) with a scalar head: AutoModelForSequenceClassification, num_labels=1.
+
+    From a causal LM checkpoint the backbone weights load and the score head starts fresh (normal init with the
+    model's initializer_range). The head reads the hidden state of each row's last non-pad token, so the config
+    gets the tokenizer's pad id.
+    """
+    model = _from_pretrained(AutoModelForSequenceClassification, cfg, path, num_labels=1)
+    model.config.pad_token_id = pad_token_id
+    return model.to(device)
+
+
+def load_trainable_model(cfg: ModelConfig, lora: LoraSection, resume: str | Path | None, device: torch.device,
+                         task: TaskKind = "causal_lm", pad_token_id: int | None = None) -> torch.nn.Module:
+    """The model a recipe trains: the starting model, or the checkpoint `resume`; with lora.enabled the starting
+    model with fresh adapters, or with the adapter saved in `resume`."""
+    def load(path: str | Path | None) -> PreTrainedModel:
+        if task == "reward":
+            assert pad_token_id is not None, "a reward model needs the tokenizer's pad id"
+            return load_reward_backbone(cfg, pad_token_id, path, device)
+        return load_causal_lm(cfg, path, device)
+
+    if not lora.enabled:
+        return load(resume)
+    base = load(None)
+    base.requires_grad_(False)
+    if cfg.gradient_checkpointing:
+        prepare_for_gradient_checkpointing(base)
+    return load_lora(base, resume) if resume is not None else add_lora(base, lora, task)
+
+
+def _from_pretrained(auto_class: type, cfg: ModelConfig, path: str | Path | None, **kwargs) -> PreTrainedModel:
     source = str(path) if path is not None else resolve_model_path(cfg.name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(
+    model = auto_class.from_pretrained(
         source,
         dtype=DTYPES[cfg.dtype],
         attn_implementation=cfg.attn_implementation,
         trust_remote_code=cfg.trust_remote_code,
+        **kwargs,
     )
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable()
         model.config.use_cache = False
-    return model.to(device)
+    return model
 
 
 def default_device() -> torch.device:

@@ -1,0 +1,97 @@
+"""Scoring text with a trained reward model (the OUTPUT/final/ of `posttrain rm`, or any Hugging Face sequence
+classifier with one label).
+
+    from posttrain.models import RewardModel
+    rm = RewardModel.from_pretrained("runs/rm_arithmetic/final")
+    rm.score(["12+34="], ["46"])          # -> [reward]
+
+Text is tokenized exactly as in training (posttrain.data.preference.tokenize_completions): a string prompt with the
+tokenizer's special tokens, the completion without them and followed by EOS; a conversation (a list of messages
+for the prompt, one or more assistant messages for the completion) through the chat template. Rows are
+right-padded and the head reads each row's last non-pad token, as in training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from posttrain.data.collate import collate_padded
+from posttrain.data.formats import Messages
+from posttrain.data.preference import tokenize_completions
+from posttrain.data.types import TokenizedExample
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+class RewardModel:
+    """A scalar reward model and its tokenizer; `score` maps (prompt, completion) pairs to floats."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_size: int = 32,
+                 max_length: int | None = None):
+        if getattr(model.config, "num_labels", None) != 1:
+            raise ValueError(f"a reward model has one output (num_labels=1); this model has "
+                             f"{getattr(model.config, 'num_labels', None)}")
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if model.config.pad_token_id is None:
+            model.config.pad_token_id = tokenizer.pad_token_id
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.max_length = max_length
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None, dtype: str = "float32",
+                        batch_size: int = 32, max_length: int | None = None) -> RewardModel:
+        """Load a reward-model directory (or hub id, or embedded name) with AutoModelForSequenceClassification."""
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from posttrain.models.loading import DTYPES, default_device, resolve_model_path
+
+        source = resolve_model_path(str(path))
+        model = AutoModelForSequenceClassification.from_pretrained(source, dtype=DTYPES[dtype])
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model.to(device if device is not None else default_device())
+        return cls(model, tokenizer, batch_size, max_length)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @torch.no_grad()
+    def score(self, prompts: Sequence[str | Messages], completions: Sequence[str | Messages]) -> list[float]:
+        """The reward of each (prompt, completion) pair, in batches of `batch_size`.
+
+        With max_length set, a longer sequence keeps its prompt whole and loses the end of its completion (as
+        data.overlong=truncate does in training); ValueError when a prompt alone does not fit."""
+        if len(prompts) != len(completions):
+            raise ValueError(f"got {len(prompts)} prompts but {len(completions)} completions; pass one per prompt")
+        rows = [self._tokenize(prompt, completion, index)
+                for index, (prompt, completion) in enumerate(zip(prompts, completions))]
+        rewards: list[float] = []
+        for start in range(0, len(rows), self.batch_size):
+            batch = collate_padded(rows[start:start + self.batch_size], self.tokenizer.pad_token_id)
+            logits = self.model(
+                input_ids=batch.input_ids.to(self.device),
+                attention_mask=batch.attention_mask.to(self.device),
+                position_ids=batch.position_ids.to(self.device),
+                use_cache=False,
+            ).logits
+            rewards.extend(logits.squeeze(-1).float().tolist())
+        return rewards
+
+    def _tokenize(self, prompt: str | Messages, completion: str | Messages, index: int) -> TokenizedExample:
+        prompt_ids, (completion_ids,) = tokenize_completions(prompt, [completion], self.tokenizer, f"pair {index}")
+        if self.max_length is not None and len(prompt_ids) + len(completion_ids) > self.max_length:
+            room = self.max_length - len(prompt_ids)
+            if room < 1:
+                raise ValueError(f"pair {index}: the prompt has {len(prompt_ids)} tokens, leaving no room for the "
+                                 f"completion within max_length={self.max_length}")
+            completion_ids = completion_ids[:room]
+        ids = tuple(prompt_ids + completion_ids)
+        return TokenizedExample(ids, (0,) * len(prompt_ids) + (1,) * len(completion_ids), f"pair {index}")
