@@ -75,8 +75,13 @@ def test_cross_field_validation():
 
 
 def test_shipped_configs_validate():
+    from posttrain.config import DPOConfig, RMConfig
+    from posttrain.config.schema import GRPOConfig
+
     root = Path(__file__).resolve().parents[1] / "configs"
-    shipped = sorted(root.glob("sft_*.yaml"))
-    assert len(shipped) >= 2
+    shipped = sorted(root.glob("*.yaml"))
+    assert len(shipped) >= 15
+    schemas = {"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig}
     for path in shipped:
-        load_config(SFTConfig, path)
+        # Every other preset is an online RL one (grpo, dapo, gspo, cispo, rloo, dr_grpo, gdpo).
+        load_config(schemas.get(path.name.split("_")[0], GRPOConfig), path)
