@@ -154,3 +154,15 @@ def test_lora_target_modules_that_match_nothing_name_the_key(tmp_path, tiny_mode
                                         "lora.target_modules=['no_such_proj']"])
     with pytest.raises(ValueError, match="lora.target_modules"):
         train_sft(cfg)
+
+
+def test_lora_reward_model_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):
+    # The checkpoint holds the adapter and the trained score head (peft's modules_to_save); both come back.
+    def run(output_dir: Path, steps: int) -> None:
+        train_rm(load_config(RMConfig, None, [*PAIRS, f"output_dir={output_dir}", f"trainer.max_steps={steps}",
+                                              "trainer.save_every=3"]))
+
+    run(tmp_path / "straight", 6)
+    run(tmp_path / "resumed", 3)
+    run(tmp_path / "resumed", 6)
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
