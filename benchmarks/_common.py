@@ -276,3 +276,25 @@ def announce_environment() -> tuple[dict[str, str | None], dict[str, Any]]:
         print(f"warning: the load average is {load[0]:.2f}: other processes are using the CPU, so the timings will be "
               "noisy and may favour either framework. Re-run on a quiet machine.")
     return versions, machine
+
+
+def record_posttrain_step_ends() -> dict[int, float]:
+    """Time every posttrain training step from inside this (worker) process: returns a dict that fills with
+    {step: perf_counter() at the step's end}. RunLogger.log (or .advance, for steps not logged) is called once
+    per step, right after the optimizer step, so consecutive entries delimit one whole step. Patches the class,
+    so call it before the training call."""
+    import posttrain.logging
+
+    step_ends: dict[int, float] = {}
+    original_log, original_advance = posttrain.logging.RunLogger.log, posttrain.logging.RunLogger.advance
+
+    def log(self, step, metrics):
+        step_ends.setdefault(step, time.perf_counter())
+        return original_log(self, step, metrics)
+
+    def advance(self, step, metrics=None):
+        step_ends.setdefault(step, time.perf_counter())
+        return original_advance(self, step, metrics)
+
+    posttrain.logging.RunLogger.log, posttrain.logging.RunLogger.advance = log, advance
+    return step_ends

@@ -181,7 +181,6 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(spec["threads"])
     import posttrain
     import posttrain.data.preference
-    import posttrain.logging
     from posttrain.algorithms.dpo import train_dpo
     from posttrain.config import load_config
     from posttrain.config.schema import DPOConfig, ModelConfig
@@ -238,20 +237,7 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
     }
     cfg = load_config(DPOConfig, None, None, base=tree)
 
-    # Step ends: RunLogger.log (or .advance, for steps not logged) is called once per step, right after
-    # the optimizer step, so consecutive calls delimit one whole step.
-    step_ends: dict[int, float] = {}
-    original_log, original_advance = posttrain.logging.RunLogger.log, posttrain.logging.RunLogger.advance
-
-    def log(self, step, metrics):
-        step_ends.setdefault(step, time.perf_counter())
-        return original_log(self, step, metrics)
-
-    def advance(self, step, metrics=None):
-        step_ends.setdefault(step, time.perf_counter())
-        return original_advance(self, step, metrics)
-
-    posttrain.logging.RunLogger.log, posttrain.logging.RunLogger.advance = log, advance
+    step_ends = _common.record_posttrain_step_ends()
 
     # The batches trained on, as built by posttrain's collate_preference (kept as tensors; unpacked after
     # training). The name is replaced in every loaded posttrain module that imported it, wherever the recipe's

@@ -139,7 +139,6 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
     import posttrain
-    import posttrain.logging
     from posttrain.algorithms.grpo import train_grpo
     from posttrain.config import load_config
     from posttrain.config.schema import GRPOConfig, ModelConfig
@@ -217,20 +216,7 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
     }
     cfg = load_config(GRPOConfig, None, None, base=tree)
 
-    # Step ends: RunLogger.log (or .advance, for steps not logged) is called once per step, right after
-    # the optimizer step, so consecutive calls delimit one whole step.
-    step_ends: dict[int, float] = {}
-    original_log, original_advance = posttrain.logging.RunLogger.log, posttrain.logging.RunLogger.advance
-
-    def log(self, step, metrics):
-        step_ends.setdefault(step, time.perf_counter())
-        return original_log(self, step, metrics)
-
-    def advance(self, step, metrics=None):
-        step_ends.setdefault(step, time.perf_counter())
-        return original_advance(self, step, metrics)
-
-    posttrain.logging.RunLogger.log, posttrain.logging.RunLogger.advance = log, advance
+    step_ends = _common.record_posttrain_step_ends()
 
     # The prompts scored each step (the first message of each episode), to check both frameworks saw the same.
     scored_prompts: list[list[str]] = []

@@ -118,7 +118,6 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
     import posttrain
-    import posttrain.logging
     from posttrain.algorithms.sft import train_sft
     from posttrain.config import load_config
     from posttrain.config.schema import ModelConfig, SFTConfig
@@ -167,20 +166,7 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
     }
     cfg = load_config(SFTConfig, None, None, base=tree)
 
-    # Step ends: RunLogger.log (or .advance, for steps not logged) is called once per step, right after
-    # optimizer.step(), so consecutive calls delimit one whole step.
-    step_ends: dict[int, float] = {}
-    original_log, original_advance = posttrain.logging.RunLogger.log, posttrain.logging.RunLogger.advance
-
-    def log(self, step, metrics):
-        step_ends.setdefault(step, time.perf_counter())
-        return original_log(self, step, metrics)
-
-    def advance(self, step, metrics=None):
-        step_ends.setdefault(step, time.perf_counter())
-        return original_advance(self, step, metrics)
-
-    posttrain.logging.RunLogger.log, posttrain.logging.RunLogger.advance = log, advance
+    step_ends = _common.record_posttrain_step_ends()
 
     peak_reset = _common.reset_peak_rss()
     started = time.perf_counter()
