@@ -298,3 +298,49 @@ def record_posttrain_step_ends() -> dict[int, float]:
 
     posttrain.logging.RunLogger.log, posttrain.logging.RunLogger.advance = log, advance
     return step_ends
+
+
+def trl_optimization_and_bookkeeping(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The TRL config arguments the posttrain-vs-TRL benchmarks share: spec["steps"] steps at a constant
+    spec["learning_rate"] (a script replaces the schedule itself when the spec asks for another), AdamW betas
+    0.9/0.999, eps 1e-8, no weight decay, clipping at 1.0, spec["trl_optim"] if set; a metrics record every step,
+    no tracker, no progress bar, no evaluation, one checkpoint at the last step."""
+    return {
+        "max_steps": spec["steps"],
+        "learning_rate": spec["learning_rate"],
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "weight_decay": 0.0,
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.999,
+        "adam_epsilon": 1e-8,
+        "max_grad_norm": 1.0,
+        **({"optim": spec["trl_optim"]} if spec["trl_optim"] else {}),
+        "logging_steps": 1,
+        "report_to": "none",
+        "disable_tqdm": True,
+        "eval_strategy": "no",
+        "save_strategy": "steps",
+        "save_steps": spec["steps"],
+        "save_total_limit": 1,
+    }
+
+
+def jsonl_dataset(path: str | Path):
+    """A datasets.Dataset of the JSON rows of `path` (in a worker: imports datasets)."""
+    import datasets
+
+    with open(path) as file:
+        rows = [json.loads(line) for line in file if line.strip()]
+    return datasets.Dataset.from_list(rows)
+
+
+def train_and_save_quietly(trainer: Any, final_dir: Path) -> None:
+    """trainer.train() without per-step console output (posttrain runs with logging.progress=none), then
+    save_model(final_dir)."""
+    from transformers import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
+    trainer.train()
+    trainer.save_model(str(final_dir))

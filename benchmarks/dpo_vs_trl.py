@@ -297,13 +297,10 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
 
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
-    import datasets
     import trl
     from transformers import (
         AutoModelForCausalLM,
         AutoTokenizer,
-        PrinterCallback,
-        ProgressCallback,
         TrainerCallback,
     )
     from trl import DPOConfig, DPOTrainer
@@ -398,46 +395,23 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
         ld_alpha=None,
         activation_offloading=False,
         use_liger_kernel=False,
-        # optimization
-        max_steps=spec["steps"],
+        # optimization (and bookkeeping: one record per step, no tracker, no eval, one checkpoint at the end)
+        **_common.trl_optimization_and_bookkeeping(spec),
         per_device_train_batch_size=spec["micro_batch_size"],
         gradient_accumulation_steps=spec["accumulation"],
-        learning_rate=spec["learning_rate"],
-        lr_scheduler_type="constant",  # replaced by posttrain's schedule unless constant without warm-up
-        warmup_steps=0,
-        weight_decay=0.0,
-        adam_beta1=0.9,
-        adam_beta2=0.999,
-        adam_epsilon=1e-8,
-        max_grad_norm=1.0,
-        **({"optim": spec["trl_optim"]} if spec["trl_optim"] else {}),
-        # bookkeeping
-        logging_steps=1,
-        report_to="none",
-        disable_tqdm=True,
-        eval_strategy="no",
-        save_strategy="steps",
-        save_steps=spec["steps"],
-        save_total_limit=1,
     )
     recorder = Recorder()
 
     peak_reset = _common.reset_peak_rss()
     started = time.perf_counter()
-    with open(spec["pairs_file"]) as file:
-        rows = [json.loads(line) for line in file if line.strip()]
-    dataset = datasets.Dataset.from_list(rows)
+    dataset = _common.jsonl_dataset(spec["pairs_file"])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     trainer = trainer_class(
         model=model_dir, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[recorder]
     )
-    # No console output per step (posttrain runs with logging.progress=none).
-    trainer.remove_callback(PrinterCallback)
-    trainer.remove_callback(ProgressCallback)
     collator = RecordingCollator(trainer.data_collator)
     trainer.data_collator = collator
-    trainer.train()
-    trainer.save_model(str(output_dir / "final"))
+    _common.train_and_save_quietly(trainer, output_dir / "final")
     wall = time.perf_counter() - started
     peak = _common.peak_rss_mib()
 
