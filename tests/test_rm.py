@@ -66,6 +66,19 @@ def test_batched_pair_rewards_equal_scoring_each_text_alone(tiny_model_dir):
     assert len(set(alone)) == 6  # the head reads each row's own last token, not padding
 
 
+def test_reward_model_max_length_cuts_the_completion_and_names_a_prompt_too_long(tiny_model_dir):
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
+    torch.manual_seed(0)
+    model = load_reward_backbone(ModelConfig(name_or_path=str(tiny_model_dir)), tokenizer.pad_token_id)
+    whole = RewardModel(model, tokenizer)
+    cut = RewardModel(model, tokenizer, max_length=8)  # "12+34=" is 6 tokens: 2 completion tokens fit
+    # Cutting "4699" + EOS to its first 2 tokens scores exactly the text "46" without its EOS.
+    manual = whole.model(input_ids=torch.tensor([tokenizer("12+34=46")["input_ids"]])).logits.item()
+    assert cut.score(["12+34="], ["4699"]) == pytest.approx([manual], abs=1e-5)
+    with pytest.raises(DataError, match=r"pair 1: field 'prompt'.*max_length=8"):
+        cut.score(["1+1=", "123456789+1="], ["2", "123456790"])
+
+
 def test_short_rm_run_learns_a_clear_preference_and_scores_through_reward_model(tmp_path, tiny_model_dir):
     train = write_pairs(tmp_path / "train.jsonl", loud_pairs(64))
     heldout = write_pairs(tmp_path / "heldout.jsonl", loud_pairs(96)[64:])

@@ -74,13 +74,18 @@ def fit_pair(
         return pair
     if overlong == "drop":
         return None
-    room = max_length - len(pair.prompt_ids)
-    if room < 1:
-        raise DataError(
-            pair.source, f"the prompt has {len(pair.prompt_ids)} tokens, leaving no completion token within "
-            f"data.max_length={max_length}", "prompt",
-        )
+    room = completion_room(len(pair.prompt_ids), max_length, pair.source)
     return replace(pair, chosen_ids=pair.chosen_ids[:room], rejected_ids=pair.rejected_ids[:room])
+
+
+def completion_room(prompt_length: int, max_length: int, source: str, key: str = "data.max_length") -> int:
+    """How many completion tokens fit after a prompt of prompt_length within max_length; DataError (at source,
+    field prompt) when not even one does."""
+    room = max_length - prompt_length
+    if room < 1:
+        raise DataError(source, f"the prompt has {prompt_length} tokens, leaving no completion token within "
+                        f"{key}={max_length}", "prompt")
+    return room
 
 
 def _chat_pair(

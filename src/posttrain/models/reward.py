@@ -21,7 +21,7 @@ import torch
 
 from posttrain.data.collate import collate_padded
 from posttrain.data.formats import Messages
-from posttrain.data.preference import tokenize_completions
+from posttrain.data.preference import completion_room, tokenize_completions
 from posttrain.data.types import TokenizedExample
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ class RewardModel:
         """The reward of each (prompt, completion) pair, in batches of `batch_size`.
 
         With max_length set, a longer sequence keeps its prompt whole and loses the end of its completion (as
-        data.overlong=truncate does in training); ValueError when a prompt alone does not fit."""
+        data.overlong=truncate does in training); DataError (a ValueError) when a prompt alone does not fit."""
         if len(prompts) != len(completions):
             raise ValueError(f"got {len(prompts)} prompts but {len(completions)} completions; pass one per prompt")
         rows = [self._tokenize(prompt, completion, index)
@@ -87,11 +87,8 @@ class RewardModel:
 
     def _tokenize(self, prompt: str | Messages, completion: str | Messages, index: int) -> TokenizedExample:
         prompt_ids, (completion_ids,) = tokenize_completions(prompt, [completion], self.tokenizer, f"pair {index}")
-        if self.max_length is not None and len(prompt_ids) + len(completion_ids) > self.max_length:
-            room = self.max_length - len(prompt_ids)
-            if room < 1:
-                raise ValueError(f"pair {index}: the prompt has {len(prompt_ids)} tokens, leaving no room for the "
-                                 f"completion within max_length={self.max_length}")
-            completion_ids = completion_ids[:room]
+        if self.max_length is not None:
+            completion_ids = completion_ids[:completion_room(len(prompt_ids), self.max_length, f"pair {index}",
+                                                             "max_length")]
         ids = tuple(prompt_ids + completion_ids)
         return TokenizedExample(ids, (0,) * len(prompt_ids) + (1,) * len(completion_ids), f"pair {index}")
