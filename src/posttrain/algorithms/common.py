@@ -168,8 +168,8 @@ def log_step(run_log: RunLogger, step: int, metrics: dict[str, float], trainer: 
 
 
 def export_model(output_dir: Path, model: torch.nn.Module, tokenizer, run_log: RunLogger) -> Path:
-    """Write OUTPUT/final/ (a Hugging Face model directory) and return it. A LoRA model first writes its adapter
-    alone to OUTPUT/adapter/, then is merged into its base for final/ (so `model` is consumed)."""
+    """Every recipe's end: write OUTPUT/final/ (a Hugging Face model directory) and return it. A LoRA model first
+    writes its adapter alone to OUTPUT/adapter/, then is merged into its base for final/ (so `model` is consumed)."""
     if is_lora_model(model):
         adapter_dir = save_adapter(model, Path(output_dir) / ADAPTER_DIR, tokenizer)
         run_log.message(f"LoRA adapter: {adapter_dir}")

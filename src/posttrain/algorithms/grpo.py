@@ -39,6 +39,7 @@ from posttrain.algorithms.common import (
     announce_run,
     autocast,
     configure_torch,
+    export_model,
     is_eval_step,
     is_save_step,
     log_step,
@@ -58,7 +59,6 @@ from posttrain.algorithms.rollout import (
     to_batch,
 )
 from posttrain.checkpoint import (
-    export_final,
     latest_checkpoint,
     load_training_state,
     save_checkpoint,
@@ -232,8 +232,7 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
             log_and_save(run_log, step, metrics, cfg, model, tokenizer, optimizer, scheduler, output_dir,
                          sampler, budget, next_group_id)
 
-        final_dir = export_final(output_dir, model, tokenizer)
-        run_log.message(f"final model: {final_dir}")
+        final_dir = export_model(output_dir, model, tokenizer, run_log)
     return GRPOResult(output_dir, final_dir, trainer.max_steps, metrics)
 
 
