@@ -158,6 +158,20 @@ def batch_rows(input_ids: list[list[int]], completion_mask: list[list[int]], att
     return rows
 
 
+def shared_prompt_rows(input_ids: list[list[int]], segments: list[list[int]]) -> list[list[list[int]]]:
+    """A shared-prompt batch (one row per pair: prompt, chosen, rejected) as the rows of the two-row layout:
+    [[prompt + chosen ids], [completion mask]] for every pair, then the same for prompt + rejected."""
+    from posttrain.data.types import CHOSEN, PROMPT, REJECTED
+
+    halves: dict[int, list[list[list[int]]]] = {CHOSEN: [], REJECTED: []}
+    for ids, labels in zip(input_ids, segments, strict=True):
+        prompt = [t for t, s in zip(ids, labels) if s == PROMPT]
+        for which, rows in halves.items():
+            completion = [t for t, s in zip(ids, labels) if s == which]
+            rows.append([prompt + completion, [0] * len(prompt) + [1] * len(completion)])
+    return halves[CHOSEN] + halves[REJECTED]
+
+
 def step_fingerprints(micro_batches: list[list[list[list[int]]]], accumulation: int, steps: int) -> list[str | None]:
     """A digest of the unpadded rows of each optimizer step's micro-batches (None for steps not seen)."""
     digests: list[str | None] = []
@@ -184,6 +198,7 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
     from posttrain.algorithms.dpo import train_dpo
     from posttrain.config import load_config
     from posttrain.config.schema import DPOConfig, ModelConfig
+    from posttrain.data.types import SharedPromptBatch
     from posttrain.models.loading import load_causal_lm, load_tokenizer
 
     model_cfg = ModelConfig(name_or_path=spec["model_dir"], dtype="float32", attn_implementation="sdpa")
@@ -213,6 +228,7 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
             "average_logprobs": False,
         },
         "reference": "frozen_copy",
+        "share_prompt": spec["share_prompt"],
         "trainer": {
             "max_steps": spec["steps"],
             "learning_rate": spec["learning_rate"],
@@ -239,20 +255,22 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
 
     step_ends = _common.record_posttrain_step_ends()
 
-    # The batches trained on, as built by posttrain's collate_preference (kept as tensors; unpacked after
-    # training). The name is replaced in every loaded posttrain module that imported it, wherever the recipe's
-    # loop lives; with no evaluation and no precomputed reference, only training batches are collated.
+    # The batches trained on, as built by posttrain's collate_shared_prompt (one row per pair, the default) or
+    # collate_preference (chosen rows then rejected rows, --no-share-prompt); kept as tensors, unpacked after
+    # training. The names are replaced in every loaded posttrain module that imported them, wherever the
+    # recipe's loop lives; with no evaluation and no precomputed reference, only training batches are collated.
     collated = []
-    original_collate = posttrain.data.preference.collate_preference
+    for collate_name in ("collate_preference", "collate_shared_prompt"):
+        original = getattr(posttrain.data.preference, collate_name)
 
-    def collate_preference(pairs, pad_token_id):
-        batch = original_collate(pairs, pad_token_id)
-        collated.append(batch)
-        return batch
+        def recording(pairs, pad_token_id, original=original):
+            batch = original(pairs, pad_token_id)
+            collated.append(batch)
+            return batch
 
-    for name, module in list(sys.modules.items()):
-        if name.startswith("posttrain") and getattr(module, "collate_preference", None) is original_collate:
-            module.collate_preference = collate_preference
+        for name, module in list(sys.modules.items()):
+            if name.startswith("posttrain") and getattr(module, collate_name, None) is original:
+                setattr(module, collate_name, recording)
 
     peak_reset = _common.reset_peak_rss()
     started = time.perf_counter()
@@ -261,7 +279,8 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
     peak = _common.peak_rss_mib()
 
     micro_batches = [
-        batch_rows(b.input_ids.tolist(), b.loss_mask.long().tolist(), b.attention_mask.tolist()) for b in collated
+        shared_prompt_rows(b.input_ids.tolist(), b.segments.tolist()) if isinstance(b, SharedPromptBatch)
+        else batch_rows(b.input_ids.tolist(), b.loss_mask.long().tolist(), b.attention_mask.tolist()) for b in collated
     ]
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     by_step = {r["step"]: r for r in records if "loss" in r}
@@ -280,8 +299,13 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
         "step_fingerprints": step_fingerprints(micro_batches, spec["accumulation"], spec["steps"]),
         "tokens_per_step": [sum(len(row[0]) for mb in micro_batches[i * spec["accumulation"] : (i + 1) * spec["accumulation"]]
                                 for row in mb) for i in range(spec["steps"])],
-        "padded_width_per_step": [max(b.input_ids.shape[1] for b in collated[i * spec["accumulation"] : (i + 1) * spec["accumulation"]])
+        # Of the two-row layout (the longest prompt + completion); with a shared prompt the rows are longer, fewer.
+        "padded_width_per_step": [max(len(row[0]) for mb in micro_batches[i * spec["accumulation"] : (i + 1) * spec["accumulation"]]
+                                      for row in mb)
                                   if len(collated) >= (i + 1) * spec["accumulation"] else None for i in range(spec["steps"])],
+        "model_positions_per_step": [sum(b.input_ids.numel() for b in collated[i * spec["accumulation"] : (i + 1) * spec["accumulation"]])
+                                     for i in range(spec["steps"])],
+        "share_prompt": cfg.shares_prompt,
         "losses": [by_step.get(s, {}).get("loss") for s in steps],
         "margins": [by_step.get(s, {}).get("margin") for s in steps],
         "reward_accuracies": [by_step.get(s, {}).get("reward_accuracy") for s in steps],
@@ -458,6 +482,8 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
                             for i in range(steps)],
         "padded_width_per_step": [max(b["input_ids"].shape[1] for b in batches[i * accumulation : (i + 1) * accumulation])
                                   if len(batches) >= (i + 1) * accumulation else None for i in range(steps)],
+        "model_positions_per_step": [sum(b["input_ids"].numel() for b in batches[i * accumulation : (i + 1) * accumulation])
+                                     for i in range(steps)],
         "losses": [logs.get(s, {}).get("loss") for s in step_range],
         "margins": [logs.get(s, {}).get("rewards/margins") for s in step_range],
         "reward_accuracies": [logs.get(s, {}).get("rewards/accuracies") for s in step_range],
@@ -624,6 +650,9 @@ def report(runs: dict[str, list[dict[str, Any]]], raw: dict[str, list[dict[str, 
     same_width = all(a["padded_width_per_step"] == b["padded_width_per_step"] for a, b in zip(raw["posttrain"], raw["trl"]))
     threads = {fw: sorted({r["torch_threads"] for r in runs[fw]}) for fw in FRAMEWORKS}
     trl = raw["trl"][0]
+    positions = {fw: statistics.mean(n for r in raw[fw] for n in r["model_positions_per_step"]) for fw in FRAMEWORKS}
+    layout = ("one row per pair, the prompt once (share_prompt)" if raw["posttrain"][0]["share_prompt"]
+              else "a chosen row and a rejected row per pair (share_prompt=false)")
 
     def yes(ok: bool) -> str:
         return "yes" if ok else "NO"
@@ -649,6 +678,8 @@ def report(runs: dict[str, list[dict[str, Any]]], raw: dict[str, list[dict[str, 
          f"expected: posttrain {yes(same_tokens['posttrain'])}, TRL {yes(same_tokens['trl'])}; same padded width "
          f"every step: {yes(same_width)} (longest pair sequence {expected['longest_sequence']} tokens; the "
          f"tokenizer adds {expected['special_tokens_added_to_prompt']} special token(s) to a prompt)"),
+        (f"posttrain layout: {layout}; positions (tokens and padding) through each model per step, mean: "
+         f"posttrain {positions['posttrain']:.0f}, TRL {positions['trl']:.0f}"),
         (f"learning rate of every step the same in both: {yes(same_lr)}; "
          f"torch threads during training: posttrain {threads['posttrain']}, TRL {threads['trl']}; "
          f"TRL optimizer: {trl.get('optimizer')} (optim={trl.get('optim')}), gradient checkpointing "
@@ -681,6 +712,7 @@ def report(runs: dict[str, list[dict[str, Any]]], raw: dict[str, list[dict[str, 
         "same_padded_width": same_width,
         "same_learning_rates": same_lr,
         "torch_threads": threads,
+        "model_positions_per_step": positions,
     }
     return text, summary
 
@@ -706,6 +738,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch intra-op threads in both workers (default: torch's default, the same in both)")
     parser.add_argument("--trl-optim", default=None,
                         help="TRL optim name (default: TRL's default, adamw_torch_fused, as posttrain's)")
+    parser.add_argument("--no-share-prompt", dest="share_prompt", action="store_false",
+                        help="posttrain scores each pair as a chosen row and a rejected row (share_prompt=false), "
+                             "as TRL does, instead of one row holding the prompt once")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds allowed per worker run (default 1800)")
     parser.add_argument("--json", type=Path, default=None, help="write every raw number to this JSON file")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories and worker logs here")
@@ -770,6 +805,7 @@ def main(argv: list[str] | None = None) -> int:
                     "seed": args.seed,
                     "threads": args.threads,
                     "trl_optim": args.trl_optim,
+                    "share_prompt": args.share_prompt,
                 }
                 spec_path = work_dir / f"{framework}-{repeat}.spec.json"
                 result_path = work_dir / f"{framework}-{repeat}.result.json"

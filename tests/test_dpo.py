@@ -9,10 +9,15 @@ import torch
 from posttrain.algorithms import dpo
 from posttrain.algorithms.dpo import train_dpo
 from posttrain.config import ConfigError, DPOConfig, load_config
-from posttrain.config.schema import ModelConfig
+from posttrain.config.schema import ModelConfig, TrainerConfig
 from posttrain.data.embedded import iter_embedded
 from posttrain.data.formats import PreferenceRow
-from posttrain.data.preference import collate_preference, tokenize_preference_row
+from posttrain.data.preference import (
+    collate_preference,
+    collate_shared_prompt,
+    tokenize_preference_row,
+)
+from posttrain.data.types import CHOSEN, PADDING, PROMPT, REJECTED
 from posttrain.envs.arithmetic import Problem, preference_rng, wrong_answer
 from posttrain.logging import read_metrics
 from posttrain.models.loading import load_causal_lm, load_tokenizer
@@ -71,6 +76,65 @@ def test_collate_puts_chosen_rows_then_rejected_rows(tiny_model_dir):
     cut = tokenize_preference_row(PreferenceRow("99+99=", "198", "98"), tokenizer, 8, "truncate")
     assert len(cut.prompt_ids) == 6 and len(cut.chosen_ids) == 2 and len(cut.rejected_ids) == 2
     assert tokenize_preference_row(PreferenceRow("99+99=", "198", "98"), tokenizer, 8, "drop") is None
+
+
+def test_shared_prompt_rows_hold_the_prompt_once_then_both_completions(tiny_model_dir):
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
+    pairs = [
+        tokenize_preference_row(PreferenceRow("12+30=", "42", "41"), tokenizer, 32, "truncate"),
+        tokenize_preference_row(PreferenceRow("9+9=", "18", "198"), tokenizer, 32, "truncate"),
+    ]
+    batch = collate_shared_prompt(pairs, tokenizer.pad_token_id)
+    end = tokenizer.eos_token
+    assert batch.input_ids.shape == (2, 12) and batch.num_examples == 2 and batch.num_tokens == 12 + 11
+    assert tokenizer.decode(batch.input_ids[0]) == f"12+30=42{end}41{end}"
+    assert tokenizer.decode(batch.input_ids[1][batch.segments[1] != PADDING]) == f"9+9=18{end}198{end}"
+    P, C, R, X = PROMPT, CHOSEN, REJECTED, PADDING
+    assert batch.segments.tolist() == [[P] * 6 + [C] * 3 + [R] * 3, [P] * 4 + [C] * 3 + [R] * 4 + [X]]
+    # The rejected tokens sit where they would in prompt + rejected alone.
+    assert batch.position_ids[0].tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 6, 7, 8]
+    assert batch.position_ids[1].tolist()[:11] == [0, 1, 2, 3, 4, 5, 6, 4, 5, 6, 7]
+    assert batch.prompt_ends.tolist() == [5, 3] and batch.rejected_starts.tolist() == [9, 7]
+    assert batch.chosen_mask.sum(-1).tolist() == [3, 3] and batch.rejected_mask.sum(-1).tolist() == [3, 4]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_shared_prompt_scores_equal_separate_rows(tiny_model_dir, attention):
+    # The same log-probabilities and gradients from one shared-prompt row per pair as from a chosen row and a
+    # rejected row: the mask keeps the completions apart, the positions restart, the first rejected token is
+    # scored from the prompt's last position.
+    cfg = ModelConfig(name_or_path=str(tiny_model_dir), attn_implementation=attention)
+    tokenizer, model = load_tokenizer(cfg), load_causal_lm(cfg)
+    rows = [PreferenceRow("12+30=", "42", "41"), PreferenceRow("9+9=", "18", "198"),
+            PreferenceRow("1+2+3+4+5=", "15 is the sum", "14"), PreferenceRow("7=", "7", "seven")]
+    pairs = [tokenize_preference_row(row, tokenizer, 32, "truncate") for row in rows]
+    trainer = TrainerConfig()
+    scores, grads = {}, {}
+    for name, collate in (("rows", collate_preference), ("shared", collate_shared_prompt)):
+        model.zero_grad()
+        for average in (False, True):
+            scores[name, average] = dpo.completion_logps(model, collate(pairs, tokenizer.pad_token_id), average,
+                                                         trainer, torch.device("cpu"))
+        total = scores[name, False]
+        (total.chosen.sum() - 2 * total.rejected.sum() + total.chosen_nll.sum()).backward()
+        grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    for average in (False, True):
+        rows_, shared = scores["rows", average], scores["shared", average]
+        for field in ("chosen", "rejected", "chosen_lengths", "rejected_lengths", "chosen_nll"):
+            torch.testing.assert_close(getattr(shared, field), getattr(rows_, field), atol=1e-5, rtol=0)
+    assert scores["rows", False].chosen_lengths.tolist() == [3, 3, 14, 2]
+    torch.testing.assert_close(grads["shared"], grads["rows"], atol=1e-5, rtol=1e-4)
+    assert grads["rows"].abs().max() > 1e-3
+
+
+def test_shared_and_separate_rows_train_alike(tmp_path, tiny_model_dir):
+    train_dpo(config(tmp_path / "shared", "trainer.max_steps=5", "share_prompt=true"))
+    train_dpo(config(tmp_path / "rows", "trainer.max_steps=5", "share_prompt=false"))
+    assert losses(tmp_path / "shared") == pytest.approx(losses(tmp_path / "rows"), abs=1e-5)
+    assert config(tmp_path).shares_prompt
+    assert not config(tmp_path, "model.attn_implementation=flash_attention_2").shares_prompt
+    with pytest.raises(ConfigError, match="share_prompt"):
+        config(tmp_path, "model.attn_implementation=flash_attention_2", "share_prompt=true")
 
 
 def test_conversational_pairs_use_the_chat_template(tiny_model_dir):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -15,12 +17,13 @@ from pydantic import BaseModel
 from posttrain.checkpoint import Checkpoint, export_final, load_training_state
 from posttrain.config.schema import TrainerConfig
 from posttrain.data.sampler import EpochSampler
-from posttrain.data.types import SFTBatch
+from posttrain.data.types import SFTBatch, SharedPromptBatch
 from posttrain.logging import RunLogger
 from posttrain.models.lora import ADAPTER_DIR, is_lora_model, merged_model, save_adapter
-from posttrain.models.packing import block_causal_mask
+from posttrain.models.packing import block_causal_mask, shared_prompt_mask
 
 CONFIG_FILE = "config.yaml"
+Batch = TypeVar("Batch", SFTBatch, SharedPromptBatch)
 
 
 def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, list[str]]:
@@ -71,16 +74,20 @@ def autocast(cfg: TrainerConfig, device: torch.device) -> contextlib.AbstractCon
     return contextlib.nullcontext()
 
 
-def forward_logits(model: torch.nn.Module, batch: SFTBatch) -> torch.Tensor:
-    """Logits [B, T, V] for a padded or packed batch.
+def forward_logits(model: torch.nn.Module, batch: SFTBatch | SharedPromptBatch) -> torch.Tensor:
+    """Logits [B, T, V] for a padded, packed or shared-prompt batch.
 
     Packed batches (attention_mask None) get a block-diagonal causal mask built from their position ids;
-    flash-attention-2 instead reads the example boundaries from position_ids itself.
+    flash-attention-2 instead reads the example boundaries from position_ids itself. Shared-prompt batches get
+    their tree-shaped mask from their segments (sdpa and eager attention only).
     """
-    attention_mask = batch.attention_mask
     implementation = model.config._attn_implementation
-    if attention_mask is None and implementation != "flash_attention_2":
-        attention_mask = block_causal_mask(batch.position_ids, implementation, model.dtype)
+    if isinstance(batch, SharedPromptBatch):
+        attention_mask = shared_prompt_mask(batch.segments, implementation, model.dtype)
+    else:
+        attention_mask = batch.attention_mask
+        if attention_mask is None and implementation != "flash_attention_2":
+            attention_mask = block_causal_mask(batch.position_ids, implementation, model.dtype)
     return model(
         input_ids=batch.input_ids,
         attention_mask=attention_mask,
@@ -89,17 +96,13 @@ def forward_logits(model: torch.nn.Module, batch: SFTBatch) -> torch.Tensor:
     ).logits
 
 
-def batch_to(batch: SFTBatch, device: torch.device) -> SFTBatch:
+def batch_to(batch: Batch, device: torch.device) -> Batch:
+    """The batch with its tensors on `device` (the same object on CPU)."""
     if device.type == "cpu":
         return batch
-    return SFTBatch(
-        input_ids=batch.input_ids.to(device),
-        loss_mask=batch.loss_mask.to(device),
-        position_ids=batch.position_ids.to(device),
-        attention_mask=None if batch.attention_mask is None else batch.attention_mask.to(device),
-        num_examples=batch.num_examples,
-        num_tokens=batch.num_tokens,
-    )
+    moved = {field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}
+    return dataclasses.replace(batch, **{name: value.to(device) for name, value in moved.items()
+                                         if isinstance(value, torch.Tensor)})
 
 
 def chunks(items: list, size: int) -> Iterator[list]:

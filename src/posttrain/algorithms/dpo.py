@@ -3,7 +3,8 @@
 The loop (algorithms/pairwise.py, shared with reward-model training): load the preference pairs and the policy
 (with LoRA adapters if lora.enabled), resume from the newest checkpoint if the output directory has one, set up
 the reference, then for each optimizer step draw micro_batch_size x gradient_accumulation_steps pairs; per
-micro-batch run chosen and rejected sequences through the policy in ONE forward pass, reduce token
+micro-batch run chosen and rejected sequences through the policy in ONE forward pass (by default one row per pair
+holding the prompt once: data.preference.collate_shared_prompt), reduce token
 log-probabilities to one per completion, take the preference loss normalized by the pair count of the whole
 step, backward; clip, step, log, evaluate, checkpoint. At the end write OUTPUT/final/ (a Hugging Face model
 directory; with LoRA also OUTPUT/adapter/).
@@ -22,9 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from posttrain.algorithms.common import autocast, batch_to, chunks, forward_logits
 from posttrain.algorithms.pairwise import (
+    PairBatch,
+    PairCollate,
     PairLoss,
     PairRun,
     evaluate_pairs,
@@ -32,8 +36,8 @@ from posttrain.algorithms.pairwise import (
     train_on_pairs,
 )
 from posttrain.config.schema import DPOConfig, PreferenceLossSection, TrainerConfig
-from posttrain.data.preference import collate_preference
-from posttrain.data.types import PreferenceExample, SFTBatch
+from posttrain.data.preference import collate_preference, collate_shared_prompt
+from posttrain.data.types import PreferenceExample, SharedPromptBatch
 from posttrain.losses.nll import token_logprobs
 from posttrain.losses.preference import (
     PreferenceLossConfig,
@@ -73,17 +77,34 @@ class CompletionLogps:
     chosen_nll: torch.Tensor
 
 
-def completion_logps(model: torch.nn.Module, batch: SFTBatch, average: bool, trainer: TrainerConfig,
+def completion_logps(model: torch.nn.Module, batch: PairBatch, average: bool, trainer: TrainerConfig,
                      device: torch.device) -> CompletionLogps:
-    """Score a `collate_preference` batch (chosen rows, then rejected rows) with one forward pass."""
+    """Score a batch of pairs with one forward pass: a `collate_preference` batch (chosen rows, then rejected
+    rows) or a `collate_shared_prompt` one (one row per pair)."""
     with autocast(trainer, device):
         logits = forward_logits(model, batch)
     token_logps = token_logprobs(logits, batch.input_ids)
-    scores = sequence_logps(token_logps, batch.loss_mask, average)
-    lengths = batch.loss_mask.sum(-1)
-    mean_logps = sequence_logps(token_logps, batch.loss_mask, average=True)
-    pairs = batch.input_ids.shape[0] // 2
-    return CompletionLogps(scores[:pairs], scores[pairs:], lengths[:pairs], lengths[pairs:], -mean_logps[:pairs])
+    if isinstance(batch, SharedPromptBatch):
+        # Entry t holds log p(token t | logits at t - 1); the first rejected token instead follows the prompt.
+        rows = torch.arange(batch.num_examples, device=logits.device)
+        first_rejected = -F.cross_entropy(logits[rows, batch.prompt_ends].float(),
+                                          batch.input_ids[rows, batch.rejected_starts], reduction="none")
+        token_logps = token_logps.index_put((rows, batch.rejected_starts), first_rejected)
+        chosen_logps = rejected_logps = token_logps
+        chosen_mask, rejected_mask = batch.chosen_mask, batch.rejected_mask
+    else:
+        pairs = batch.input_ids.shape[0] // 2
+        chosen_logps, rejected_logps = token_logps[:pairs], token_logps[pairs:]
+        chosen_mask, rejected_mask = batch.loss_mask[:pairs], batch.loss_mask[pairs:]
+    return CompletionLogps(
+        sequence_logps(chosen_logps, chosen_mask, average), sequence_logps(rejected_logps, rejected_mask, average),
+        chosen_mask.sum(-1), rejected_mask.sum(-1), -sequence_logps(chosen_logps, chosen_mask, average=True),
+    )
+
+
+def pair_collate(cfg: DPOConfig) -> PairCollate:
+    """How pairs become batches: one shared-prompt row per pair, or two rows (cfg.share_prompt)."""
+    return collate_shared_prompt if cfg.shares_prompt else collate_preference
 
 
 def load_reference_model(cfg: DPOConfig, device: torch.device) -> torch.nn.Module:
@@ -103,7 +124,7 @@ def precompute_reference_logps(
     (with `adapters_off`, of the LoRA model `reference` with its adapters switched off)."""
     rows = []
     for group in chunks(list(examples), cfg.trainer.eval_batch_size):
-        batch = batch_to(collate_preference(group, pad_token_id), device)
+        batch = batch_to(pair_collate(cfg)(group, pad_token_id), device)
         scores = reference_scores(reference, batch, cfg.loss.average_logprobs, cfg.trainer, device, adapters_off)
         rows.append(torch.stack([scores.chosen, scores.rejected], dim=1).cpu())
     return torch.cat(rows)
@@ -119,7 +140,7 @@ class Reference:
         self.model, self.table, self.adapters_off = model, table, adapters_off
 
     @torch.no_grad()
-    def logps(self, batch: SFTBatch, indices: Sequence[int], loss: PreferenceLossSection, trainer: TrainerConfig,
+    def logps(self, batch: PairBatch, indices: Sequence[int], loss: PreferenceLossSection, trainer: TrainerConfig,
               device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.model is not None:
             scores = reference_scores(self.model, batch, loss.average_logprobs, trainer, device, self.adapters_off)
@@ -130,7 +151,7 @@ class Reference:
         return None, None
 
 
-def reference_scores(model: torch.nn.Module, batch: SFTBatch, average: bool, trainer: TrainerConfig,
+def reference_scores(model: torch.nn.Module, batch: PairBatch, average: bool, trainer: TrainerConfig,
                      device: torch.device, adapters_off: bool) -> CompletionLogps:
     """`completion_logps` of the reference: `model` in eval mode, as its frozen base if `adapters_off`."""
     was_training = model.training
@@ -145,7 +166,7 @@ def preference_pair_loss(policy: torch.nn.Module, reference: Reference, cfg: DPO
                          loss_cfg: PreferenceLossConfig, device: torch.device) -> PairLoss:
     """The preference loss of a micro-batch of pairs (summed over its pairs / the step's pair count)."""
 
-    def pair_loss(batch: SFTBatch, indices: Sequence[int], num_pairs_in_step: float | None):
+    def pair_loss(batch: PairBatch, indices: Sequence[int], num_pairs_in_step: float | None):
         reference_logps = reference.logps(batch, indices, cfg.loss, cfg.trainer, device)
         policy_logps = completion_logps(policy, batch, cfg.loss.average_logprobs, cfg.trainer, device)
         return preference_loss(
@@ -194,7 +215,7 @@ def train_dpo(cfg: DPOConfig) -> DPOResult:
 
         def evaluate() -> dict[str, float]:
             return evaluate_pairs(policy, run.eval_examples, eval_loss, EVAL_METRICS, cfg.trainer.eval_batch_size,
-                                  run.tokenizer.pad_token_id, run.device)
+                                  run.tokenizer.pad_token_id, run.device, pair_collate(cfg))
 
     if cfg.loss.reference_free:
         reference_note = "no reference (reference-free loss)"
@@ -202,9 +223,10 @@ def train_dpo(cfg: DPOConfig) -> DPOResult:
         reference_note = f"reference {cfg.reference}: the base model with the LoRA adapters off"
     else:
         reference_note = f"reference {cfg.reference}"
+    layout = "one shared-prompt row per pair" if cfg.shares_prompt else "chosen and rejected rows"
     metrics, eval_metrics, final_dir = train_on_pairs(
-        run, cfg, policy, "dpo", f"{cfg.loss.type} with {reference_note}",
-        preference_pair_loss(policy, train_reference, cfg, loss_cfg, run.device), evaluate,
+        run, cfg, policy, "dpo", f"{cfg.loss.type} with {reference_note}, {layout}",
+        preference_pair_loss(policy, train_reference, cfg, loss_cfg, run.device), evaluate, pair_collate(cfg),
     )
     return DPOResult(
         run.output_dir, final_dir, cfg.trainer.max_steps, metrics.get("loss"), metrics.get("reward_accuracy"),

@@ -2,7 +2,7 @@
 
 Both train on (prompt, chosen, rejected) pairs: load the pairs, load the model (or resume it), then for each
 optimizer step draw micro_batch_size x gradient_accumulation_steps pairs, collate each micro-batch as ONE batch
-of 2B rows (chosen rows, then rejected rows), take the recipe's loss normalized by the pair count of the whole
+(2B rows, chosen then rejected; or, for DPO's shared prompt, B rows of prompt + chosen + rejected), take the recipe's loss normalized by the pair count of the whole
 step, backward; clip, step, log, evaluate, checkpoint; at the end export the final model. The recipe supplies
 only how a micro-batch of pairs becomes a loss (`PairLoss`).
 """
@@ -35,7 +35,7 @@ from posttrain.config.schema import RecipeConfig
 from posttrain.data.dataset import DataStats
 from posttrain.data.preference import collate_preference, load_preference_examples
 from posttrain.data.sampler import EpochSampler
-from posttrain.data.types import PreferenceExample, SFTBatch
+from posttrain.data.types import PreferenceExample, SFTBatch, SharedPromptBatch
 from posttrain.logging import RunLogger
 from posttrain.models.loading import default_device, load_tokenizer
 from posttrain.optim import build_optimizer, build_scheduler
@@ -43,8 +43,12 @@ from posttrain.optim import build_optimizer, build_scheduler
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-PairLoss = Callable[[SFTBatch, Sequence[int], "float | None"], tuple[torch.Tensor, dict[str, float]]]
-"""(batch of B pairs as 2B rows, on the device; the pairs' indices in their example list; pairs in the whole
+PairBatch = SFTBatch | SharedPromptBatch
+PairCollate = Callable[[Sequence[PreferenceExample], int], PairBatch]
+"""(pairs, pad token id) -> one batch of them: collate_preference or collate_shared_prompt."""
+
+PairLoss = Callable[[PairBatch, Sequence[int], "float | None"], tuple[torch.Tensor, dict[str, float]]]
+"""(batch of B pairs, on the device; the pairs' indices in their example list; pairs in the whole
 optimizer step, or None for a mean over this batch) -> (loss, metrics as floats)."""
 
 
@@ -78,7 +82,7 @@ def start_pair_run(cfg: RecipeConfig) -> PairRun:
                    latest_checkpoint(output_dir))
 
 
-def accumulate_gradients(micro_batches: Sequence[tuple[SFTBatch, list[int]]], pair_loss: PairLoss,
+def accumulate_gradients(micro_batches: Sequence[tuple[PairBatch, list[int]]], pair_loss: PairLoss,
                          device: torch.device) -> dict[str, float]:
     """Forward and backward every micro-batch of one optimizer step; gradients add up in .grad.
 
@@ -100,14 +104,15 @@ def accumulate_gradients(micro_batches: Sequence[tuple[SFTBatch, list[int]]], pa
 
 @torch.no_grad()
 def evaluate_pairs(model: torch.nn.Module, examples: Sequence[PreferenceExample], pair_loss: PairLoss,
-                   keys: Sequence[str], batch_size: int, pad_token_id: int, device: torch.device) -> dict[str, float]:
+                   keys: Sequence[str], batch_size: int, pad_token_id: int, device: torch.device,
+                   collate: PairCollate = collate_preference) -> dict[str, float]:
     """Pair-weighted means of the metrics `keys` over `examples`, named eval_<key>; the model in eval mode."""
     was_training = model.training
     model.eval()
     totals = dict.fromkeys(keys, 0.0)
     for start in range(0, len(examples), batch_size):
         indices = list(range(start, min(start + batch_size, len(examples))))
-        batch = batch_to(collate_preference([examples[i] for i in indices], pad_token_id), device)
+        batch = batch_to(collate([examples[i] for i in indices], pad_token_id), device)
         _, metrics = pair_loss(batch, indices, None)
         for key in totals:
             totals[key] += metrics[key] * len(indices)
@@ -116,7 +121,8 @@ def evaluate_pairs(model: torch.nn.Module, examples: Sequence[PreferenceExample]
 
 
 def train_on_pairs(run: PairRun, cfg: RecipeConfig, model: torch.nn.Module, recipe: str, what: str,
-                   train_loss: PairLoss, evaluate: Callable[[], dict[str, float]] | None) -> tuple[dict, dict, Path]:
+                   train_loss: PairLoss, evaluate: Callable[[], dict[str, float]] | None,
+                   collate: PairCollate = collate_preference) -> tuple[dict, dict, Path]:
     """The optimization loop; returns (last step's metrics, last evaluation's metrics, OUTPUT/final)."""
     trainer = cfg.trainer
     tokenizer = run.tokenizer
@@ -139,7 +145,7 @@ def train_on_pairs(run: PairRun, cfg: RecipeConfig, model: torch.nn.Module, reci
             micro_batches = []
             for _ in range(trainer.gradient_accumulation_steps):
                 indices = sampler.next_indices(trainer.micro_batch_size)
-                batch = collate_preference([run.train_examples[i] for i in indices], tokenizer.pad_token_id)
+                batch = collate([run.train_examples[i] for i in indices], tokenizer.pad_token_id)
                 micro_batches.append((batch, indices))
             learning_rate = scheduler.get_last_lr()[0]
             step_metrics = accumulate_gradients(micro_batches, train_loss, run.device)

@@ -304,10 +304,27 @@ class DPOConfig(RecipeConfig):
     off (the frozen base model), scored every batch or once up front. simpo and orpo are reference-free and
     use no reference either way."""
 
+    share_prompt: bool | None = None
+    """Score each pair in ONE row: the prompt once, then the chosen and the rejected completion, kept from seeing
+    each other by a tree-shaped attention mask. The log-probabilities are those of two separate rows (to float
+    rounding) while the prompt's tokens go through the model once instead of twice, in the policy and in the
+    reference. Needs sdpa or eager attention. null (default): on unless model.attn_implementation is
+    flash_attention_2 (which takes no such mask); false: two rows per pair, chosen and rejected."""
+
     @model_validator(mode="after")
     def _check(self) -> DPOConfig:
         check_pair_data(self.data, "DPO")
+        if self.share_prompt and self.model.attn_implementation == "flash_attention_2":
+            raise ValueError("share_prompt=true needs an attention mask that flash_attention_2 cannot take; set "
+                             "model.attn_implementation to sdpa or eager, or share_prompt to false")
         return self
+
+    @property
+    def shares_prompt(self) -> bool:
+        """Whether pairs are scored as one shared-prompt row (share_prompt resolved)."""
+        if self.share_prompt is None:
+            return self.model.attn_implementation != "flash_attention_2"
+        return self.share_prompt
 
 
 class RewardLossSection(Section):

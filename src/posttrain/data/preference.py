@@ -1,9 +1,12 @@
 """Preference pairs for offline preference optimization: tokenizing, loading and collating.
 
 A pair is tokenized once into a shared prompt and two completions (`PreferenceExample`). A micro-batch
-of B pairs becomes ONE padded `SFTBatch` of 2B rows, the chosen sequences first and the rejected ones
-after, so the policy (and the reference) scores both halves in a single forward pass; the loss mask
-marks each row's completion tokens.
+of B pairs becomes one batch scored in a single forward pass, in either of two layouts:
+- `collate_preference`: a padded `SFTBatch` of 2B rows, the chosen sequences first and the rejected ones
+  after; the loss mask marks each row's completion tokens;
+- `collate_shared_prompt`: a `SharedPromptBatch` of B rows, each the prompt once followed by both
+  completions, which a tree-shaped attention mask keeps apart: the prompt's tokens go through the model
+  once instead of twice.
 """
 
 from __future__ import annotations
@@ -12,12 +15,22 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Literal
 
+import torch
+
 from posttrain.config.schema import DataConfig
 from posttrain.data.collate import collate_padded
 from posttrain.data.dataset import DataStats, check_not_empty, iter_rows, skip_or_raise
 from posttrain.data.errors import DataError
 from posttrain.data.formats import Messages, PreferenceRow
-from posttrain.data.types import PreferenceExample, SFTBatch
+from posttrain.data.types import (
+    CHOSEN,
+    PADDING,
+    PROMPT,
+    REJECTED,
+    PreferenceExample,
+    SFTBatch,
+    SharedPromptBatch,
+)
 
 if TYPE_CHECKING:  # annotations only: importing transformers takes seconds
     from transformers import PreTrainedTokenizerBase
@@ -148,4 +161,29 @@ def collate_preference(pairs: Sequence[PreferenceExample], pad_token_id: int) ->
     """
     return collate_padded(
         [pair.sequence("chosen") for pair in pairs] + [pair.sequence("rejected") for pair in pairs], pad_token_id
+    )
+
+
+def collate_shared_prompt(pairs: Sequence[PreferenceExample], pad_token_id: int) -> SharedPromptBatch:
+    """B right-padded rows, row i = prompt + chosen + rejected of pair i (see `SharedPromptBatch`)."""
+    width = max(len(p.prompt_ids) + len(p.chosen_ids) + len(p.rejected_ids) for p in pairs)
+    shape = (len(pairs), width)
+    input_ids = torch.full(shape, pad_token_id, dtype=torch.long)
+    position_ids = torch.zeros(shape, dtype=torch.long)
+    segments = torch.full(shape, PADDING, dtype=torch.long)
+    prompt_ends = torch.zeros(len(pairs), dtype=torch.long)
+    rejected_starts = torch.zeros(len(pairs), dtype=torch.long)
+    for row, pair in enumerate(pairs):
+        prompt, chosen, rejected = len(pair.prompt_ids), len(pair.chosen_ids), len(pair.rejected_ids)
+        end = prompt + chosen + rejected
+        input_ids[row, :end] = torch.tensor(pair.prompt_ids + pair.chosen_ids + pair.rejected_ids)
+        position_ids[row, : prompt + chosen] = torch.arange(prompt + chosen)
+        position_ids[row, prompt + chosen : end] = torch.arange(prompt, prompt + rejected)
+        segments[row, :prompt] = PROMPT
+        segments[row, prompt : prompt + chosen] = CHOSEN
+        segments[row, prompt + chosen : end] = REJECTED
+        prompt_ends[row], rejected_starts[row] = prompt - 1, prompt + chosen
+    return SharedPromptBatch(
+        input_ids, position_ids, segments, (segments == CHOSEN).float(), (segments == REJECTED).float(), prompt_ends,
+        rejected_starts, len(pairs), int((segments != PADDING).sum()),
     )

@@ -55,6 +55,39 @@ class SFTBatch:
 
 
 
+PROMPT, CHOSEN, REJECTED, PADDING = 0, 1, 2, 3
+"""Segment labels of the tokens of a `SharedPromptBatch` row."""
+
+
+@dataclass(frozen=True)
+class SharedPromptBatch:
+    """B preference pairs in B rows: each row holds the prompt once, then the chosen and then the rejected completion.
+
+    One forward pass scores both completions while computing the prompt once; the attention mask, built from
+    `segments` at the forward pass (models.packing.shared_prompt_mask), keeps the completions from seeing each
+    other, and the position ids put the rejected tokens where they stand in their own sequence, so every
+    log-probability equals the one from a row of prompt + that completion alone.
+
+    input_ids: [B, T] long; padding positions hold the pad id.
+    position_ids: [B, T] long: 0..P+C-1 over the prompt and the chosen tokens, P..P+R-1 again over the rejected ones.
+    segments: [B, T] long, PROMPT, CHOSEN, REJECTED or PADDING for each token.
+    chosen_mask, rejected_mask: [B, T] float, 1.0 on the chosen / rejected completion's tokens.
+    prompt_ends: [B] long, each row's last prompt position (its logits predict the first token of both completions).
+    rejected_starts: [B] long, each row's first rejected position.
+    num_examples: B (pairs); num_tokens: real (non-padding) tokens.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    segments: torch.Tensor
+    chosen_mask: torch.Tensor
+    rejected_mask: torch.Tensor
+    prompt_ends: torch.Tensor
+    rejected_starts: torch.Tensor
+    num_examples: int
+    num_tokens: int
+
+
 @dataclass(frozen=True)
 class PreferenceExample:
     """One (chosen, rejected) pair after tokenization; the prompt is shared.

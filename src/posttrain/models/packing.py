@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from posttrain.data.types import PROMPT
+
 
 def segment_ids(position_ids: torch.Tensor) -> torch.Tensor:
     """[B, T] index of the example each token belongs to: a new one starts wherever positions do not go up by 1."""
@@ -22,6 +24,24 @@ def block_causal_mask(position_ids: torch.Tensor, attn_implementation: str, dtyp
     width = position_ids.shape[1]
     causal = torch.ones(width, width, dtype=torch.bool, device=position_ids.device).tril()
     allowed = ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]
+    return _in_attention_form(allowed, attn_implementation, dtype)
+
+
+def _in_attention_form(allowed: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
     if attn_implementation == "sdpa":
         return allowed
-    return torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device).masked_fill(~allowed, torch.finfo(dtype).min)
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def shared_prompt_mask(segments: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, T, T] mask for rows holding a prompt once and then two completions of it.
+
+    Token q attends to token k <= q when k is in the prompt or in q's own segment: the chosen and the rejected
+    completion each see the prompt and themselves, never each other (padding, never read, sees the prompt and
+    padding). Every token may attend to itself, so no softmax is empty. Booleans for sdpa, 0 / dtype-min for eager.
+    """
+    width = segments.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=segments.device).tril()
+    same = segments[:, :, None] == segments[:, None, :]
+    allowed = ((same | (segments[:, None, :] == PROMPT)) & causal)[:, None]
+    return _in_attention_form(allowed, attn_implementation, dtype)
