@@ -11,6 +11,7 @@ from posttrain.algorithms.dpo import train_dpo
 from posttrain.config import ConfigError, DPOConfig, load_config
 from posttrain.config.schema import ModelConfig, TrainerConfig
 from posttrain.data.embedded import iter_embedded
+from posttrain.data.errors import DataError
 from posttrain.data.formats import PreferenceRow
 from posttrain.data.preference import (
     collate_preference,
@@ -18,7 +19,12 @@ from posttrain.data.preference import (
     tokenize_preference_row,
 )
 from posttrain.data.types import CHOSEN, PADDING, PROMPT, REJECTED
-from posttrain.envs.arithmetic import Problem, preference_rng, wrong_answer
+from posttrain.envs.arithmetic import (
+    Problem,
+    preference_rng,
+    wrong_answer,
+    wrong_answers,
+)
 from posttrain.logging import read_metrics
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 
@@ -53,6 +59,26 @@ def test_arithmetic_preference_rows_are_fixed_per_problem():
     problem = Problem(47, 38)
     seen = {wrong_answer(problem, preference_rng(Problem(a, 1))) for a in range(40)}
     assert seen <= {"84", "86", "75", "95", "58"} and len(seen) >= 3
+
+
+def test_dense_arithmetic_preferences_pair_every_problem_with_every_plausible_wrong_sum():
+    assert wrong_answers(Problem(47, 38)) == ["58", "75", "84", "86", "95"]
+    dense = wrong_answers(Problem(47, 38), every_digit=True)
+    # 85: tens digit 1-9 (not 0: no leading zero), units digit 0-9, less the sum itself; plus the swap 58.
+    assert dense == sorted({"58", *(f"{t}5" for t in range(1, 10)), *(f"8{u}" for u in range(10))} - {"85"}, key=int)
+    assert wrong_answers(Problem(1, 2), every_digit=True) == ["0", "1", "2", "4", "5", "6", "7", "8", "9", "13"]
+    rows = [row for _, row in iter_embedded("posttrain/arithmetic-preference-dense:heldout[:60]")]
+    problems = list(dict.fromkeys(row["prompt"] for row in rows))
+    assert len(rows) == 60 and len(problems) == 3  # consecutive pairs of each problem, ~24 each
+    for prompt in problems[:2]:
+        a, b = map(int, prompt.rstrip("=").split("+"))
+        assert [r["rejected"] for r in rows if r["prompt"] == prompt] == wrong_answers(Problem(a, b), every_digit=True)
+        assert {r["chosen"] for r in rows if r["prompt"] == prompt} == {str(a + b)}
+    heldout = {row["prompt"] for _, row in iter_embedded("posttrain/arithmetic-preference:heldout")}
+    train = {row["prompt"] for _, row in iter_embedded("posttrain/arithmetic-preference-dense:train[:5000]")}
+    assert set(problems) <= heldout and not train & heldout
+    with pytest.raises(DataError, match="asked for 99999 rows"):
+        list(iter_embedded("posttrain/arithmetic-preference-dense:heldout[:99999]"))
 
 
 def test_collate_puts_chosen_rows_then_rejected_rows(tiny_model_dir):

@@ -4,11 +4,18 @@
     posttrain/arithmetic:heldout         the held-out split (never overlaps the training split)
     posttrain/arithmetic:train[:300]     the first 300 rows of the (seeded, shuffled) training split
     posttrain/arithmetic-preference      the same problems as preference pairs (prompt, chosen = the sum,
-                                         rejected = a plausible wrong sum); same splits and [:N] limits
+                                         rejected = a plausible wrong sum: off by one or ten, or two digits
+                                         swapped; one fixed pair per problem); same splits and [:N] limits
+    posttrain/arithmetic-preference-dense
+                                         every problem paired with EVERY such wrong sum and every number
+                                         that differs from the sum in one digit (about 24 pairs per problem,
+                                         consecutive); [:N] is the first N pairs. Reward models learn to check
+                                         each digit from it (a lone pair per problem shows too few of them)
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +23,7 @@ from typing import Any
 from posttrain.data.errors import DataError
 
 _NAME = re.compile(r"^posttrain/(?P<task>[a-z_-]+)(?::(?P<split>[a-z]+))?(?:\[:(?P<count>\d+)\])?$")
-TASKS = ("arithmetic", "arithmetic-preference")
+TASKS = ("arithmetic", "arithmetic-preference", "arithmetic-preference-dense")
 
 
 def is_embedded_dataset(source: str) -> bool:
@@ -34,9 +41,24 @@ def iter_embedded(source: str) -> Iterator[tuple[str, dict[str, Any]]]:
     if split not in ("train", "heldout"):
         raise DataError(source, f"unknown split {split!r}; the arithmetic task has train and heldout")
     count = int(match["count"]) if match["count"] else None
-    for row_number, problem in enumerate(arithmetic.sample_problems(split, count), start=1):
-        if match["task"] == "arithmetic-preference":
+    dense = match["task"] == "arithmetic-preference-dense"
+    rows = _rows(match["task"], arithmetic.sample_problems(split, None if dense else count))
+    row_number = 0
+    for row_number, row in enumerate(itertools.islice(rows, count), start=1):
+        yield f"{source} row {row_number}", row
+    if count is not None and row_number < count:
+        raise DataError(source, f"asked for {count} rows, but the {split} split has {row_number}")
+
+
+def _rows(task: str, problems: list) -> Iterator[dict[str, Any]]:
+    from posttrain.envs import arithmetic
+
+    for problem in problems:
+        if task == "arithmetic-preference":
             rejected = arithmetic.wrong_answer(problem, arithmetic.preference_rng(problem))
-            yield f"{source} row {row_number}", {"prompt": problem.prompt, "chosen": problem.answer, "rejected": rejected}
+            yield {"prompt": problem.prompt, "chosen": problem.answer, "rejected": rejected}
+        elif task == "arithmetic-preference-dense":
+            for rejected in arithmetic.wrong_answers(problem, every_digit=True):
+                yield {"prompt": problem.prompt, "chosen": problem.answer, "rejected": rejected}
         else:
-            yield f"{source} row {row_number}", {"prompt": problem.prompt, "completion": problem.answer, "answer": problem.answer}
+            yield {"prompt": problem.prompt, "completion": problem.answer, "answer": problem.answer}

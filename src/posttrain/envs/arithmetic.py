@@ -62,9 +62,16 @@ def sample_problems(split: Split, n: int | None = None, seed: int = 0, num_digit
 def wrong_answer(problem: Problem, rng: random.Random) -> str:
     """A plausible wrong sum for `problem`: off by one, off by ten, or two digits swapped.
 
-    Drawn with `rng` among the candidates that are non-negative and differ from the answer; for the
-    pair's fixed rejected completion use `preference_rng(problem)`, so every split and size agrees.
+    Drawn with `rng` among `wrong_answers(problem)`; for the pair's fixed rejected completion use
+    `preference_rng(problem)`, so every split and size agrees.
     """
+    return rng.choice(wrong_answers(problem))
+
+
+def wrong_answers(problem: Problem, every_digit: bool = False) -> list[str]:
+    """The plausible wrong sums for `problem`, in increasing order: off by one, off by ten, two adjacent digits
+    swapped; with `every_digit` also every number that differs from the sum in exactly one digit (no leading
+    zero). Never negative, never the sum itself."""
     total = problem.a + problem.b
     candidates = {total + 1, total - 1, total + 10, total - 10}
     digits = str(total)
@@ -72,8 +79,11 @@ def wrong_answer(problem: Problem, rng: random.Random) -> str:
         swapped = digits[:i] + digits[i + 1] + digits[i] + digits[i + 2 :]
         if not swapped.startswith("0"):
             candidates.add(int(swapped))
-    candidates = sorted(c for c in candidates if c >= 0 and c != total)
-    return str(rng.choice(candidates))
+    if every_digit:
+        for i in range(len(digits)):
+            for digit in "0123456789"[1 if i == 0 and len(digits) > 1 else 0 :]:
+                candidates.add(int(digits[:i] + digit + digits[i + 1 :]))
+    return [str(c) for c in sorted(c for c in candidates if c >= 0 and c != total)]
 
 
 def preference_rng(problem: Problem) -> random.Random:
