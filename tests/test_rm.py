@@ -167,16 +167,18 @@ def test_bad_settings_fail_at_load(tmp_path, override, message):
 
 @pytest.mark.slow
 def test_embedded_rm_config_learns_the_arithmetic_preferences(tmp_path):
-    # configs/rm_arithmetic.yaml as shipped. Measured: held-out pairwise accuracy 0.832 (the 95% aimed for is not
-    # reached: wrong units digits stay near chance, see BENCHMARKS.md); a fresh head starts at chance.
+    # configs/rm_arithmetic.yaml as shipped: 8,000 steps on the dense pairs (~8 minutes on 2 cores, plus building the
+    # SFT'd model on first use). Measured: held-out pairwise accuracy 0.978 on all 819 held-out pairs (wrong units
+    # digits 94%, wrong tens digits 99.5%, digit swaps 100%); a fresh head starts at chance.
     cfg = load_config(RMConfig, preset_path("rm_arithmetic.yaml"), [f"output_dir={tmp_path}", "logging.progress=none",
                                                                      "logging.plot=false"])
     result = train_rm(cfg)
-    assert result.eval_accuracy >= 0.8
+    assert result.eval_accuracy >= 0.95
     # RewardModel scores held-out pairs as the run's evaluation did.
     from posttrain.data.embedded import iter_embedded
 
-    rows = [row for _, row in iter_embedded("posttrain/arithmetic-preference:heldout[:512]")]
+    rows = [row for _, row in iter_embedded("posttrain/arithmetic-preference:heldout")]
+    assert len(rows) == 819  # all of them: max_eval_examples is 1,000
     scorer = RewardModel.from_pretrained(result.final_dir, batch_size=128)
     chosen = scorer.score([r["prompt"] for r in rows], [r["chosen"] for r in rows])
     rejected = scorer.score([r["prompt"] for r in rows], [r["rejected"] for r in rows])

@@ -23,6 +23,9 @@ written to $OUT/hv4.json when OUT is set):
               the accuracy of the run's last evaluation: under bf16 autocast (as the run evaluated), and in
               float32, where pairs whose verdict bf16 rounding flips may move it further if every one of them is
               a near-tie (float32 |margin| small against the spread of the rewards);
+  shared:     DPO's shared-prompt rows (one row per pair, tree attention mask, share_prompt) give the
+              completion log-probabilities of separate chosen and rejected rows on the device's sdpa kernels, in
+              float32 and under bf16 autocast;
   resume:     a copy of the LoRA run rolled back to its checkpoint at half the steps and re-run logs the losses
               of the uninterrupted run (to 1e-3 relative: CUDA kernels need not be bitwise deterministic).
 Exit 0 when every check passes, 1 when one fails (or a stage raised: its error is in the JSON), 2 without CUDA.
@@ -49,12 +52,12 @@ from pathlib import Path
 import torch
 
 from posttrain.algorithms.common import batch_to, forward_logits
-from posttrain.algorithms.dpo import train_dpo
+from posttrain.algorithms.dpo import completion_logps, train_dpo
 from posttrain.algorithms.rm import train_rm
 from posttrain.config import DPOConfig, RMConfig, load_config
 from posttrain.config.presets import preset_path
 from posttrain.data.embedded import iter_embedded
-from posttrain.data.preference import collate_preference, load_preference_examples
+from posttrain.data.preference import collate_preference, collate_shared_prompt, load_preference_examples
 from posttrain.logging import read_metrics
 from posttrain.models import RewardModel
 from posttrain.models.loading import load_causal_lm, load_tokenizer
@@ -70,6 +73,8 @@ THRESHOLDS = {
     "rm_rescored_accuracy_abs_diff_max": 1e-2,  # RewardModel's accuracy against the run's last (bf16) evaluation
     "rm_near_tie_rel_margin_max": 0.05,     # float32 |margin| / reward std of any pair bf16 scoring flips
     "resume_rel_diff_max": 1e-3,            # per step, resumed run against the uninterrupted one
+    "shared_prompt_fp32_abs_diff_max": 1e-4,  # completion log-probabilities, shared-prompt rows against two rows
+    "shared_prompt_bf16_abs_diff_max": 1e-1,  # the same under bf16 autocast (different matmul shapes round apart)
 }
 """First estimates, to revisit with the first hardware results."""
 
@@ -136,6 +141,7 @@ def main() -> int:
     stage("dpo_checks", check_dpo, live, table)
     stage("export", check_export, dpo_config(live))
     stage("resume", check_resume, dpo_config, live, out / "dpo_lora_resumed", steps)
+    stage("shared_prompt", check_shared_prompt)
     stage("rm", check_rm, out / "rm", rm_steps, extra)
 
     if cuda and "lora_peak_mib" in results and "full_peak_mib" in results:
@@ -204,6 +210,23 @@ def check_dpo(live: Path, table: Path, results: dict, checks: dict, device: torc
     results["reference_loss_mean_abs_diff"] = sum(differences) / len(differences)
     checks["references_agree"] = (len(precomputed) == len(loss)
                                   and results["reference_loss_max_abs_diff"] <= THRESHOLDS["reference_loss_abs_diff_max"])
+
+
+@torch.no_grad()
+def check_shared_prompt(results: dict, checks: dict, device: torch.device) -> None:
+    """completion_logps of held-out pairs from shared-prompt rows against separate rows, float32 and bf16."""
+    cfg = load_config(DPOConfig, preset_path("dpo_arithmetic.yaml"), ["logging.progress=none"])
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_causal_lm(cfg.model, device=device).eval()
+    examples, _ = load_preference_examples(["posttrain/arithmetic-preference:heldout[:128]"], tokenizer, cfg.data)
+    for precision in ("fp32", "bf16"):
+        trainer = cfg.trainer.model_copy(update={"precision": precision})
+        scores = [completion_logps(model, batch_to(collate(examples, tokenizer.pad_token_id), device), False, trainer,
+                                   device) for collate in (collate_preference, collate_shared_prompt)]
+        difference = max(float((getattr(scores[0], side) - getattr(scores[1], side)).abs().max())
+                         for side in ("chosen", "rejected"))
+        results[f"shared_prompt_{precision}_max_abs_logp_diff"] = difference
+        checks[f"shared_prompt_{precision}"] = difference <= THRESHOLDS[f"shared_prompt_{precision}_abs_diff_max"]
 
 
 @torch.no_grad()
