@@ -57,7 +57,11 @@ from posttrain.algorithms.rm import train_rm
 from posttrain.config import DPOConfig, RMConfig, load_config
 from posttrain.config.presets import preset_path
 from posttrain.data.embedded import iter_embedded
-from posttrain.data.preference import collate_preference, collate_shared_prompt, load_preference_examples
+from posttrain.data.preference import (
+    collate_preference,
+    collate_shared_prompt,
+    load_preference_examples,
+)
 from posttrain.logging import read_metrics
 from posttrain.models import RewardModel
 from posttrain.models.loading import load_causal_lm, load_tokenizer

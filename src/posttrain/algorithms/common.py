@@ -100,9 +100,8 @@ def batch_to(batch: Batch, device: torch.device) -> Batch:
     """The batch with its tensors on `device` (the same object on CPU)."""
     if device.type == "cpu":
         return batch
-    moved = {field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}
-    return dataclasses.replace(batch, **{name: value.to(device) for name, value in moved.items()
-                                         if isinstance(value, torch.Tensor)})
+    values = {field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}
+    return dataclasses.replace(batch, **{name: v.to(device) for name, v in values.items() if isinstance(v, torch.Tensor)})
 
 
 def chunks(items: list, size: int) -> Iterator[list]:
