@@ -18,9 +18,12 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.data.errors import DataError
+
+if TYPE_CHECKING:
+    from posttrain.envs.arithmetic import Problem
 
 _NAME = re.compile(r"^posttrain/(?P<task>[a-z_-]+)(?::(?P<split>[a-z]+))?(?:\[:(?P<count>\d+)\])?$")
 TASKS = ("arithmetic", "arithmetic-preference", "arithmetic-preference-dense")
@@ -50,7 +53,7 @@ def iter_embedded(source: str) -> Iterator[tuple[str, dict[str, Any]]]:
         raise DataError(source, f"asked for {count} rows, but the {split} split has {row_number}")
 
 
-def _rows(task: str, problems: list) -> Iterator[dict[str, Any]]:
+def _rows(task: str, problems: list[Problem]) -> Iterator[dict[str, Any]]:
     from posttrain.envs import arithmetic
 
     for problem in problems:

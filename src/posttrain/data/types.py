@@ -54,7 +54,6 @@ class SFTBatch:
         return int(self.loss_mask.sum().item())
 
 
-
 PROMPT, CHOSEN, REJECTED, PADDING = 0, 1, 2, 3
 """Segment labels of the tokens of a `SharedPromptBatch` row."""
 
