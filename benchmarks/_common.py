@@ -10,6 +10,7 @@ its framework needs.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib.metadata
 import json
@@ -20,7 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -262,6 +263,21 @@ def baseline_rss_mib(load_model_and_tokenizer: Callable[[], tuple[Any, Any]]) ->
     del model, tokenizer
     gc.collect()
     return rss_mib()
+
+
+@contextlib.contextmanager
+def measured_run(framework: str, version: str | None, baseline: float | None) -> Iterator[dict[str, Any]]:
+    """Measure the training call made inside the `with` block: yields the worker's common result fields, filled
+    in on exit (peak RSS reset to the current RSS on entry when the kernel allows it; wall time; peak RSS; torch
+    threads; load average). A worker returns {**fields, ...its own}."""
+    import torch
+
+    fields: dict[str, Any] = {"framework": framework, "version": version, "baseline_rss_mib": baseline,
+                              "peak_reset": reset_peak_rss()}
+    started = time.perf_counter()
+    yield fields
+    fields.update(wall_seconds=time.perf_counter() - started, peak_rss_mib=peak_rss_mib(),
+                  torch_threads=torch.get_num_threads(), loadavg_at_end=loadavg())
 
 
 def announce_environment() -> tuple[dict[str, str | None], dict[str, Any]]:

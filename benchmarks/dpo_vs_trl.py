@@ -129,6 +129,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,12 @@ def shared_prompt_rows(input_ids: list[list[int]], segments: list[list[int]]) ->
             completion = [t for t, s in zip(ids, labels) if s == which]
             rows.append([prompt + completion, [0] * len(prompt) + [1] * len(completion)])
     return halves[CHOSEN] + halves[REJECTED]
+
+
+def per_step(per_micro_batch: Sequence[int], accumulation: int, steps: int, reduce=sum) -> list[int | None]:
+    """`reduce` over each optimizer step's micro-batch values (sum or max); None for a step not seen whole."""
+    return [reduce(per_micro_batch[i * accumulation : (i + 1) * accumulation])
+            if len(per_micro_batch) >= (i + 1) * accumulation else None for i in range(steps)]
 
 
 def step_fingerprints(micro_batches: list[list[list[list[int]]]], accumulation: int, steps: int) -> list[str | None]:
@@ -272,11 +279,8 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
             if name.startswith("posttrain") and getattr(module, collate_name, None) is original:
                 setattr(module, collate_name, recording)
 
-    peak_reset = _common.reset_peak_rss()
-    started = time.perf_counter()
-    train_dpo(cfg)
-    wall = time.perf_counter() - started
-    peak = _common.peak_rss_mib()
+    with _common.measured_run("posttrain", getattr(posttrain, "__version__", None), baseline) as measured:
+        train_dpo(cfg)
 
     micro_batches = [
         shared_prompt_rows(b.input_ids.tolist(), b.segments.tolist()) if isinstance(b, SharedPromptBatch)
@@ -285,26 +289,16 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     by_step = {r["step"]: r for r in records if "loss" in r}
     steps = range(1, spec["steps"] + 1)
+    steps_shape = (spec["accumulation"], spec["steps"])
     return {
-        "framework": "posttrain",
-        "version": getattr(posttrain, "__version__", None),
-        "wall_seconds": wall,
-        "baseline_rss_mib": baseline,
-        "peak_rss_mib": peak,
-        "peak_reset": peak_reset,
-        "torch_threads": torch.get_num_threads(),
-        "loadavg_at_end": _common.loadavg(),
+        **measured,
         "step_end_times": [step_ends.get(s) for s in steps],
         "collate_calls": len(collated),
         "step_fingerprints": step_fingerprints(micro_batches, spec["accumulation"], spec["steps"]),
-        "tokens_per_step": [sum(len(row[0]) for mb in micro_batches[i * spec["accumulation"] : (i + 1) * spec["accumulation"]]
-                                for row in mb) for i in range(spec["steps"])],
+        "tokens_per_step": per_step([sum(len(row[0]) for row in mb) for mb in micro_batches], *steps_shape),
         # Of the two-row layout (the longest prompt + completion); with a shared prompt the rows are longer, fewer.
-        "padded_width_per_step": [max(len(row[0]) for mb in micro_batches[i * spec["accumulation"] : (i + 1) * spec["accumulation"]]
-                                      for row in mb)
-                                  if len(collated) >= (i + 1) * spec["accumulation"] else None for i in range(spec["steps"])],
-        "model_positions_per_step": [sum(b.input_ids.numel() for b in collated[i * spec["accumulation"] : (i + 1) * spec["accumulation"]])
-                                     for i in range(spec["steps"])],
+        "padded_width_per_step": per_step([max(len(row[0]) for row in mb) for mb in micro_batches], *steps_shape, max),
+        "model_positions_per_step": per_step([b.input_ids.numel() for b in collated], *steps_shape),
         "share_prompt": cfg.shares_prompt,
         "losses": [by_step.get(s, {}).get("loss") for s in steps],
         "margins": [by_step.get(s, {}).get("margin") for s in steps],
@@ -426,18 +420,15 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
     )
     recorder = Recorder()
 
-    peak_reset = _common.reset_peak_rss()
-    started = time.perf_counter()
-    dataset = _common.jsonl_dataset(spec["pairs_file"])
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    trainer = trainer_class(
-        model=model_dir, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[recorder]
-    )
-    collator = RecordingCollator(trainer.data_collator)
-    trainer.data_collator = collator
-    _common.train_and_save_quietly(trainer, output_dir / "final")
-    wall = time.perf_counter() - started
-    peak = _common.peak_rss_mib()
+    with _common.measured_run("trl", trl.__version__, baseline) as measured:
+        dataset = _common.jsonl_dataset(spec["pairs_file"])
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        trainer = trainer_class(
+            model=model_dir, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[recorder]
+        )
+        collator = RecordingCollator(trainer.data_collator)
+        trainer.data_collator = collator
+        _common.train_and_save_quietly(trainer, output_dir / "final")
 
     steps, accumulation = spec["steps"], spec["accumulation"]
     batches = collator.batches[: steps * accumulation]
@@ -448,14 +439,7 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
     step_range = range(1, steps + 1)
     reference = trainer.ref_model
     return {
-        "framework": "trl",
-        "version": trl.__version__,
-        "wall_seconds": wall,
-        "baseline_rss_mib": baseline,
-        "peak_rss_mib": peak,
-        "peak_reset": peak_reset,
-        "torch_threads": torch.get_num_threads(),
-        "loadavg_at_end": _common.loadavg(),
+        **measured,
         "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
         # Per parameter group (the constructor's defaults say weight_decay 0.01; the groups get args.weight_decay).
         "optimizer_param_groups": [{k: str(v) for k, v in group.items() if k != "params"}
@@ -478,12 +462,9 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
         "collate_calls": len(collator.batches),
         "step_end_times": recorder.step_ends,
         "step_fingerprints": step_fingerprints(micro_batches, accumulation, steps),
-        "tokens_per_step": [sum(len(row[0]) for mb in micro_batches[i * accumulation : (i + 1) * accumulation] for row in mb)
-                            for i in range(steps)],
-        "padded_width_per_step": [max(b["input_ids"].shape[1] for b in batches[i * accumulation : (i + 1) * accumulation])
-                                  if len(batches) >= (i + 1) * accumulation else None for i in range(steps)],
-        "model_positions_per_step": [sum(b["input_ids"].numel() for b in batches[i * accumulation : (i + 1) * accumulation])
-                                     for i in range(steps)],
+        "tokens_per_step": per_step([sum(len(row[0]) for row in mb) for mb in micro_batches], accumulation, steps),
+        "padded_width_per_step": per_step([b["input_ids"].shape[1] for b in batches], accumulation, steps, max),
+        "model_positions_per_step": per_step([b["input_ids"].numel() for b in batches], accumulation, steps),
         "losses": [logs.get(s, {}).get("loss") for s in step_range],
         "margins": [logs.get(s, {}).get("rewards/margins") for s in step_range],
         "reward_accuracies": [logs.get(s, {}).get("rewards/accuracies") for s in step_range],

@@ -228,24 +228,14 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
 
     ArithmeticEnvironment.step = environment_step
 
-    peak_reset = _common.reset_peak_rss()
-    started = time.perf_counter()
-    train_grpo(cfg)
-    wall = time.perf_counter() - started
-    peak = _common.peak_rss_mib()
+    with _common.measured_run("posttrain", posttrain.__version__, baseline) as measured:
+        train_grpo(cfg)
 
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     by_step = {r["step"]: r for r in records if "reward/mean" in r}
     steps = range(1, spec["steps"] + 1)
     return {
-        "framework": "posttrain",
-        "version": posttrain.__version__,
-        "wall_seconds": wall,
-        "baseline_rss_mib": baseline,
-        "peak_rss_mib": peak,
-        "peak_reset": peak_reset,
-        "torch_threads": torch.get_num_threads(),
-        "loadavg_at_end": _common.loadavg(),
+        **measured,
         "step_end_times": [step_ends.get(s) for s in steps],
         "scored_prompts": scored_prompts,
         "rewards": [by_step.get(s, {}).get("reward/mean") for s in steps],
@@ -348,29 +338,19 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
     )
     recorder = Recorder()
 
-    peak_reset = _common.reset_peak_rss()
-    started = time.perf_counter()
-    dataset = _common.jsonl_dataset(spec["prompts_file"])
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    trainer = GRPOTrainer(
-        model=model_dir, reward_funcs=[exact_match], args=args, train_dataset=dataset, processing_class=tokenizer,
-        callbacks=[recorder],
-    )
-    _common.train_and_save_quietly(trainer, output_dir / "final")
-    wall = time.perf_counter() - started
-    peak = _common.peak_rss_mib()
+    with _common.measured_run("trl", trl.__version__, baseline) as measured:
+        dataset = _common.jsonl_dataset(spec["prompts_file"])
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        trainer = GRPOTrainer(
+            model=model_dir, reward_funcs=[exact_match], args=args, train_dataset=dataset, processing_class=tokenizer,
+            callbacks=[recorder],
+        )
+        _common.train_and_save_quietly(trainer, output_dir / "final")
 
     steps = range(1, spec["steps"] + 1)
     logs = {entry["step"]: entry for entry in recorder.logs}
     return {
-        "framework": "trl",
-        "version": trl.__version__,
-        "wall_seconds": wall,
-        "baseline_rss_mib": baseline,
-        "peak_rss_mib": peak,
-        "peak_reset": peak_reset,
-        "torch_threads": torch.get_num_threads(),
-        "loadavg_at_end": _common.loadavg(),
+        **measured,
         "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
         # Per parameter group (the constructor's defaults say weight_decay 0.01; the groups get args.weight_decay).
         "optimizer_param_groups": [{k: str(v) for k, v in group.items() if k != "params"}

@@ -168,11 +168,8 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
 
     step_ends = _common.record_posttrain_step_ends()
 
-    peak_reset = _common.reset_peak_rss()
-    started = time.perf_counter()
-    train_sft(cfg)
-    wall = time.perf_counter() - started
-    peak = _common.peak_rss_mib()
+    with _common.measured_run("posttrain", posttrain.__version__ if hasattr(posttrain, "__version__") else None, baseline) as measured:
+        train_sft(cfg)
 
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     by_step = {r["step"]: r for r in records if "loss" in r}
@@ -185,14 +182,7 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
         else:
             tokens.append(None)
     return {
-        "framework": "posttrain",
-        "version": posttrain.__version__ if hasattr(posttrain, "__version__") else None,
-        "wall_seconds": wall,
-        "baseline_rss_mib": baseline,
-        "peak_rss_mib": peak,
-        "peak_reset": peak_reset,
-        "torch_threads": torch.get_num_threads(),
-        "loadavg_at_end": _common.loadavg(),
+        **measured,
         "step_end_times": [step_ends.get(s) for s in steps],
         "tokens_per_step": tokens,
         "losses": [by_step.get(s, {}).get("loss") for s in steps],
@@ -309,18 +299,15 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
     )
     recorder = Recorder()
 
-    peak_reset = _common.reset_peak_rss()
-    started = time.perf_counter()
-    dataset = _common.jsonl_dataset(spec["train_file"])
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    trainer = trainer_class(
-        model=model_dir, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[recorder]
-    )
-    collator = CountingCollator(trainer.data_collator)
-    trainer.data_collator = collator
-    _common.train_and_save_quietly(trainer, output_dir / "final")
-    wall = time.perf_counter() - started
-    peak = _common.peak_rss_mib()
+    with _common.measured_run("trl", trl.__version__, baseline) as measured:
+        dataset = _common.jsonl_dataset(spec["train_file"])
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        trainer = trainer_class(
+            model=model_dir, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[recorder]
+        )
+        collator = CountingCollator(trainer.data_collator)
+        trainer.data_collator = collator
+        _common.train_and_save_quietly(trainer, output_dir / "final")
 
     steps = spec["steps"]
     accumulation = spec["accumulation"]
@@ -330,14 +317,7 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
     logs = {entry["step"]: entry for entry in recorder.logs}
     cumulative = [logs.get(s, {}).get("num_tokens") for s in range(1, steps + 1)]
     return {
-        "framework": "trl",
-        "version": trl.__version__,
-        "wall_seconds": wall,
-        "baseline_rss_mib": baseline,
-        "peak_rss_mib": peak,
-        "peak_reset": peak_reset,
-        "torch_threads": torch.get_num_threads(),
-        "loadavg_at_end": _common.loadavg(),
+        **measured,
         "optimizer": type(getattr(trainer.optimizer, "optimizer", trainer.optimizer)).__name__,
         "optimizer_defaults": {k: str(v) for k, v in getattr(trainer.optimizer, "defaults", {}).items()},
         "gradient_checkpointing": bool(getattr(trainer.model, "is_gradient_checkpointing", False)),
