@@ -85,16 +85,22 @@ def base_logits(ids: torch.Tensor) -> torch.Tensor:
     return load_causal_lm(ModelConfig(name_or_path="posttrain/tiny")).eval()(input_ids=ids).logits
 
 
-def test_lora_sft_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("train, schema, overrides", [
+    (train_sft, SFTConfig, SFT),
+    (train_dpo, DPOConfig, PAIRS),
+    # The reward model's checkpoint also holds its trained score head (peft's modules_to_save); both come back.
+    (train_rm, RMConfig, PAIRS),
+], ids=["sft", "dpo", "rm"])
+def test_lora_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir, train, schema, overrides):
     def run(output_dir: Path, steps: int) -> None:
-        train_sft(load_config(SFTConfig, None, [*SFT, f"output_dir={output_dir}", f"trainer.max_steps={steps}",
-                                                "trainer.save_every=5"]))
+        train(load_config(schema, None, [*overrides, f"output_dir={output_dir}", f"trainer.max_steps={steps}",
+                                         "trainer.save_every=4"]))
 
-    run(tmp_path / "straight", 10)
-    run(tmp_path / "resumed", 5)
-    checkpoint = tmp_path / "resumed" / "checkpoints" / "step_5"
+    run(tmp_path / "straight", 8)
+    run(tmp_path / "resumed", 4)
+    checkpoint = tmp_path / "resumed" / "checkpoints" / "step_4"
     assert (checkpoint / "adapter_model.safetensors").is_file() and not (checkpoint / "model.safetensors").exists()
-    run(tmp_path / "resumed", 10)
+    run(tmp_path / "resumed", 8)
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
 
 
@@ -114,17 +120,6 @@ def test_lora_dpo_uses_the_adapter_disabled_base_as_reference(tmp_path, tiny_mod
     # base model while the adapters train.
     assert table == pytest.approx(live, abs=1e-5)
     assert live[-1] < live[0] - 0.05
-
-
-def test_lora_dpo_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):
-    def run(output_dir: Path, steps: int) -> None:
-        train_dpo(load_config(DPOConfig, None, [*PAIRS, f"output_dir={output_dir}", f"trainer.max_steps={steps}",
-                                                "trainer.save_every=4"]))
-
-    run(tmp_path / "straight", 8)
-    run(tmp_path / "resumed", 4)
-    run(tmp_path / "resumed", 8)
-    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
 
 
 def test_lora_reward_model_trains_adapters_and_head_only(tmp_path, tiny_model_dir):
@@ -154,15 +149,3 @@ def test_lora_target_modules_that_match_nothing_name_the_key(tmp_path, tiny_mode
                                         "lora.target_modules=['no_such_proj']"])
     with pytest.raises(ValueError, match="lora.target_modules"):
         train_sft(cfg)
-
-
-def test_lora_reward_model_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):
-    # The checkpoint holds the adapter and the trained score head (peft's modules_to_save); both come back.
-    def run(output_dir: Path, steps: int) -> None:
-        train_rm(load_config(RMConfig, None, [*PAIRS, f"output_dir={output_dir}", f"trainer.max_steps={steps}",
-                                              "trainer.save_every=3"]))
-
-    run(tmp_path / "straight", 6)
-    run(tmp_path / "resumed", 3)
-    run(tmp_path / "resumed", 6)
-    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
