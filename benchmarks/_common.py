@@ -280,6 +280,41 @@ def measured_run(framework: str, version: str | None, baseline: float | None) ->
                   torch_threads=torch.get_num_threads(), loadavg_at_end=loadavg())
 
 
+def trl_baseline_rss_mib(model_dir: str) -> float | None:
+    """`baseline_rss_mib` for a TRL worker: the model as TRL loads it here (float32, sdpa) and its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return baseline_rss_mib(lambda: (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa"),
+        AutoTokenizer.from_pretrained(model_dir),
+    ))
+
+
+def trl_step_recorder(log_key: str) -> Any:
+    """A TrainerCallback keeping the time of every step's begin and end (step_begins, step_ends) and every log
+    record that has `log_key` (logs: {"step": global step, **record})."""
+    from transformers import TrainerCallback
+
+    class StepRecorder(TrainerCallback):
+        def __init__(self):
+            self.step_begins: list[float] = []
+            self.step_ends: list[float] = []
+            self.logs: list[dict[str, float]] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.step_begins.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.step_ends.append(time.perf_counter())
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and log_key in logs:
+                self.logs.append({"step": state.global_step, **logs})
+
+    return StepRecorder()
+
+
 def announce_environment() -> tuple[dict[str, str | None], dict[str, Any]]:
     """Print the package versions and the machine (warning when the CPU is busy); return both for the report."""
     versions = package_versions(["posttrain", "trl", "transformers", "torch", "accelerate", "datasets", "tokenizers"])

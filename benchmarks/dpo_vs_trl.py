@@ -316,34 +316,11 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
     import trl
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        TrainerCallback,
-    )
+    from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     model_dir = spec["model_dir"]
-    model_kwargs = {"dtype": torch.float32, "attn_implementation": "sdpa"}
-    baseline = _common.baseline_rss_mib(
-        lambda: (AutoModelForCausalLM.from_pretrained(model_dir, **model_kwargs), AutoTokenizer.from_pretrained(model_dir))
-    )
-
-    class Recorder(TrainerCallback):
-        def __init__(self):
-            self.step_begins: list[float] = []
-            self.step_ends: list[float] = []
-            self.logs: list[dict[str, float]] = []
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.step_begins.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.step_ends.append(time.perf_counter())
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs:
-                self.logs.append({"step": state.global_step, **logs})
+    baseline = _common.trl_baseline_rss_mib(model_dir)
 
     class RecordingCollator:
         """Wraps TRL's own collator and keeps each batch it builds (unpacked after training)."""
@@ -418,7 +395,7 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
         per_device_train_batch_size=spec["micro_batch_size"],
         gradient_accumulation_steps=spec["accumulation"],
     )
-    recorder = Recorder()
+    recorder = _common.trl_step_recorder("loss")
 
     with _common.measured_run("trl", trl.__version__, baseline) as measured:
         dataset = _common.jsonl_dataset(spec["pairs_file"])

@@ -254,32 +254,13 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
     import trl
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoTokenizer,
-        TrainerCallback,
-    )
+    from transformers import AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from posttrain.envs import arithmetic
 
     model_dir = spec["model_dir"]
-    model_kwargs = {"dtype": torch.float32, "attn_implementation": "sdpa"}
-    baseline = _common.baseline_rss_mib(
-        lambda: (AutoModelForCausalLM.from_pretrained(model_dir, **model_kwargs), AutoTokenizer.from_pretrained(model_dir))
-    )
-
-    class Recorder(TrainerCallback):
-        def __init__(self):
-            self.step_ends: list[float] = []
-            self.logs: list[dict[str, float]] = []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.step_ends.append(time.perf_counter())
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs:
-                self.logs.append({"step": state.global_step, **logs})
+    baseline = _common.trl_baseline_rss_mib(model_dir)
 
     scored_prompts: list[list[str]] = []
 
@@ -336,7 +317,7 @@ def worker_trl(spec: dict[str, Any]) -> dict[str, Any]:
         **_common.trl_optimization_and_bookkeeping(spec),
         log_completions=False,
     )
-    recorder = Recorder()
+    recorder = _common.trl_step_recorder("reward")
 
     with _common.measured_run("trl", trl.__version__, baseline) as measured:
         dataset = _common.jsonl_dataset(spec["prompts_file"])
