@@ -126,11 +126,11 @@ class Sweep:
         out = self.posttrain(code_path, ["eval", "--model", model, "--json", f"num_examples={HELD_OUT_PROBLEMS}"], log)
         return json.loads(out.strip().splitlines()[-1])["accuracy"]
 
-    def run(self, name: str, code_path: str, seed: int, overrides: list[str]) -> dict[str, Any]:
+    def run(self, name: str, code_path: str, seed: int, overrides: list[str], label: str = "") -> dict[str, Any]:
         """One seeded run of preset `name` on `code_path` (cached in its result.json, reused while the overrides
-        and the starting-model choice are the same). A start preset runs without the overrides."""
+        and the starting-model choice are the same). A start preset runs without the overrides or the label."""
         preset = PRESETS[name]
-        run_dir = self.output / name / f"{code_path}-seed{seed}"
+        run_dir = self.output / folder(name, label) / f"{code_path}-seed{seed}"
         result_file = run_dir / "result.json"
         settings = {"overrides": overrides, "start": self.start if preset.start else None}
         if result_file.is_file() and not self.fresh:
@@ -183,6 +183,10 @@ class Sweep:
         return result
 
 
+def folder(name: str, label: str) -> str:
+    return f"{name}@{label}" if label else name
+
+
 def summarize(name: str, results: list[dict[str, Any]]) -> tuple[str, dict[str, Any], bool]:
     """Markdown table of min / median / max per metric (and which run is the worst), plus the claims' verdicts."""
     metrics = [k for k, v in results[0].items() if isinstance(v, float) and k != "seconds"]
@@ -224,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="starting model of dpo/rm/grpo presets (default: seeded; see the module docstring)")
     parser.add_argument("--output", type=Path, default=ROOT / "runs" / "seeds", help="default runs/seeds")
     parser.add_argument("--fresh", action="store_true", help="recompute runs that already have a result.json")
+    parser.add_argument("--label", default="", help="keep these runs apart from the preset's own, in "
+                        "OUTPUT/PRESET@LABEL (for a preset under a test's overrides); start runs stay shared")
     args = parser.parse_args(argv)
     names = [item for item in args.items if "=" not in item]
     overrides = [item for item in args.items if "=" in item]
@@ -238,21 +244,21 @@ def main(argv: list[str] | None = None) -> int:
     sweep = Sweep(args.output.resolve(), args.threads, args.start, args.fresh)
     all_hold = True
     for name in names:
-        print(f"\n## {name}: seeds {args.seeds} x code paths {', '.join(paths)}"
+        print(f"\n## {folder(name, args.label)}: seeds {args.seeds} x code paths {', '.join(paths)}"
               + (f", overrides {' '.join(overrides)}" if overrides else ""), flush=True)
         jobs = [(code_path, seed) for seed in seeds for code_path in paths]
         with ThreadPoolExecutor(args.jobs) as pool:
-            results = list(pool.map(lambda job: report(sweep, name, *job, overrides), jobs))
+            results = list(pool.map(lambda job: report(sweep, name, *job, overrides, args.label), jobs))
         table, summary, holds = summarize(name, results)
         all_hold &= holds
-        write_json(sweep.output / name / "summary.json", {**summary, "overrides": overrides, "seeds": seeds,
+        write_json(sweep.output / folder(name, args.label) / "summary.json", {**summary, "overrides": overrides, "seeds": seeds,
                                                           "paths": paths, "start": args.start})
         print(table, flush=True)
     return 0 if all_hold else 1
 
 
-def report(sweep: Sweep, name: str, code_path: str, seed: int, overrides: list[str]) -> dict[str, Any]:
-    result = sweep.run(name, code_path, seed, overrides)
+def report(sweep: Sweep, name: str, code_path: str, seed: int, overrides: list[str], label: str) -> dict[str, Any]:
+    result = sweep.run(name, code_path, seed, overrides, label)
     shown = ", ".join(f"{k} {v:.4g}" for k, v in result.items() if isinstance(v, float))
     print(f"  {name} {code_path} seed {seed}: {shown}", flush=True)
     return result
