@@ -55,6 +55,8 @@ CODE_PATHS: dict[str, dict[str, str]] = {
     "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
 }
 HELD_OUT_PROBLEMS = 800
+LOWER_IS_BETTER = {"seconds"}
+"""Metrics whose worst run is the one with the largest value (so are those whose name ends in `loss`)."""
 CLI = "import sys; from posttrain.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
@@ -193,8 +195,9 @@ def summarize(name: str, results: list[dict[str, Any]]) -> tuple[str, dict[str, 
     rows, summary = [], {"preset": name, "runs": len(results), "metrics": {}, "claims": []}
     for metric in metrics + ["seconds"]:
         values = sorted((r[metric], f"{r['code_path']}-seed{r['seed']}") for r in results)
+        worst = values[-1] if metric in LOWER_IS_BETTER or metric.endswith("loss") else values[0]
         stats = {"min": values[0][0], "median": statistics.median(v for v, _ in values), "max": values[-1][0],
-                 "worst_run": values[0][1]}
+                 "worst_run": worst[1]}
         summary["metrics"][metric] = stats
         rows.append([metric, f"{stats['min']:.4g}", f"{stats['median']:.4g}", f"{stats['max']:.4g}", stats["worst_run"]])
     table = markdown_table(["metric", "min", "median", "max", "worst run"], rows)
