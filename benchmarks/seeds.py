@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fresh", action="store_true", help="recompute runs that already have a result.json")
     parser.add_argument("--label", default="", help="keep these runs apart from the preset's own, in "
                         "OUTPUT/PRESET@LABEL (for a preset under a test's overrides); start runs stay shared")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     names = [item for item in args.items if "=" not in item]
     overrides = [item for item in args.items if "=" in item]
     unknown = [name for name in names if name not in PRESETS]

@@ -206,8 +206,10 @@ def test_gdpo_needs_named_reward_components(tmp_path, tiny_model_dir):
 
 
 def test_grpo_raises_held_out_arithmetic_accuracy(tmp_path):
-    # From the embedded model SFT'd on 500 labelled additions (about 60% held-out), GRPO on unlabelled training
-    # prompts with the exact-match verifier only. Deterministic on CPU; measured +8 points on 800 held-out problems.
+    # From the embedded model SFT'd on 500 labelled additions (26-30% held-out), GRPO on unlabelled training
+    # prompts with the exact-match verifier only, 800 steps. Measured with benchmarks/seeds.py (--start embedded,
+    # GRPO seeds 0-2 x both CPU code paths): +13.4 to +23.9 points on 800 held-out problems (after 500 steps the
+    # worst run had gained 0.25 points, hence 800).
     from posttrain.algorithms.evaluate import evaluate_arithmetic
 
     def accuracy(path) -> float:
@@ -215,8 +217,8 @@ def test_grpo_raises_held_out_arithmetic_accuracy(tmp_path):
         return evaluate_arithmetic(load_causal_lm(cfg), load_tokenizer(cfg), num_examples=800).accuracy
 
     cfg = load_config(GRPOConfig, preset_path("grpo_arithmetic.yaml"), [
-        f"output_dir={tmp_path}", "trainer.max_steps=300", "trainer.learning_rate=2e-4", "trainer.eval_every=0",
+        f"output_dir={tmp_path}", "trainer.max_steps=800", "trainer.eval_every=0",
         "trainer.save_every=0", "data.eval_files=[]", "logging.progress=none", "logging.plot=false"])
     result = train_grpo(cfg)
     before, after = accuracy("posttrain/tiny-arithmetic-sft-small"), accuracy(result.final_dir)
-    assert after >= before + 0.04, (before, after)
+    assert after >= before + 0.06, (before, after)

@@ -50,9 +50,12 @@ def test_full_quickstart_grpo_goes_past_the_sft_plateau(tmp_path: Path):
                  "grpo.logging.progress=plain"]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["base"]["accuracy"] < 0.05
-    assert 0.3 < summary["sft"]["accuracy"] < 0.8  # learned from 500 examples, far from mastery
-    assert summary["control"]["steps"] == 1100 and 0 <= summary["control"]["accuracy"] <= 1
-    assert summary["grpo"]["accuracy"] >= summary["sft"]["accuracy"] + 0.1  # measured +15 to +20 points
+    # Measured over seeds 0-4 x both CPU code paths (BENCHMARKS.md): sft 22-30%, control 23-31%
+    # (-4.75 to +6.1 points from its SFT stage), grpo 57-75%: +33.4 points over sft, +28.5 over control at worst.
+    assert 0.1 < summary["sft"]["accuracy"] < 0.5  # memorized its 500 examples, far from mastery
+    assert summary["control"]["steps"] == 1500 and summary["control"]["accuracy"] < summary["sft"]["accuracy"] + 0.1
+    assert summary["grpo"]["accuracy"] >= summary["sft"]["accuracy"] + 0.25
+    assert summary["grpo"]["accuracy"] >= summary["control"]["accuracy"] + 0.2
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

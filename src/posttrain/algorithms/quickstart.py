@@ -3,7 +3,7 @@
 Stages:
   base     the untrained embedded tiny model, measured on held-out 2-digit additions
   sft      supervised fine-tuning on a small fixed pool of labelled examples (configs/sft_arithmetic_small.yaml):
-           it learns the answer format and plateaus well below mastery
+           it learns the answer format and memorizes the pool, far below mastery on held-out problems
   control  the same SFT continued for `control_steps` more steps on the same pool: more demonstrations of the
            same few examples do not get further
   grpo     GRPO from the SFT model on fresh, unlabelled training prompts, rewarded only by an exact-match

@@ -600,9 +600,10 @@ class QuickstartConfig(Section):
     grpo: GRPOConfig
     """The GRPO stage, started from the SFT stage's model (defaults: configs/grpo_arithmetic.yaml)."""
 
-    control_steps: int = Field(1100, ge=0)
+    control_steps: int = Field(1500, ge=0)
     """The control: this many more SFT steps on the same labelled pool, from the SFT stage's model (default: as many
     optimizer steps as the GRPO stage takes; 0: skip)."""
 
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    """Held-out evaluation before and after each stage."""
+    eval: EvalConfig = Field(default_factory=lambda: EvalConfig(num_examples=800))
+    """Held-out evaluation before and after each stage (800 problems: a stage's accuracy has a standard error
+    of at most 1.8 points)."""

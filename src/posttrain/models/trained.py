@@ -1,9 +1,10 @@
 """Embedded models that are trained, not just built: built on first use by running a shipped recipe.
 
     posttrain/tiny-arithmetic-sft   posttrain/tiny after configs/sft_arithmetic.yaml (SFT on 2-digit
-                                    addition, ~2 minutes on two CPU cores the first time; >80% exact match)
+                                    addition, ~2 minutes on two CPU cores the first time; 100% held-out
+                                    exact match on every seed and CPU code path measured)
     posttrain/tiny-arithmetic-sft-small   posttrain/tiny after configs/sft_arithmetic_small.yaml (SFT on only
-                                    500 labelled additions, ~90 s; plateaus near 60%: the start for GRPO)
+                                    500 labelled additions, ~90 s; memorizes them, 22-30% held-out: the start for GRPO)
 
 The starting point for recipes that need an already-competent policy (DPO, GRPO on arithmetic). The run
 trains in a hidden temporary directory beside the cache entry and only its final/ model is renamed into
