@@ -27,7 +27,7 @@ BENCHMARKS.md or a config's header is checked:
   holds on the worst run. The exit status is 1 when a claim fails.
 
 Held-out exact match is greedy, on 800 held-out 2-digit additions (`posttrain eval ... num_examples=800`); the
-quickstart reports its own 200-problem table.
+quickstart's own table scores the same 800 problems, so its GRPO stage is also a `grpo_arithmetic` run.
 """
 
 from __future__ import annotations
