@@ -8,8 +8,9 @@ import torch
 
 from posttrain.algorithms import dpo
 from posttrain.algorithms.dpo import train_dpo
+from posttrain.workers.forward import forward_logits, token_logprobs_of
 from posttrain.config import ConfigError, DPOConfig, load_config
-from posttrain.config.schema import ModelConfig, TrainerConfig
+from posttrain.config.schema import ModelConfig
 from posttrain.data.embedded import iter_embedded
 from posttrain.data.errors import DataError
 from posttrain.data.formats import PreferenceRow
@@ -134,13 +135,13 @@ def test_shared_prompt_scores_equal_separate_rows(tiny_model_dir, attention):
     rows = [PreferenceRow("12+30=", "42", "41"), PreferenceRow("9+9=", "18", "198"),
             PreferenceRow("1+2+3+4+5=", "15 is the sum", "14"), PreferenceRow("7=", "7", "seven")]
     pairs = [tokenize_preference_row(row, tokenizer, 32, "truncate") for row in rows]
-    trainer = TrainerConfig()
     scores, grads = {}, {}
     for name, collate in (("rows", collate_preference), ("shared", collate_shared_prompt)):
         model.zero_grad()
         for average in (False, True):
-            scores[name, average] = dpo.completion_logps(model, collate(pairs, tokenizer.pad_token_id), average,
-                                                         trainer, torch.device("cpu"))
+            batch = collate(pairs, tokenizer.pad_token_id)
+            scores[name, average] = dpo.completion_logps(token_logprobs_of(forward_logits(model, batch), batch),
+                                                         batch, average)
         total = scores[name, False]
         (total.chosen.sum() - 2 * total.rejected.sum() + total.chosen_nll.sum()).backward()
         grads[name] = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -199,9 +200,9 @@ def test_short_dpo_run_learns_the_preferences_and_leaves_the_reference_alone(tmp
     assert result.eval_reward_accuracy == records[-1]["eval_reward_accuracy"]
 
     (reference,) = references
-    assert not any(p.requires_grad for p in reference.parameters())
+    assert not any(p.requires_grad for p in reference.model.parameters())
     untouched = load_causal_lm(ModelConfig(name_or_path="posttrain/tiny")).state_dict()
-    for name, tensor in reference.state_dict().items():
+    for name, tensor in reference.model.state_dict().items():
         assert torch.equal(tensor, untouched[name]), name
     trained = load_causal_lm(ModelConfig(name_or_path=str(result.final_dir))).state_dict()
     assert any(not torch.equal(trained[name], untouched[name]) for name in untouched)

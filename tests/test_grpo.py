@@ -70,16 +70,17 @@ def test_several_updates_per_batch_move_the_ratio_off_one(tmp_path, tiny_model_d
 
 def test_kl_penalty_loads_a_frozen_reference(tmp_path, tiny_model_dir, monkeypatch):
     loaded = []
-    real = grpo.load_causal_lm
+    real = grpo.build_scorer
 
     def counting(*args, **kwargs):
-        loaded.append(kwargs.get("path"))
-        return real(*args, **kwargs)
+        loaded.append(real(*args, **kwargs))
+        return loaded[-1]
 
-    monkeypatch.setattr(grpo, "load_causal_lm", counting)
+    monkeypatch.setattr(grpo, "build_scorer", counting)
     train_grpo(config(tmp_path, "trainer.max_steps=2", "loss.reference_kl_penalty=0.1"))
     records = read_metrics(tmp_path / "metrics.jsonl")
-    assert len(loaded) == 2  # the policy and the reference
+    (reference,) = loaded  # one frozen copy of the starting model beside the policy
+    assert not any(p.requires_grad for p in reference.model.parameters())
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts equal to the reference
     assert records[1]["kl"] > 0.0
 

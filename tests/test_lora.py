@@ -98,7 +98,7 @@ def test_lora_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir, train
 
     run(tmp_path / "straight", 8)
     run(tmp_path / "resumed", 4)
-    checkpoint = tmp_path / "resumed" / "checkpoints" / "step_4"
+    checkpoint = tmp_path / "resumed" / "checkpoints" / "step_4" / "policy"
     assert (checkpoint / "adapter_model.safetensors").is_file() and not (checkpoint / "model.safetensors").exists()
     run(tmp_path / "resumed", 8)
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")

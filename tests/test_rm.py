@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForSequenceClassification
 
-from posttrain.algorithms.rm import sequence_rewards, train_rm
+from posttrain.algorithms.rm import train_rm
+from posttrain.workers.local import LocalScoringWorker
 from posttrain.config import ConfigError, RMConfig, load_config
 from posttrain.config.presets import preset_path
 from posttrain.config.schema import ModelConfig, TrainerConfig
@@ -59,7 +60,7 @@ def test_batched_pair_rewards_equal_scoring_each_text_alone(tiny_model_dir):
     pairs = [tokenize_preference_row(row, tokenizer, 32, "truncate") for row in rows]
     batch = collate_preference(pairs, tokenizer.pad_token_id)  # 6 rows of different lengths, right-padded
     with torch.no_grad():
-        batched = sequence_rewards(model, batch, TrainerConfig(), torch.device("cpu"))
+        batched = LocalScoringWorker(model, TrainerConfig(), role="reward").sequence_scores(batch)
     scorer = RewardModel(model, tokenizer, batch_size=1)  # one row per forward: no padding at all
     alone = scorer.score([r.prompt for r in rows] * 2, [r.chosen for r in rows] + [r.rejected for r in rows])
     assert batched.tolist() == pytest.approx(alone, abs=1e-5)

@@ -6,11 +6,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from posttrain.algorithms.common import forward_logits
 from posttrain.algorithms.sft import accumulate_gradients
 from posttrain.config.schema import TrainerConfig
 from posttrain.data.collate import collate_packed, collate_padded, pack_rows
 from posttrain.data.types import TokenizedExample
+from posttrain.workers.forward import forward_logits
+from posttrain.workers.local import LocalPolicyWorker
 from posttrain.losses.nll import nll_loss, token_logprobs
 
 
@@ -45,7 +46,7 @@ def _grads_for_split(model, examples, micro_batch_size: int, packing: bool = Fal
     trainer = TrainerConfig(micro_batch_size=micro_batch_size, gradient_accumulation_steps=len(examples) // micro_batch_size)
     collate = (lambda ex: collate_packed(ex, 257, 64)) if packing else (lambda ex: collate_padded(ex, 257))
     micro_batches = [collate(examples[i : i + micro_batch_size]) for i in range(0, len(examples), micro_batch_size)]
-    loss, targets = accumulate_gradients(model, micro_batches, trainer, torch.device("cpu"))
+    loss, targets = accumulate_gradients(LocalPolicyWorker(model, None, trainer), micro_batches)
     return loss, targets, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 

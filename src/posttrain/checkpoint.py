@@ -1,16 +1,17 @@
-"""Atomic, resumable checkpoints and the final Hugging Face export.
+"""Atomic, resumable checkpoints (one folder per worker) and the final Hugging Face export.
 
 Layout of one checkpoint, ``OUTPUT/checkpoints/step_N/``::
 
-    config.json, model.safetensors, tokenizer files   a Hugging Face model directory (loadable as is)
-    optimizer.pt                                      optimizer state
-    scheduler.pt                                      learning-rate scheduler state
-    trainer_state.json                                step, data position and anything else the loop needs
-    rng_state.pt                                      Python, NumPy and torch RNG states
+    policy/                  the policy worker: a Hugging Face model directory (loadable as is; with LoRA the
+                             adapter alone), its tokenizer, optimizer.pt and scheduler.pt
+    <role>/                  any other trained worker (a critic), laid out the same way
+    trainer_state.json       step, data position and anything else the loop needs
+    rng_state.pt             Python, NumPy and torch RNG states
 
 A checkpoint is written into a hidden temporary directory beside its final place and renamed into
-place only when complete; rename is atomic, so a process killed mid-write (kill -9 included) leaves
-at worst a hidden ``.tmp-*`` folder, which resume ignores and the next save removes.
+place only when every worker has written its part; rename is atomic, so a process killed mid-write (kill -9
+included) leaves at worst a hidden ``.tmp-*`` folder, which resume ignores and the next save removes.
+Checkpoints written before the per-worker layout (the policy's files directly in ``step_N/``) still resume.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -30,6 +32,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 CHECKPOINT_DIR = "checkpoints"
 FINAL_DIR = "final"
+POLICY = "policy"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -41,6 +44,19 @@ class Checkpoint:
     @property
     def trainer_state(self) -> dict[str, Any]:
         return json.loads((self.path / "trainer_state.json").read_text())
+
+    def worker_dir(self, role: str) -> Path:
+        """The folder holding worker `role`'s state (a pre-per-worker checkpoint keeps the policy at its root)."""
+        folder = self.path / role
+        if not folder.is_dir() and role == POLICY and (self.path / "config.json").is_file():
+            return self.path
+        return folder
+
+
+class SavesState(Protocol):
+    """What a checkpoint asks of each worker: write its whole training state into a folder."""
+
+    def save(self, directory: Path) -> None: ...
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Checkpoint]:
@@ -79,42 +95,93 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 def save_checkpoint(
     output_dir: str | Path,
     step: int,
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    workers: Mapping[str, SavesState],
     trainer_state: dict[str, Any],
     keep_last: int,
 ) -> Checkpoint:
-    """Write checkpoint `step` atomically, then delete all but the `keep_last` newest."""
+    """Write checkpoint `step` atomically (every worker into its role's folder, then the RNG and trainer state),
+    then delete all but the `keep_last` newest."""
+    from posttrain.distributed.env import barrier, broadcast_object, is_main
+
     root = Path(output_dir) / CHECKPOINT_DIR
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(root)
-    staging = root / f".tmp-step_{step}-{os.getpid()}"
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    torch.save(optimizer.state_dict(), staging / "optimizer.pt")
-    torch.save(scheduler.state_dict(), staging / "scheduler.pt")
-    torch.save(capture_rng_state(), staging / "rng_state.pt")
-    # trainer_state.json is what marks a checkpoint complete for list_checkpoints: written last.
-    (staging / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2) + "\n")
-    _fsync_tree(staging)
+    # Every rank writes into the same staging folder (rank 0 names it), and only rank 0 publishes it, after
+    # every rank has finished writing.
+    staging = root / f".tmp-step_{step}-{broadcast_object(os.getpid())}"
+    if is_main():
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(root)
+    barrier()
+    for role, worker in workers.items():
+        worker.save(staging / role)
+    barrier()
     target = root / f"step_{step}"
-    if target.exists():  # the same step saved again (a resumed run that re-reached it): replace it
-        shutil.rmtree(target)
-    os.rename(staging, target)
-    _fsync_dir(root)
-    for old in list_checkpoints(output_dir)[:-keep_last]:
-        shutil.rmtree(old.path)
+    if is_main():
+        torch.save(capture_rng_state(), staging / "rng_state.pt")
+        # trainer_state.json is what marks a checkpoint complete for list_checkpoints: written last.
+        (staging / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2) + "\n")
+        _fsync_tree(staging)
+        if target.exists():  # the same step saved again (a resumed run that re-reached it): replace it
+            shutil.rmtree(target)
+        os.rename(staging, target)
+        _fsync_dir(root)
+        for old in list_checkpoints(output_dir)[:-keep_last]:
+            shutil.rmtree(old.path)
+    barrier()
     return Checkpoint(target, step)
 
 
-def load_training_state(
-    checkpoint: Checkpoint, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler
-) -> dict[str, Any]:
-    """Restore optimizer, scheduler and RNG state; return trainer_state.json. (Weights load with the model.)"""
-    optimizer.load_state_dict(torch.load(checkpoint.path / "optimizer.pt", weights_only=True))
-    scheduler.load_state_dict(torch.load(checkpoint.path / "scheduler.pt", weights_only=True))
+def save_model_state(directory: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
+                     optimizer: torch.optim.Optimizer | None, scheduler: torch.optim.lr_scheduler.LRScheduler | None,
+                     ) -> None:
+    """One worker's part of a checkpoint: the model (a Hugging Face directory, or a peft adapter), its tokenizer,
+    and the optimizer and schedule states."""
+    model.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    if optimizer is not None:
+        torch.save(optimizer.state_dict(), directory / "optimizer.pt")
+    if scheduler is not None:
+        torch.save(scheduler.state_dict(), directory / "scheduler.pt")
+
+
+def load_optimizer_state(directory: Path, optimizer: torch.optim.Optimizer,
+                         scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    optimizer.load_state_dict(torch.load(directory / "optimizer.pt", weights_only=True))
+    scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
+
+
+SHARDED_MARKER = ".metadata"
+"""The file torch.distributed.checkpoint writes into a sharded checkpoint folder."""
+
+
+def is_sharded(directory: Path) -> bool:
+    """Whether `directory` holds a sharded (torch.distributed.checkpoint) worker state."""
+    return (Path(directory) / SHARDED_MARKER).is_file()
+
+
+def save_sharded_state(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Model and optimizer through torch.distributed.checkpoint: every rank writes its shards (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(directory))
+
+
+def load_sharded_state(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load what `save_sharded_state` wrote into `model` and `optimizer` as they are sharded now: on any number
+    of ranks, a single process included (the shards are re-split to fit)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=str(directory))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def restore_trainer_state(checkpoint: Checkpoint) -> dict[str, Any]:
+    """Restore the RNG states saved with `checkpoint`; return its trainer_state.json. (Workers load their own.)"""
     restore_rng_state(torch.load(checkpoint.path / "rng_state.pt", weights_only=False))
     return checkpoint.trainer_state
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 import textwrap
@@ -40,11 +41,19 @@ class Recipe:
     """Config tree the YAML file and overrides are merged over (the quickstart's packaged preset)."""
 
 
+def _done(line: str) -> None:
+    """The recipe's closing line, printed once (by rank 0 of a data-parallel run)."""
+    from posttrain.distributed.env import is_main
+
+    if is_main():
+        print(line)
+
+
 def _run_sft(cfg: SFTConfig, args: argparse.Namespace) -> int:
     from posttrain.algorithms.sft import train_sft
 
     result = train_sft(cfg)
-    print(f"done: {result.steps} steps, final loss {result.final_loss}, model in {result.final_dir}")
+    _done(f"done: {result.steps} steps, final loss {result.final_loss}, model in {result.final_dir}")
     return 0
 
 
@@ -61,7 +70,7 @@ def _run_dpo(cfg: DPOConfig, args: argparse.Namespace) -> int:
     from posttrain.algorithms.dpo import train_dpo
 
     result = train_dpo(cfg)
-    print(f"done: {result.steps} steps, final loss {result.final_loss}, eval reward accuracy "
+    _done(f"done: {result.steps} steps, final loss {result.final_loss}, eval reward accuracy "
           f"{result.eval_reward_accuracy}, model in {result.final_dir}")
     return 0
 
@@ -70,7 +79,7 @@ def _run_rm(cfg: RMConfig, args: argparse.Namespace) -> int:
     from posttrain.algorithms.rm import train_rm
 
     result = train_rm(cfg)
-    print(f"done: {result.steps} steps, final loss {result.final_loss}, eval accuracy {result.eval_accuracy}, "
+    _done(f"done: {result.steps} steps, final loss {result.final_loss}, eval accuracy {result.eval_accuracy}, "
           f"model in {result.final_dir}")
     return 0
 
@@ -157,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sub.add_argument("--config", help="YAML config file (may include others with `defaults: [base.yaml]`)")
         sub.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.max_steps=10")
+        if recipe.name in ("sft", "dpo", "rm"):
+            sub.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
+                             help="data-parallel FSDP2 over N processes on this machine (starts torchrun; the "
+                                  "same as `torchrun --nproc-per-node N -m posttrain ...`)")
         if recipe.name == "eval":
             sub.add_argument("--model", help="shortcut for model.name_or_path=...")
             sub.add_argument("--task", help="shortcut for task=...")
@@ -166,11 +179,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.recipe is None:
         parser.print_help()
         return 2
     recipe = RECIPES[args.recipe]
+    nproc = getattr(args, "nproc_per_node", None)
+    if nproc is not None:
+        if nproc < 1:
+            print(f"posttrain {recipe.name}: --nproc-per-node must be at least 1, got {nproc}", file=sys.stderr)
+            return 2
+        if nproc > 1 and "RANK" not in os.environ:
+            return _launch_torchrun(nproc, _without_option(argv, "--nproc-per-node"))
     overrides = list(args.overrides)
     if recipe.name == "eval":
         overrides += [f"model.name_or_path={args.model}"] * bool(args.model) + [f"task={args.task}"] * bool(args.task)
@@ -188,6 +209,30 @@ def main(argv: list[str] | None = None) -> int:
     except ModelNotFoundError as err:
         print(f"posttrain {recipe.name}: {err}", file=sys.stderr)
         return 1
+
+
+def _without_option(argv: list[str], option: str) -> list[str]:
+    """argv without `option VALUE` / `option=VALUE`."""
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == option:
+            skip = True
+        elif not item.startswith(option + "="):
+            out.append(item)
+    return out
+
+
+def _launch_torchrun(nproc: int, argv: list[str]) -> int:
+    """Run this command again under torchrun with `nproc` processes on this machine; its exit status."""
+    import subprocess
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "posttrain", *argv]
+    print(f"posttrain: starting {nproc} processes: torchrun --standalone --nproc-per-node={nproc} -m posttrain "
+          f"{' '.join(argv)}", file=sys.stderr)
+    return subprocess.call(command)
 
 
 def _quiet_libraries() -> None:

@@ -1,47 +1,49 @@
-"""Pieces every recipe loop shares: the run directory, seeding, and the forward pass on a batch."""
+"""Pieces every recipe loop shares: the run directory, seeding, resuming, announcing, logging and exporting."""
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TypeVar
 
 import numpy as np
 import torch
 import yaml
 from pydantic import BaseModel
 
-from posttrain.checkpoint import Checkpoint, export_final, load_training_state
+from posttrain.checkpoint import Checkpoint, SavesState, restore_trainer_state, save_checkpoint
 from posttrain.config.schema import TrainerConfig
 from posttrain.data.sampler import EpochSampler
-from posttrain.data.types import SFTBatch, SharedPromptBatch
+from posttrain.distributed.env import broadcast_object, init_from_env, is_distributed, is_main
 from posttrain.logging import RunLogger
-from posttrain.models.lora import ADAPTER_DIR, is_lora_model, merged_model, save_adapter
-from posttrain.models.packing import block_causal_mask, shared_prompt_mask
+from posttrain.models.loading import resolve_model_path
+from posttrain.workers import PolicyWorker
 
 CONFIG_FILE = "config.yaml"
-Batch = TypeVar("Batch", SFTBatch, SharedPromptBatch)
 
 
 def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, list[str]]:
-    """Create the run directory and write the resolved config.yaml.
+    """Create the run directory and write the resolved config.yaml (rank 0 of a data-parallel run).
 
     Returns the directory and, when an earlier run left a different config there, the dotted keys
-    that changed (the caller warns: resuming under other settings is allowed but worth knowing).
+    that changed (the caller warns: resuming under other settings is allowed but worth knowing). In a
+    data-parallel run rank 0 also resolves the model first (an embedded model is built once, not by every rank).
     """
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    resolved = cfg.model_dump(mode="json")
     changed: list[str] = []
-    previous_file = out / CONFIG_FILE
-    if previous_file.is_file():
-        previous = yaml.safe_load(previous_file.read_text()) or {}
-        changed = _changed_keys(previous, resolved)
-    previous_file.write_text(yaml.safe_dump(resolved, sort_keys=False))
-    return out, changed
+    if is_main():
+        out.mkdir(parents=True, exist_ok=True)
+        resolved = cfg.model_dump(mode="json")
+        previous_file = out / CONFIG_FILE
+        if previous_file.is_file():
+            previous = yaml.safe_load(previous_file.read_text()) or {}
+            changed = _changed_keys(previous, resolved)
+        previous_file.write_text(yaml.safe_dump(resolved, sort_keys=False))
+        model = getattr(cfg, "model", None)
+        if is_distributed() and model is not None:
+            resolve_model_path(model.tokenizer_name_or_path or model.name_or_path)
+            resolve_model_path(model.name_or_path)
+    return out, broadcast_object(changed)
 
 
 def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -62,46 +64,12 @@ def seed_everything(seed: int) -> None:
 
 
 def configure_torch(cfg: TrainerConfig) -> None:
+    """Threads and deterministic kernels; under torchrun also join the process group (gloo on CPU, NCCL on GPU)."""
+    init_from_env()
     if cfg.num_threads is not None:
         torch.set_num_threads(cfg.num_threads)
     # Deterministic kernels where torch has them, so that CPU runs (and resumed runs) repeat exactly.
     torch.use_deterministic_algorithms(True, warn_only=True)
-
-
-def autocast(cfg: TrainerConfig, device: torch.device) -> contextlib.AbstractContextManager:
-    if cfg.precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def forward_logits(model: torch.nn.Module, batch: SFTBatch | SharedPromptBatch) -> torch.Tensor:
-    """Logits [B, T, V] for a padded, packed or shared-prompt batch.
-
-    Packed batches (attention_mask None) get a block-diagonal causal mask built from their position ids;
-    flash-attention-2 instead reads the example boundaries from position_ids itself. Shared-prompt batches get
-    their tree-shaped mask from their segments (sdpa and eager attention only).
-    """
-    implementation = model.config._attn_implementation
-    if isinstance(batch, SharedPromptBatch):
-        attention_mask = shared_prompt_mask(batch.segments, implementation, model.dtype)
-    else:
-        attention_mask = batch.attention_mask
-        if attention_mask is None and implementation != "flash_attention_2":
-            attention_mask = block_causal_mask(batch.position_ids, implementation, model.dtype)
-    return model(
-        input_ids=batch.input_ids,
-        attention_mask=attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-    ).logits
-
-
-def batch_to(batch: Batch, device: torch.device) -> Batch:
-    """The batch with its tensors on `device` (the same object on CPU)."""
-    if device.type == "cpu":
-        return batch
-    values = {field.name: getattr(batch, field.name) for field in dataclasses.fields(batch)}
-    return dataclasses.replace(batch, **{name: v.to(device) for name, v in values.items() if isinstance(v, torch.Tensor)})
 
 
 def chunks(items: list, size: int) -> Iterator[list]:
@@ -109,46 +77,47 @@ def chunks(items: list, size: int) -> Iterator[list]:
         yield items[start : start + size]
 
 
-def resume_training(
-    resume: Checkpoint | None,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    sampler: EpochSampler,
-) -> int:
-    """Restore optimizer, scheduler, RNG and data position from `resume`; return the last finished step (0 if new)."""
+def resume_trainer_state(resume: Checkpoint | None, sampler: EpochSampler) -> tuple[int, dict]:
+    """Restore the RNG and the data position saved with `resume` (the workers load their own state); return the
+    last finished step (0 for a new run) and the checkpoint's trainer state ({} for a new run)."""
     if resume is None:
-        return 0
-    state = load_training_state(resume, optimizer, scheduler)
+        return 0, {}
+    state = restore_trainer_state(resume)
     sampler.load_state_dict(state["sampler"])
-    return resume.step
+    return resume.step, state
+
+
+class SilentRunLogger:
+    """What ranks other than 0 log: nothing (rank 0 writes metrics.jsonl, the progress and the trackers)."""
+
+    def __enter__(self) -> SilentRunLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def message(self, text: str) -> None: ...
+
+    def log(self, step: int, metrics: dict) -> None: ...
+
+    def advance(self, step: int, metrics: dict) -> None: ...
+
+
+def run_logger(output_dir: Path, cfg, **kwargs) -> RunLogger | SilentRunLogger:
+    """The run's logger on rank 0 (or in a single process); a silent one on the other ranks."""
+    return RunLogger(output_dir, cfg, **kwargs) if is_main() else SilentRunLogger()
 
 
 def announce_run(run_log: RunLogger, data_summary: str, resume: Checkpoint | None, changed_keys: list[str],
-                 model: torch.nn.Module, what: str) -> None:
+                 policy: PolicyWorker, what: str) -> None:
     """The lines every recipe prints before its first step."""
     run_log.message(f"data: {data_summary}")
     if resume is not None:
         run_log.message(f"resuming from {resume.path} (step {resume.step})")
         if changed_keys:
             run_log.message(f"warning: config differs from the run being resumed in: {', '.join(changed_keys)}")
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    run_log.message(f"training {trainable / 1e6:.2f}M parameters on {model.device}, {what}")
-
-
-def optimizer_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    max_grad_norm: float | None,
-) -> float:
-    """Clip the accumulated gradients, apply them, advance the schedule; return the pre-clip gradient norm."""
-    grad_norm = torch.nn.utils.clip_grad_norm_(
-        model.parameters(), max_grad_norm if max_grad_norm is not None else float("inf")
-    )
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm)
+    trainable = policy.num_parameters(trainable_only=True)
+    run_log.message(f"training {trainable / 1e6:.2f}M parameters on {policy.device}, {what}")
 
 
 def is_eval_step(step: int, trainer: TrainerConfig) -> bool:
@@ -169,13 +138,19 @@ def log_step(run_log: RunLogger, step: int, metrics: dict[str, float], trainer: 
         run_log.advance(step, metrics)
 
 
-def export_model(output_dir: Path, model: torch.nn.Module, tokenizer, run_log: RunLogger) -> Path:
-    """Every recipe's end: write OUTPUT/final/ (a Hugging Face model directory) and return it. A LoRA model first
-    writes its adapter alone to OUTPUT/adapter/, then is merged into its base for final/ (so `model` is consumed)."""
-    if is_lora_model(model):
-        adapter_dir = save_adapter(model, Path(output_dir) / ADAPTER_DIR, tokenizer)
-        run_log.message(f"LoRA adapter: {adapter_dir}")
-        model = merged_model(model)
-    final_dir = export_final(output_dir, model, tokenizer)
-    run_log.message(f"final model: {final_dir}")
-    return final_dir
+def save_if_due(output_dir: Path, step: int, trainer: TrainerConfig, workers: Mapping[str, SavesState],
+                sampler: EpochSampler, extra_state: dict | None = None) -> None:
+    """Checkpoint every save_every steps and at the last: each worker's folder plus the data position."""
+    if is_save_step(step, trainer):
+        save_checkpoint(output_dir, step, workers, {"sampler": sampler.state_dict(), **(extra_state or {})},
+                        trainer.keep_last)
+
+
+def export_policy(output_dir: Path, policy: PolicyWorker, run_log: RunLogger) -> Path:
+    """Every recipe's end: write OUTPUT/final/ (a Hugging Face model directory; with LoRA first the adapter alone
+    to OUTPUT/adapter/, then merged into its base for final/) and return it. The policy is finished afterwards."""
+    exported = policy.export(output_dir)
+    if exported.adapter_dir is not None:
+        run_log.message(f"LoRA adapter: {exported.adapter_dir}")
+    run_log.message(f"final model: {exported.final_dir}")
+    return exported.final_dir

@@ -19,12 +19,9 @@ configs/grpo_arithmetic.yaml only in those knobs.
 from __future__ import annotations
 
 import contextlib
-import math
-import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -37,55 +34,44 @@ from posttrain.advantages import (
 )
 from posttrain.algorithms.common import (
     announce_run,
-    autocast,
     configure_torch,
-    export_model,
+    export_policy,
     is_eval_step,
-    is_save_step,
     log_step,
-    optimizer_step,
     prepare_output_dir,
+    resume_trainer_state,
+    run_logger,
+    save_if_due,
     seed_everything,
 )
+from posttrain.algorithms.rl import build_generator, load_prompts, rollout_metrics, validate
 from posttrain.algorithms.rollout import (
     Episode,
-    PromptRow,
-    RolloutBatch,
     groups_of,
     has_reward_variance,
     overlong_penalty,
     run_episodes,
-    scalar_reward,
     to_batch,
 )
-from posttrain.checkpoint import (
-    latest_checkpoint,
-    load_training_state,
-    save_checkpoint,
-)
+from posttrain.checkpoint import POLICY, latest_checkpoint
 from posttrain.config.schema import GRPOConfig, TrainerConfig
-from posttrain.data.dataset import DataStats, check_not_empty, iter_rows, skip_or_raise
-from posttrain.data.errors import DataError
-from posttrain.data.formats import PromptOnlyRow
 from posttrain.data.sampler import EpochSampler
-from posttrain.data.tokenize import tokenize_prompt
+from posttrain.data.types import RolloutBatch
 from posttrain.envs.registry import build_environment
 from posttrain.envs.rewards import RewardErrorBudget
 from posttrain.generation.base import SamplingParams
+from posttrain.distributed.env import is_distributed
 from posttrain.logging import RunLogger
 from posttrain.losses.nll import token_logprobs
 from posttrain.losses.policy_gradient import (
+    PolicyLossConfig,
     loss_normalizer,
     masked_entropy,
     policy_gradient_loss,
 )
-from posttrain.models.loading import (
-    default_device,
-    load_causal_lm,
-    load_tokenizer,
-    resolve_model_path,
-)
-from posttrain.optim import build_optimizer, build_scheduler
+from posttrain.models.loading import default_device, load_tokenizer
+from posttrain.workers import LossFn, Metric, MetricDict, PolicyWorker, as_floats, reduce_metrics
+from posttrain.workers.local import build_policy, build_scorer
 
 PROGRESS_METRICS = ("reward/mean", "accuracy", "val/accuracy", "kl", "response_length/mean")
 
@@ -99,8 +85,11 @@ class GRPOResult:
 
 
 def train_grpo(cfg: GRPOConfig) -> GRPOResult:
-    output_dir, changed_keys = prepare_output_dir(cfg, cfg.output_dir)
     configure_torch(cfg.trainer)
+    if is_distributed():
+        raise ValueError("grpo with more than one process is not supported yet (its generator samples from the "
+                         "policy's module, which FSDP2 shards); run it in a single process")
+    output_dir, changed_keys = prepare_output_dir(cfg, cfg.output_dir)
     seed_everything(cfg.seed)
     device = default_device()
     trainer, rollout = cfg.trainer, cfg.rollout
@@ -114,34 +103,29 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
     loss_cfg = cfg.loss.to_loss_config(rollout.max_new_tokens * rollout.max_turns)
 
     resume = latest_checkpoint(output_dir)
-    model = load_causal_lm(cfg.model, path=resume.path if resume else None, device=device)
-    model.train()
-    # The reference is the starting model, also when resuming; loaded only when the KL penalty needs it.
-    reference = None
-    if loss_cfg.reference_kl_penalty > 0:
-        reference = load_causal_lm(cfg.model, device=device).eval().requires_grad_(False)
     updates_per_step = cfg.update.ppo_epochs * cfg.update.num_minibatches
-    optimizer = build_optimizer(model, trainer)
-    scheduler = build_scheduler(optimizer, _per_update_schedule(trainer, updates_per_step))
-    generator = build_generator(cfg, model, tokenizer)
+    policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, device,
+                          schedule=_per_update_schedule(trainer, updates_per_step),
+                          resume_dir=resume.worker_dir(POLICY) if resume else None)
+    # The reference is the starting model, also when resuming; loaded only when the KL penalty needs it.
+    reference = build_scorer(cfg.model, trainer, device) if loss_cfg.reference_kl_penalty > 0 else None
+    generator = build_generator(cfg, policy, tokenizer)
     sampler = EpochSampler(len(prompts), seed=cfg.seed, shuffle=cfg.data.shuffle)
     budget = RewardErrorBudget(cfg.environment.max_error_fraction)
     sampling = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
                               top_p=rollout.top_p, top_k=rollout.top_k, stop_strings=tuple(rollout.stop_strings))
     greedy = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=0.0,
                             stop_strings=tuple(rollout.stop_strings))
-    next_group_id, start_step = 0, 0
-    if resume is not None:
-        state = load_training_state(resume, optimizer, scheduler)
-        sampler.load_state_dict(state["sampler"])
+    start_step, state = resume_trainer_state(resume, sampler)
+    next_group_id = state.get("next_group_id", 0)
+    if state:
         budget.load_state_dict(state["reward_errors"])
-        next_group_id, start_step = state["next_group_id"], resume.step
 
     # closing(): reward worker processes stop with the run, also when it fails.
-    with RunLogger(output_dir, cfg.logging, recipe="grpo", total_steps=trainer.max_steps, start_step=start_step,
+    with run_logger(output_dir, cfg.logging, recipe="grpo", total_steps=trainer.max_steps, start_step=start_step,
                    run_config=cfg.model_dump(mode="json"), progress_metrics=PROGRESS_METRICS) as run_log, \
             contextlib.closing(environment):
-        announce_run(run_log, data_summary, resume, changed_keys, model,
+        announce_run(run_log, data_summary, resume, changed_keys, policy,
                      f"{rollout.prompts_per_step} prompts x {rollout.num_generations_per_prompt} samples per step, "
                      f"{updates_per_step} optimizer step(s) per rollout batch")
         metrics: dict[str, float] = {}
@@ -180,8 +164,7 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
             if not episodes:
                 run_log.message(f"step {step}: every group of {rounds} sampling round(s) had equal rewards; "
                                 "no update this step")
-                log_and_save(run_log, step, metrics, cfg, model, tokenizer, optimizer, scheduler, output_dir,
-                             sampler, budget, next_group_id)
+                log_and_save(run_log, step, metrics, cfg, policy, output_dir, sampler, budget, next_group_id)
                 continue
             penalties = [overlong_penalty(e.last_turn_length, e.truncated, rollout.max_new_tokens,
                                           rollout.overlong_buffer_length, rollout.overlong_penalty_factor)
@@ -195,8 +178,8 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
             # the loss then uses the training pass's own detached logprobs and the ratio is exactly 1.
             started = time.perf_counter()
             on_policy = updates_per_step == 1
-            old_logprobs = None if on_policy else score_tokens(model, batch, cfg, device)
-            reference_logprobs = score_tokens(reference, batch, cfg, device) if reference is not None else None
+            old_logprobs = None if on_policy else policy.logprobs(batch, rollout.temperature)
+            reference_logprobs = reference.logprobs(batch, rollout.temperature) if reference is not None else None
             logprob_seconds = time.perf_counter() - started
 
             # 5. Train: ppo_epochs passes, num_minibatches optimizer steps each.
@@ -205,20 +188,17 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
             for _ in range(cfg.update.ppo_epochs):
                 order = torch.randperm(len(batch))
                 for minibatch in torch.tensor_split(order, cfg.update.num_minibatches):
-                    learning_rate = scheduler.get_last_lr()[0]
-                    stats = accumulate_policy_gradients(model, batch, minibatch, advantages, old_logprobs,
-                                                        reference_logprobs, loss_cfg, cfg, device)
-                    stats["grad_norm"] = optimizer_step(model, optimizer, scheduler, trainer.max_grad_norm)
-                    stats["learning_rate"] = learning_rate
-                    update_metrics.append(stats)
+                    stats = accumulate_policy_gradients(policy, batch, minibatch, advantages, old_logprobs,
+                                                        reference_logprobs, loss_cfg, cfg)
+                    update_metrics.append({**stats, **policy.optim_step()})
             train_seconds = time.perf_counter() - started
 
-            # 6. Weight sync: a no-op for the transformers backend, which samples from `model` itself.
-            generator.update_weights(model.state_dict())
+            # 6. Weight sync: a no-op for the transformers backend, which samples from the policy's own module.
+            generator.update_weights(dict(policy.named_weights()))
 
             # 7. Metrics, validation, checkpoint.
             step_seconds = time.perf_counter() - step_started
-            metrics.update(mean_of(update_metrics))
+            metrics.update(mean_over_updates(update_metrics))
             metrics.update({
                 "time/generate": generate_seconds, "time/score": score_seconds, "time/logprobs": logprob_seconds,
                 "time/train": train_seconds, "time/step": step_seconds,
@@ -229,69 +209,13 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
             if eval_prompts and is_eval_step(step, trainer):
                 metrics.update(validate(eval_prompts, generator, environment, tokenizer, greedy, rollout.max_turns,
                                         reward_weights))
-            log_and_save(run_log, step, metrics, cfg, model, tokenizer, optimizer, scheduler, output_dir,
-                         sampler, budget, next_group_id)
+            log_and_save(run_log, step, metrics, cfg, policy, output_dir, sampler, budget, next_group_id)
 
-        final_dir = export_model(output_dir, model, tokenizer, run_log)
+        final_dir = export_policy(output_dir, policy, run_log)
     return GRPOResult(output_dir, final_dir, trainer.max_steps, metrics)
 
 
 # ---- pieces of the loop ----------------------------------------------------------------------------------
-
-
-def load_prompts(sources: list[str], cfg: GRPOConfig, tokenizer) -> tuple[list[PromptRow], str]:
-    """Prompt rows (every non-prompt column kept as metadata for the environment), formatted and tokenized once."""
-    if not sources:
-        return [], "no data"
-    data_cfg = cfg.data.model_copy(update={"format": "prompt_only"})
-    stats = DataStats()
-    prompts = []
-    for location, row in iter_rows(sources, data_cfg, stats):
-        assert isinstance(row, PromptOnlyRow)
-        try:
-            prompt = format_prompt(row, cfg, location)
-            prompt_ids = tokenize_prompt(prompt, tokenizer)
-            if len(prompt_ids) > cfg.data.max_length:
-                raise DataError(location, f"the prompt has {len(prompt_ids)} tokens, more than "
-                                f"data.max_length={cfg.data.max_length}", "prompt")
-        except DataError as error:
-            skip_or_raise(error, cfg.data.on_error, stats)
-            continue
-        prompts.append(PromptRow(prompt, prompt_ids, row.extras))
-    stats.examples = len(prompts)
-    check_not_empty(sources, stats)
-    return prompts, stats.summary()
-
-
-def format_prompt(row: PromptOnlyRow, cfg: GRPOConfig, location: str) -> str | list[dict]:
-    """The row's prompt after prompt.template, as a string or (chat template, system prompt) as messages."""
-    p = cfg.prompt
-    prompt = row.prompt
-    if isinstance(prompt, str):
-        try:
-            prompt = p.template.format(prompt=prompt, **row.extras)
-        except (KeyError, IndexError, ValueError) as error:
-            raise DataError(location, f"prompt.template {p.template!r} cannot be filled: {error!r} (columns: "
-                            f"prompt, {', '.join(sorted(row.extras))})", "prompt") from None
-        if not p.use_chat_template:
-            return prompt
-        prompt = [{"role": "user", "content": prompt}]
-    if p.system_prompt is not None and prompt[0]["role"] != "system":
-        prompt = [{"role": "system", "content": p.system_prompt}, *prompt]
-    return prompt
-
-
-def build_generator(cfg: GRPOConfig, model, tokenizer):
-    if cfg.rollout.backend == "vllm":
-        from posttrain.generation.vllm_backend import VLLMGenerator
-
-        generator = VLLMGenerator(resolve_model_path(cfg.model.name_or_path), seed=cfg.seed,
-                                  gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization)
-        generator.update_weights(model.state_dict())  # a resumed run's weights, not the starting model's
-        return generator
-    from posttrain.generation.transformers_backend import TransformersGenerator
-
-    return TransformersGenerator(model, tokenizer, batch_size=cfg.rollout.generation_batch_size, seed=cfg.seed)
 
 
 def _per_update_schedule(trainer: TrainerConfig, updates_per_step: int) -> TrainerConfig:
@@ -321,120 +245,59 @@ def compute_advantages(cfg: GRPOConfig, batch: RolloutBatch) -> torch.Tensor:
     return raw_reward_advantages(batch.rewards, valid=batch.valid)
 
 
-def policy_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
-                    cfg: GRPOConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token logprobs [n, T] (entry t: token t given < t) under the sampling temperature, and the logits."""
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    with autocast(cfg.trainer, device):
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    logits = logits.float() / temperature
-    return token_logprobs(logits, input_ids), logits
+def policy_gradient_objective(advantages: torch.Tensor, old_logprobs: torch.Tensor | None,
+                              reference_logprobs: torch.Tensor | None, loss_cfg: PolicyLossConfig,
+                              temperature: float) -> LossFn:
+    """The clipped policy-gradient loss of one micro-batch of episodes (their advantages, π_old and π_ref
+    logprobs given, [n] and [n, T]); None for `old_logprobs` means on-policy: π_old is the training pass itself.
+    Metrics are token-weighted means, except the smallest and largest ratio."""
 
-
-@torch.no_grad()
-def score_tokens(model, batch: RolloutBatch, cfg: GRPOConfig, device: torch.device) -> torch.Tensor:
-    """Logprobs [N, T] of the batch's tokens under `model`, in micro-batches, without a graph."""
-    was_training = model.training
-    model.eval()
-    parts = []
-    for index in torch.arange(len(batch)).split(cfg.trainer.micro_batch_size):
-        logprobs, _ = policy_logprobs(model, batch.input_ids[index], batch.attention_mask[index],
-                                      cfg.rollout.temperature, cfg, device)
-        parts.append(logprobs.cpu())
-    model.train(was_training)
-    return torch.cat(parts)
-
-
-def accumulate_policy_gradients(model, batch: RolloutBatch, minibatch: torch.Tensor, advantages: torch.Tensor,
-                                old_logprobs: torch.Tensor | None, reference_logprobs: torch.Tensor | None,
-                                loss_cfg, cfg: GRPOConfig, device: torch.device) -> dict[str, float]:
-    """Forward/backward the minibatch in micro-batches; the loss is normalized over the whole minibatch."""
-    normalizer = loss_normalizer(batch.loss_mask[minibatch], loss_cfg)
-    totals: dict[str, float] = {"loss": 0.0}
-    weighted: dict[str, float] = {}
-    tokens_seen = 0.0
-    if normalizer == 0:  # every sample masked (all filtered or failed): nothing to learn from
-        return {"loss": 0.0}
-    for index in minibatch.split(cfg.trainer.micro_batch_size):
-        mask = batch.loss_mask[index].to(device)
-        logprobs, logits = policy_logprobs(model, batch.input_ids[index], batch.attention_mask[index],
-                                           cfg.rollout.temperature, cfg, device)
-        old = logprobs.detach() if old_logprobs is None else old_logprobs[index].to(device)
+    def loss_fn(logits: torch.Tensor, batch: RolloutBatch, normalizer: float) -> tuple[torch.Tensor, MetricDict]:
+        device = logits.device
+        logits = logits.float() / temperature
+        logprobs = token_logprobs(logits, batch.input_ids)
+        mask = batch.loss_mask
+        old = logprobs.detach() if old_logprobs is None else old_logprobs.to(device)
         loss, metrics = policy_gradient_loss(
-            logprobs, old, advantages[index].to(device), mask, loss_cfg, normalizer,
-            generator_logprobs=batch.generator_logprobs[index].to(device),
-            reference_logprobs=None if reference_logprobs is None else reference_logprobs[index].to(device),
+            logprobs, old, advantages.to(device), mask, loss_cfg, normalizer,
+            generator_logprobs=batch.generator_logprobs,
+            reference_logprobs=None if reference_logprobs is None else reference_logprobs.to(device),
         )
-        loss.backward()
-        totals["loss"] += float(loss.detach())
         metrics["entropy"] = masked_entropy(logits.detach(), mask)
         tokens = float(mask.sum())
-        tokens_seen += tokens
-        for name, value in metrics.items():  # token-weighted means over the minibatch
-            reduce = min if name == "ratio_min" else max if name == "ratio_max" else None
-            if reduce is not None:
-                weighted[name] = reduce(weighted.get(name, float(value)), float(value))
-            else:
-                weighted[name] = weighted.get(name, 0.0) + float(value) * tokens
-    for name, value in weighted.items():
-        totals[name] = value if name in ("ratio_min", "ratio_max") else value / max(tokens_seen, 1.0)
-    return totals
+        return loss, {name: Metric.min(value) if name == "ratio_min" else Metric.max(value) if name == "ratio_max"
+                      else Metric.mean(float(value), tokens) for name, value in metrics.items()}
+
+    return loss_fn
 
 
-def rollout_metrics(episodes: list[Episode], weights: dict[str, float]) -> dict[str, float]:
-    """Reward, accuracy, length and truncation statistics of the step's episodes (masked episodes excluded
-    from reward statistics)."""
-    if not episodes:
-        return {}
-    rewards = [scalar_reward(e.reward, weights) for e in episodes if e.reward is not None]
-    lengths = [e.num_sampled_tokens for e in episodes]
-    metrics = {
-        "reward/mean": sum(rewards) / len(rewards) if rewards else math.nan,
-        "reward/std": statistics.stdev(rewards) if len(rewards) > 1 else 0.0,
-        "response_length/mean": sum(lengths) / len(lengths),
-        "response_length/max": max(lengths),
-        "truncation_rate": sum(e.truncated for e in episodes) / len(episodes),
-        "turns/mean": sum(e.num_turns for e in episodes) / len(episodes),
-    }
-    correct = [e.metadata["correct"] for e in episodes if e.reward is not None and "correct" in e.metadata]
-    if correct:
-        metrics["accuracy"] = sum(map(float, correct)) / len(correct)
-    components = sorted({name for e in episodes if isinstance(e.reward, dict) for name in e.reward})
-    for name in components:
-        values = [e.reward[name] for e in episodes if isinstance(e.reward, dict)]
-        metrics[f"reward/{name}"] = sum(values) / len(values)
-    return metrics
+def accumulate_policy_gradients(policy: PolicyWorker, batch: RolloutBatch, minibatch: torch.Tensor,
+                                advantages: torch.Tensor, old_logprobs: torch.Tensor | None,
+                                reference_logprobs: torch.Tensor | None, loss_cfg: PolicyLossConfig,
+                                cfg: GRPOConfig) -> MetricDict:
+    """Forward/backward the minibatch in micro-batches; the loss is normalized over the whole minibatch."""
+    normalizer = loss_normalizer(batch.loss_mask[minibatch], loss_cfg)
+    if normalizer == 0:  # every sample masked (all filtered or failed): nothing to learn from
+        return {"loss": Metric.sum(0.0)}
+    records = []
+    for index in minibatch.split(cfg.trainer.micro_batch_size):
+        objective = policy_gradient_objective(
+            advantages[index], None if old_logprobs is None else old_logprobs[index],
+            None if reference_logprobs is None else reference_logprobs[index], loss_cfg, cfg.rollout.temperature,
+        )
+        records.append(policy.forward_backward(batch.select(index), objective, normalizer))
+    return reduce_metrics(records)
 
 
-def validate(prompts: list[PromptRow], generator, environment, tokenizer, params: SamplingParams, max_turns: int,
-             weights: dict[str, float]) -> dict[str, float]:
-    """Greedy episodes on the eval prompts: val/reward_mean, val/accuracy (when the environment reports
-    `correct`), val/response_length."""
-    episodes, _ = run_episodes(prompts, 0, 1, generator, environment, tokenizer, params, max_turns)
-    metrics = rollout_metrics(episodes, weights)
-    out = {"val/reward_mean": metrics["reward/mean"], "val/response_length": metrics["response_length/mean"]}
-    if "accuracy" in metrics:
-        out["val/accuracy"] = metrics["accuracy"]
-    return out
+def log_and_save(run_log: RunLogger, step: int, metrics: dict[str, float], cfg: GRPOConfig, policy: PolicyWorker,
+                 output_dir: Path, sampler: EpochSampler, budget: RewardErrorBudget, next_group_id: int) -> None:
+    log_step(run_log, step, metrics, cfg.trainer)
+    save_if_due(output_dir, step, cfg.trainer, {POLICY: policy}, sampler,
+                {"reward_errors": budget.state_dict(), "next_group_id": next_group_id})
 
 
-def log_and_save(run_log: RunLogger, step: int, metrics: dict[str, float], cfg: GRPOConfig, model, tokenizer,
-                 optimizer, scheduler, output_dir: Path, sampler: EpochSampler, budget: RewardErrorBudget,
-                 next_group_id: int) -> None:
-    trainer = cfg.trainer
-    log_step(run_log, step, metrics, trainer)
-    if is_save_step(step, trainer):
-        state: dict[str, Any] = {"sampler": sampler.state_dict(), "reward_errors": budget.state_dict(),
-                                 "next_group_id": next_group_id}
-        save_checkpoint(output_dir, step, model, tokenizer, optimizer, scheduler, state, trainer.keep_last)
-
-
-def mean_of(records: list[dict[str, float]]) -> dict[str, float]:
-    """Mean of each metric over the step's optimizer updates (min/max for ratio_min/ratio_max)."""
-    if not records:
-        return {}
-    out = {}
-    for name in records[0]:
-        values = [r[name] for r in records if name in r]
-        out[name] = min(values) if name == "ratio_min" else max(values) if name == "ratio_max" else sum(values) / len(values)
-    return out
+def mean_over_updates(records: list[MetricDict]) -> dict[str, float]:
+    """Each metric's mean over the step's optimizer updates (the extremes for ratio_min / ratio_max)."""
+    per_update = ({name: m if m.reduction in ("min", "max") else Metric.mean(m.value) for name, m in r.items()}
+                  for r in records)
+    return as_floats(reduce_metrics(per_update))

@@ -18,18 +18,19 @@ from pathlib import Path
 
 import torch
 
-from posttrain.algorithms.common import autocast
 from posttrain.algorithms.pairwise import (
-    PairLoss,
+    PairObjective,
     evaluate_pairs,
+    pair_means,
     start_pair_run,
     train_on_pairs,
 )
-from posttrain.config.schema import RMConfig, TrainerConfig
+from posttrain.checkpoint import POLICY
+from posttrain.config.schema import RMConfig
 from posttrain.data.errors import DataError
 from posttrain.data.types import PreferenceExample, SFTBatch
 from posttrain.losses.reward_model import bradley_terry_loss
-from posttrain.models.loading import load_trainable_model
+from posttrain.distributed import build_policy
 
 EVAL_METRICS = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
 
@@ -45,14 +46,6 @@ class RMResult:
     eval_accuracy: float | None
 
 
-def sequence_rewards(model: torch.nn.Module, batch: SFTBatch, trainer: TrainerConfig, device: torch.device) -> torch.Tensor:
-    """[rows] scalar rewards of a right-padded batch, in float32."""
-    with autocast(trainer, device):
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                       use_cache=False).logits
-    return logits.squeeze(-1).float()
-
-
 def check_margins(examples: Sequence[PreferenceExample]) -> None:
     """loss.use_margin needs a `margin` on every pair; name the first row without one."""
     for example in examples:
@@ -60,20 +53,24 @@ def check_margins(examples: Sequence[PreferenceExample]) -> None:
             raise DataError(example.source, "missing, but loss.use_margin=true needs a margin on every pair", "margin")
 
 
-def reward_pair_loss(model: torch.nn.Module, examples: Sequence[PreferenceExample], cfg: RMConfig,
-                     device: torch.device) -> PairLoss:
-    """Bradley-Terry loss of a micro-batch of pairs (indices into `examples`, for their margins)."""
+def reward_objective(examples: Sequence[PreferenceExample], cfg: RMConfig) -> PairObjective:
+    """Bradley-Terry loss of a micro-batch of pairs (indices into `examples`, for their margins); the model's
+    outputs are [2B, 1] scores, chosen rows then rejected rows."""
 
-    def pair_loss(batch: SFTBatch, indices: Sequence[int], num_pairs_in_step: float | None):
-        rewards = sequence_rewards(model, batch, cfg.trainer, device)
-        pairs = len(indices)
-        margin = None
-        if cfg.loss.use_margin:
-            margin = torch.tensor([examples[i].margin for i in indices], dtype=rewards.dtype, device=device)
-        return bradley_terry_loss(rewards[:pairs], rewards[pairs:], margin, num_pairs_in_step,
-                                  center_rewards_coefficient=cfg.loss.center_rewards_coefficient)
+    def objective(batch: SFTBatch, indices: Sequence[int]):
+        def loss_fn(outputs: torch.Tensor, batch: SFTBatch, num_pairs_in_step: float | None):
+            rewards = outputs.squeeze(-1).float()
+            pairs = len(indices)
+            margin = None
+            if cfg.loss.use_margin:
+                margin = torch.tensor([examples[i].margin for i in indices], dtype=rewards.dtype, device=rewards.device)
+            loss, metrics = bradley_terry_loss(rewards[:pairs], rewards[pairs:], margin, num_pairs_in_step,
+                                               center_rewards_coefficient=cfg.loss.center_rewards_coefficient)
+            return loss, pair_means(metrics, pairs)
 
-    return pair_loss
+        return loss_fn
+
+    return objective
 
 
 def train_rm(cfg: RMConfig) -> RMResult:
@@ -81,20 +78,18 @@ def train_rm(cfg: RMConfig) -> RMResult:
     if cfg.loss.use_margin:
         check_margins(run.train_examples)
         check_margins(run.eval_examples)
-    model = load_trainable_model(cfg.model, cfg.lora, run.resume.path if run.resume else None, run.device,
-                                 task="reward", pad_token_id=run.tokenizer.pad_token_id)
+    policy = build_policy(cfg.model, cfg.lora, cfg.trainer, run.tokenizer, run.device, task="reward",
+                          resume_dir=run.resume.worker_dir(POLICY) if run.resume else None)
 
     evaluate = None
     if run.eval_examples:
-        eval_loss = reward_pair_loss(model, run.eval_examples, cfg, run.device)
-
         def evaluate() -> dict[str, float]:
-            return evaluate_pairs(model, run.eval_examples, eval_loss, EVAL_METRICS, cfg.trainer.eval_batch_size,
-                                  run.tokenizer.pad_token_id, run.device)
+            return evaluate_pairs(policy, run.eval_examples, reward_objective(run.eval_examples, cfg), EVAL_METRICS,
+                                  cfg.trainer.eval_batch_size, run.tokenizer.pad_token_id)
 
     what = "Bradley-Terry reward model" + (" with per-pair margins" if cfg.loss.use_margin else "")
     metrics, eval_metrics, final_dir = train_on_pairs(
-        run, cfg, model, "rm", what, reward_pair_loss(model, run.train_examples, cfg, run.device), evaluate,
+        run, cfg, policy, "rm", what, reward_objective(run.train_examples, cfg), evaluate,
     )
     return RMResult(
         run.output_dir, final_dir, cfg.trainer.max_steps, metrics.get("loss"), metrics.get("accuracy"),

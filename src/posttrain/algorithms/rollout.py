@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from posttrain.data.formats import Message, Messages
+from posttrain.data.types import RolloutBatch
 from posttrain.data.tokenize import tokenize_next_turn
 from posttrain.envs.base import Environment, Reward
 from posttrain.envs.rewards import combine_components
@@ -158,42 +159,6 @@ def groups_of(episodes: list[Episode]) -> list[list[Episode]]:
     for episode in episodes:
         groups.setdefault(episode.group_id, []).append(episode)
     return list(groups.values())
-
-
-@dataclass(frozen=True)
-class RolloutBatch:
-    """N episodes as right-padded tensors; token t of a row is predicted from tokens < t."""
-
-    input_ids: torch.Tensor
-    """[N, T] prompt and episode tokens, right-padded."""
-    attention_mask: torch.Tensor
-    """[N, T] 1 on real tokens."""
-    loss_mask: torch.Tensor
-    """[N, T] float, 1 on sampled tokens that get loss (0 for prompts, observations, padding and masked episodes)."""
-    generator_logprobs: torch.Tensor
-    """[N, T] the sampler's logprob of each sampled token (0 elsewhere)."""
-    rewards: torch.Tensor
-    """[N] scalar reward (components combined, overlong penalty included); 0 where invalid."""
-    reward_components: dict[str, torch.Tensor]
-    """name -> [N] per-component rewards, when the environment returns named components (else empty)."""
-    valid: torch.Tensor
-    """[N] bool, False where scoring failed (the episode is masked and counted)."""
-    group_ids: torch.Tensor
-    """[N] long, the group of each episode."""
-    truncated: torch.Tensor
-    """[N] bool, the last turn ran out of tokens."""
-    response_lengths: torch.Tensor
-    """[N] sampled tokens per episode."""
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def select(self, index: torch.Tensor) -> RolloutBatch:
-        return RolloutBatch(
-            self.input_ids[index], self.attention_mask[index], self.loss_mask[index], self.generator_logprobs[index],
-            self.rewards[index], {k: v[index] for k, v in self.reward_components.items()}, self.valid[index],
-            self.group_ids[index], self.truncated[index], self.response_lengths[index],
-        )
 
 
 def to_batch(episodes: list[Episode], pad_token_id: int, weights: dict[str, float], overlong_filtering: bool,

@@ -20,34 +20,27 @@ import torch
 
 from posttrain.algorithms.common import (
     announce_run,
-    autocast,
-    batch_to,
     chunks,
     configure_torch,
-    export_model,
-    forward_logits,
+    export_policy,
     is_eval_step,
-    is_save_step,
     log_step,
-    optimizer_step,
     prepare_output_dir,
-    resume_training,
+    resume_trainer_state,
+    run_logger,
+    save_if_due,
     seed_everything,
 )
-from posttrain.checkpoint import latest_checkpoint, save_checkpoint
-from posttrain.config.schema import SFTConfig, TrainerConfig
+from posttrain.checkpoint import POLICY, latest_checkpoint
+from posttrain.config.schema import SFTConfig
 from posttrain.data import load_sft_examples
 from posttrain.data.collate import collate
 from posttrain.data.sampler import EpochSampler
 from posttrain.data.types import SFTBatch, TokenizedExample
-from posttrain.logging import RunLogger
 from posttrain.losses.nll import nll_loss
-from posttrain.models.loading import (
-    default_device,
-    load_tokenizer,
-    load_trainable_model,
-)
-from posttrain.optim import build_optimizer, build_scheduler
+from posttrain.models.loading import default_device, load_tokenizer
+from posttrain.workers import Metric, MetricDict, PolicyWorker, as_floats, reduce_metrics
+from posttrain.distributed import build_policy
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +54,14 @@ class SFTResult:
     eval_loss: float | None
 
 
-def accumulate_gradients(
-    model: torch.nn.Module, micro_batches: Sequence[SFTBatch], trainer: TrainerConfig, device: torch.device
-) -> tuple[float, int]:
-    """Forward and backward every micro-batch of one optimizer step; gradients add up in .grad.
+def nll_objective(logits: torch.Tensor, batch: SFTBatch, num_targets_in_step: float) -> tuple[torch.Tensor, MetricDict]:
+    """The micro-batch's summed target-token NLL divided by the target count of the whole step."""
+    loss, stats = nll_loss(logits, batch.input_ids, batch.loss_mask, num_targets_in_step)
+    return loss, {"nll_sum": Metric.sum(stats["nll_sum"]), "target_tokens": Metric.sum(stats["target_tokens"])}
+
+
+def accumulate_gradients(policy: PolicyWorker, micro_batches: Sequence[SFTBatch]) -> tuple[float, int]:
+    """Forward and backward every micro-batch of one optimizer step; gradients add up until the optimizer step.
 
     Each micro-batch's summed NLL is divided by the target count of the whole step, so the accumulated
     gradient is that of the mean NLL per target token over the step, however the examples are split
@@ -73,39 +70,26 @@ def accumulate_gradients(
     step_targets = sum(mb.num_target_tokens for mb in micro_batches)
     if step_targets == 0:
         raise ValueError("an optimizer step drew no target tokens; check data.completion_only_loss and the data")
-    step_loss = 0.0
-    for micro_batch in micro_batches:
-        micro_batch = batch_to(micro_batch, device)
-        with autocast(trainer, device):
-            logits = forward_logits(model, micro_batch)
-        loss, _ = nll_loss(logits, micro_batch.input_ids, micro_batch.loss_mask, step_targets)
-        loss.backward()
-        step_loss += loss.item()
-    return step_loss, step_targets
+    step = reduce_metrics(policy.forward_backward(mb, nll_objective, step_targets)
+                          for mb in policy.shard(list(micro_batches)))
+    return policy.all_reduce(step)["loss"].value, step_targets
 
 
-@torch.no_grad()
-def evaluate_loss(
-    model: torch.nn.Module, examples: Sequence[TokenizedExample], cfg: SFTConfig, pad_token_id: int, device: torch.device
-) -> float:
+def evaluate_loss(policy: PolicyWorker, examples: Sequence[TokenizedExample], cfg: SFTConfig, pad_token_id: int) -> float:
     """Mean NLL per target token over `examples`."""
-    was_training = model.training
-    model.eval()
-    nll_sum, targets = 0.0, 0.0
-    for group in chunks(list(examples), cfg.trainer.eval_batch_size):
-        batch = batch_to(collate(group, pad_token_id, cfg.data.packing, cfg.data.max_length), device)
-        with autocast(cfg.trainer, device):
-            logits = forward_logits(model, batch)
-        _, metrics = nll_loss(logits, batch.input_ids, batch.loss_mask, 1.0)
-        nll_sum += metrics["nll_sum"]
-        targets += metrics["target_tokens"]
-    model.train(was_training)
-    return nll_sum / max(targets, 1.0)
+    def nll_sums(logits: torch.Tensor, batch: SFTBatch) -> MetricDict:
+        return nll_objective(logits, batch, 1.0)[1]
+
+    totals = reduce_metrics(
+        policy.evaluate(collate(group, pad_token_id, cfg.data.packing, cfg.data.max_length), nll_sums)
+        for group in chunks(list(examples), cfg.trainer.eval_batch_size)
+    )
+    return totals["nll_sum"].value / max(totals["target_tokens"].value, 1.0)
 
 
 def train_sft(cfg: SFTConfig) -> SFTResult:
-    output_dir, changed_keys = prepare_output_dir(cfg, cfg.output_dir)
     configure_torch(cfg.trainer)
+    output_dir, changed_keys = prepare_output_dir(cfg, cfg.output_dir)
     seed_everything(cfg.seed)
     device = default_device()
     trainer = cfg.trainer
@@ -119,17 +103,15 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
         eval_examples = eval_examples[: cfg.data.max_eval_examples]
 
     resume = latest_checkpoint(output_dir)
-    model = load_trainable_model(cfg.model, cfg.lora, resume.path if resume else None, device)
-    model.train()
-    optimizer = build_optimizer(model, trainer)
-    scheduler = build_scheduler(optimizer, trainer)
+    policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, device,
+                          resume_dir=resume.worker_dir(POLICY) if resume else None)
     sampler = EpochSampler(len(train_examples), seed=cfg.seed, shuffle=cfg.data.shuffle)
-    start_step = resume_training(resume, optimizer, scheduler, sampler)
+    start_step, _ = resume_trainer_state(resume, sampler)
 
     examples_per_step = trainer.micro_batch_size * trainer.gradient_accumulation_steps
-    with RunLogger(output_dir, cfg.logging, recipe="sft", total_steps=trainer.max_steps, start_step=start_step,
+    with run_logger(output_dir, cfg.logging, recipe="sft", total_steps=trainer.max_steps, start_step=start_step,
                    run_config=cfg.model_dump(mode="json")) as run_log:
-        announce_run(run_log, train_stats.summary(), resume, changed_keys, model,
+        announce_run(run_log, train_stats.summary(), resume, changed_keys, policy,
                      f"{examples_per_step} examples per step ({len(train_examples)} in the training set)")
 
         loss, eval_loss = None, None
@@ -140,28 +122,24 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
                         tokenizer.pad_token_id, cfg.data.packing, cfg.data.max_length)
                 for _ in range(trainer.gradient_accumulation_steps)
             ]
-            learning_rate = scheduler.get_last_lr()[0]
-            loss, target_tokens = accumulate_gradients(model, micro_batches, trainer, device)
-            grad_norm = optimizer_step(model, optimizer, scheduler, trainer.max_grad_norm)
+            loss, target_tokens = accumulate_gradients(policy, micro_batches)
+            update = as_floats(policy.optim_step())
             elapsed = time.perf_counter() - started
 
             metrics = {
                 "loss": loss,
-                "learning_rate": learning_rate,
-                "grad_norm": grad_norm,
+                "learning_rate": update["learning_rate"],
+                "grad_norm": update["grad_norm"],
                 "tokens_per_second": sum(mb.num_tokens for mb in micro_batches) / elapsed,
                 "step_seconds": elapsed,
                 "target_tokens": target_tokens,
                 "epoch": sampler.epochs_completed,
             }
             if eval_examples and is_eval_step(step, trainer):
-                eval_loss = evaluate_loss(model, eval_examples, cfg, tokenizer.pad_token_id, device)
+                eval_loss = evaluate_loss(policy, eval_examples, cfg, tokenizer.pad_token_id)
                 metrics["eval_loss"] = eval_loss
             log_step(run_log, step, metrics, trainer)
-            if is_save_step(step, trainer):
-                save_checkpoint(output_dir, step, model, tokenizer, optimizer, scheduler,
-                                {"sampler": sampler.state_dict()}, trainer.keep_last)
+            save_if_due(output_dir, step, trainer, {POLICY: policy}, sampler)
 
-        final_dir = export_model(output_dir, model, tokenizer, run_log)
+        final_dir = export_policy(output_dir, policy, run_log)
     return SFTResult(output_dir, final_dir, trainer.max_steps, loss, eval_loss)
-

@@ -1,4 +1,5 @@
-"""Typed containers that carry data between the data pipeline and the training loops."""
+"""Typed containers that cross module boundaries: the data pipeline's examples and the batches every worker reads
+(SFTBatch, SharedPromptBatch, RolloutBatch)."""
 
 from __future__ import annotations
 
@@ -111,4 +112,40 @@ class PreferenceExample:
             input_ids=self.prompt_ids + completion,
             loss_mask=(0,) * len(self.prompt_ids) + (1,) * len(completion),
             source=self.source,
+        )
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """N episodes as right-padded tensors; token t of a row is predicted from tokens < t."""
+
+    input_ids: torch.Tensor
+    """[N, T] prompt and episode tokens, right-padded."""
+    attention_mask: torch.Tensor
+    """[N, T] 1 on real tokens."""
+    loss_mask: torch.Tensor
+    """[N, T] float, 1 on sampled tokens that get loss (0 for prompts, observations, padding and masked episodes)."""
+    generator_logprobs: torch.Tensor
+    """[N, T] the sampler's logprob of each sampled token (0 elsewhere)."""
+    rewards: torch.Tensor
+    """[N] scalar reward (components combined, overlong penalty included); 0 where invalid."""
+    reward_components: dict[str, torch.Tensor]
+    """name -> [N] per-component rewards, when the environment returns named components (else empty)."""
+    valid: torch.Tensor
+    """[N] bool, False where scoring failed (the episode is masked and counted)."""
+    group_ids: torch.Tensor
+    """[N] long, the group of each episode."""
+    truncated: torch.Tensor
+    """[N] bool, the last turn ran out of tokens."""
+    response_lengths: torch.Tensor
+    """[N] sampled tokens per episode."""
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, index: torch.Tensor) -> RolloutBatch:
+        return RolloutBatch(
+            self.input_ids[index], self.attention_mask[index], self.loss_mask[index], self.generator_logprobs[index],
+            self.rewards[index], {k: v[index] for k, v in self.reward_components.items()}, self.valid[index],
+            self.group_ids[index], self.truncated[index], self.response_lengths[index],
         )

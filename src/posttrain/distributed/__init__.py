@@ -1,0 +1,60 @@
+"""Data-parallel training: the same worker protocols across processes.
+
+Under torchrun (or `posttrain RECIPE --nproc-per-node N`, which starts it) `build_policy` and `build_scorer` return
+FSDP2 workers sharded over the ranks (distributed/fsdp.py); in a single process the local workers. The recipe loops
+call these two and are otherwise unaware of the number of processes. See docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from posttrain.config.schema import LoraSection, ModelConfig, TrainerConfig
+from posttrain.distributed.env import is_distributed, world_size
+from posttrain.models.lora import TaskKind
+from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker
+
+
+def build_policy(model: ModelConfig, lora: LoraSection, trainer: TrainerConfig, tokenizer, device: torch.device,
+                 task: TaskKind = "causal_lm", schedule: TrainerConfig | None = None,
+                 resume_dir: Path | None = None) -> LocalPolicyWorker:
+    """The policy worker of a recipe: local in one process, FSDP2-sharded under torchrun."""
+    from posttrain.workers import local
+
+    if not is_distributed():
+        return local.build_policy(model, lora, trainer, tokenizer, device, task, schedule, resume_dir)
+    from posttrain.distributed.fsdp import build_fsdp_policy
+    from posttrain.models.loading import load_trainable_model
+
+    check_split(trainer)
+    if lora.enabled:
+        raise ValueError("lora.enabled=true is not supported with more than one process yet; run LoRA in a single "
+                         "process, or train all weights (lora.enabled=false) under torchrun")
+    module = load_trainable_model(model, lora, None, device, task=task, pad_token_id=tokenizer.pad_token_id)
+    return build_fsdp_policy(module, tokenizer, trainer, schedule, resume_dir)
+
+
+def build_scorer(model: ModelConfig, trainer: TrainerConfig, device: torch.device,
+                 role: str = "reference") -> LocalScoringWorker:
+    """A frozen scoring worker: local in one process, FSDP2-sharded under torchrun."""
+    from posttrain.workers import local
+
+    if not is_distributed():
+        return local.build_scorer(model, trainer, device, role)
+    from posttrain.distributed.fsdp import FSDP2ScoringWorker
+    from posttrain.models.loading import load_causal_lm
+
+    return FSDP2ScoringWorker(load_causal_lm(model, device=device), trainer, role)
+
+
+def check_split(trainer: TrainerConfig) -> None:
+    """A step's micro-batches are divided among the ranks: gradient_accumulation_steps must be a multiple of them."""
+    n = world_size()
+    if trainer.gradient_accumulation_steps % n:
+        raise ValueError(
+            f"trainer.gradient_accumulation_steps={trainer.gradient_accumulation_steps} does not split over {n} "
+            f"processes: each optimizer step's trainer.micro_batch_size x trainer.gradient_accumulation_steps "
+            f"examples are divided among the ranks by micro-batch, so gradient_accumulation_steps must be a "
+            f"multiple of {n} (the same config then makes the same update on any number of processes)")

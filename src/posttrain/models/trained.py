@@ -10,13 +10,15 @@ The starting point for recipes that need an already-competent policy (DPO, GRPO 
 trains in a hidden temporary directory beside the cache entry and only its final/ model is renamed into
 place, so an interrupted build leaves nothing that looks finished.
 
-Layering: models/ does not otherwise import algorithms/; the recipe is imported lazily, only when a
-trained embedded model is first asked for.
+Layering: models/ never imports algorithms/. The recipe that builds these models is registered by
+posttrain.algorithms when it is imported (every recipe, the CLI and the quickstart import it), through
+`register_builder`; resolving such a name with no builder registered fails with a message saying so.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +41,18 @@ TRAINED_MODELS: dict[str, TrainedSpec] = {
 }
 
 
+TrainedBuilder = Callable[[str, Path], Path]
+"""(SFT preset file name, an empty run directory) -> the trained model's directory (the run's final/)."""
+
+_builder: TrainedBuilder | None = None
+
+
+def register_builder(builder: TrainedBuilder) -> None:
+    """Set the function that trains an embedded model from its preset (posttrain.algorithms registers train_sft)."""
+    global _builder
+    _builder = builder
+
+
 def is_trained_embedded(name: str) -> bool:
     return name in TRAINED_MODELS
 
@@ -48,14 +62,10 @@ def ensure_trained_model(name: str) -> Path:
     spec = TRAINED_MODELS[name]
 
     def build(staging: Path) -> Path:
-        from posttrain.algorithms.sft import train_sft
-        from posttrain.config import SFTConfig, load_config
-        from posttrain.config.presets import preset_path
-
+        if _builder is None:
+            raise RuntimeError(f"{name} is trained on first use by running configs/{spec.sft_preset}, and no "
+                               "builder is registered: import posttrain.algorithms first (the CLI does)")
         log.warning("building embedded model %s: running %s once (a few minutes on CPU)", name, spec.sft_preset)
-        cfg = load_config(SFTConfig, preset_path(spec.sft_preset), [
-            f"output_dir={staging / 'run'}", "logging.progress=plain", "logging.plot=false",
-        ])
-        return train_sft(cfg).final_dir
+        return _builder(spec.sft_preset, staging / "run")
 
     return build_into_cache(name, spec.version, build, sft_preset=spec.sft_preset)

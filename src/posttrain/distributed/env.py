@@ -1,0 +1,62 @@
+"""The process group of a data-parallel run: started from torchrun's environment, asked for rank and size.
+
+Every helper is safe in a single process (no process group): rank 0 of a world of 1, barriers that return at
+once. `init_from_env` starts the group when torchrun (or `posttrain RECIPE --nproc-per-node N`) launched this
+process: gloo on CPU, NCCL on GPU, one GPU per local rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if is_distributed():
+        dist.barrier()
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def init_from_env() -> bool:
+    """Join the process group torchrun describes in the environment (WORLD_SIZE, RANK, MASTER_ADDR, ...), once.
+    Returns whether this process is part of a data-parallel run."""
+    if not launched_by_torchrun():
+        return False
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=30))
+        else:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+    return True
+
+
+def broadcast_object(value):
+    """`value` as rank 0 has it, on every rank."""
+    if not is_distributed():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

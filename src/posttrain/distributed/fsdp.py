@@ -1,0 +1,179 @@
+"""FSDP2 workers: the local workers' protocol with the model sharded over the data-parallel ranks.
+
+`torch.distributed.fsdp.fully_shard` is applied to every decoder layer (the classes a Hugging Face model lists in
+`_no_split_modules`) and then to the root, so each rank holds 1/N of every parameter, gradient and AdamW moment;
+a layer's full weights exist only while it runs. On GPU with trainer.precision=bf16 parameters are cast to bf16
+for compute and gradients reduced in float32; `cpu_offload` keeps the shards in host memory.
+
+What changes from a local worker, and nothing else does:
+- `shard(items)`: a rank takes every N-th micro-batch of the step (the loop divides them; the normalizer is
+  the whole step's count, so N ranks make the update one process makes from the same config);
+- gradients are summed over ranks (FSDP averages; the backward scales the loss by N to undo that);
+- `all_reduce(metrics)` reduces the step's metrics over ranks with each metric's own reduction;
+- `save`/`load` write and read a sharded `torch.distributed.checkpoint` (model and optimizer through
+  get_state_dict / set_state_dict), so a run resumes on another number of ranks; a single-process checkpoint
+  (a Hugging Face directory with optimizer.pt) loads too;
+- `export` gathers the full weights to rank 0, which writes OUTPUT/final/ as a local run does.
+
+Every call that runs the model is collective: all ranks make it, the same number of times (the loops guarantee
+it: equal shares of micro-batches; evaluation runs every batch on every rank).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from posttrain.checkpoint import export_final, is_sharded, load_sharded_state, save_sharded_state
+from posttrain.config.schema import TrainerConfig
+from posttrain.distributed.env import barrier, is_main, rank, world_size
+from posttrain.workers.base import Exported, LossFn
+from posttrain.workers.forward import AnyBatch
+from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker
+from posttrain.workers.metrics import Metric, MetricDict, all_reduce_metrics
+
+def shard_module(model: torch.nn.Module, trainer: TrainerConfig, cpu_offload: bool = False) -> torch.nn.Module:
+    """`fully_shard` every decoder layer, then the root (in place; the module is also returned)."""
+    layer_classes = set(getattr(model, "_no_split_modules", None) or [])
+    if not layer_classes:
+        raise ValueError(f"{type(model).__name__} names no decoder-layer classes (_no_split_modules); FSDP2 "
+                         "sharding needs them to shard layer by layer")
+    options = {}
+    if torch.cuda.is_available() and trainer.precision == "bf16":
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"no module of {type(model).__name__} is one of {sorted(layer_classes)}")
+    for layer in layers:
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer as a full tensor on every rank (collective)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+class FSDP2PolicyWorker(LocalPolicyWorker):
+    """A trained model sharded with FSDP2 over the default process group (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, trainer: TrainerConfig, schedule: TrainerConfig | None = None,
+                 role: str = "policy", cpu_offload: bool = False):
+        shard_module(model, trainer, cpu_offload)
+        super().__init__(model, tokenizer, trainer, schedule, role)
+
+    def shard(self, items: list) -> list:
+        if len(items) % world_size():
+            raise ValueError(f"{len(items)} micro-batches do not split evenly over {world_size()} ranks")
+        return items[rank()::world_size()]
+
+    def all_reduce(self, metrics: MetricDict) -> MetricDict:
+        return all_reduce_metrics(metrics)
+
+    def forward_backward(self, batch: AnyBatch, loss_fn: LossFn, normalizer: float) -> MetricDict:
+        # FSDP2 averages gradients over ranks; the loss contract wants their sum (the normalizer already counts
+        # the whole step on every rank), so each rank's backward is scaled by the world size.
+        def scaled(outputs, batch, normalizer):
+            loss, metrics = loss_fn(outputs, batch, normalizer)
+            self._unscaled = loss.detach()
+            return loss * world_size(), metrics
+
+        metrics = super().forward_backward(batch, scaled, normalizer)
+        metrics["loss"] = Metric.sum(self._unscaled.item())
+        return metrics
+
+    def named_weights(self, adapters_only: bool = False):
+        yield from full_state_dict(self.model).items()
+
+    def save(self, directory: Path) -> None:
+        if is_main():
+            directory.mkdir(parents=True, exist_ok=True)
+            self.model.config.save_pretrained(directory)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(directory)
+            torch.save(self.scheduler.state_dict(), directory / "scheduler.pt")
+        barrier()
+        save_sharded_state(directory, self.model, self.optimizer)
+        barrier()
+
+    def load(self, directory: Path) -> None:
+        directory = Path(directory)
+        if is_sharded(directory):
+            load_sharded_state(directory, self.model, self.optimizer)
+        else:  # a single-process checkpoint: full weights and an optimizer.pt keyed by parameter index
+            from safetensors.torch import load_file
+
+            weights: dict[str, torch.Tensor] = {}
+            for file in sorted(directory.glob("*.safetensors")):
+                weights.update(load_file(file))
+            set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+            set_optimizer_state_dict(self.model, self.optimizer, by_name_optimizer_state(
+                self.model, self.optimizer, torch.load(directory / "optimizer.pt", weights_only=True)),
+                options=StateDictOptions(full_state_dict=True))
+        self.scheduler.load_state_dict(torch.load(directory / "scheduler.pt", weights_only=True))
+
+    def export(self, output_dir: Path) -> Exported:
+        weights = full_state_dict(self.model)
+        final_dir = Path(output_dir) / "final"
+        if is_main():
+            final_dir = export_final(output_dir, unsharded_copy(self.model, weights), self.tokenizer)
+        barrier()
+        return Exported(final_dir)
+
+
+class FSDP2ScoringWorker(LocalScoringWorker):
+    """A frozen model sharded with FSDP2: references and reward models of a data-parallel run."""
+
+    def __init__(self, model: torch.nn.Module, trainer: TrainerConfig, role: str = "reference",
+                 cpu_offload: bool = False):
+        model.eval()
+        model.requires_grad_(False)
+        shard_module(model, trainer, cpu_offload)
+        super().__init__(model, trainer, role)
+
+
+def by_name_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:
+    """A single-process optimizer state (keyed by the index of each parameter in the optimizer's groups) keyed by
+    parameter name instead, as set_optimizer_state_dict(full_state_dict=True) reads it. posttrain builds the
+    optimizer the same way on any number of ranks (optim.build_optimizer), so index i is the same parameter."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    groups = []
+    for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+        groups.append({**saved, "params": [order[i] for i in saved["params"]]})
+    return {"state": {order[i]: value for i, value in state["state"].items()}, "param_groups": groups}
+
+
+def unsharded_copy(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A plain (unsharded) model of `model`'s original class and config holding `weights` (built on the meta
+    device and filled in place, so nothing is initialised twice), for save_pretrained on rank 0."""
+    original = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+    with torch.device("meta"):
+        plain = original(model.config)
+    missing, unexpected = plain.load_state_dict({k: v.detach().cpu() for k, v in weights.items()}, strict=False,
+                                                assign=True)
+    if unexpected or any(not k.endswith("lm_head.weight") for k in missing):
+        raise ValueError(f"gathered weights do not fit {original.__name__}: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    plain.tie_weights()
+    return plain
+
+
+def build_fsdp_policy(module: torch.nn.Module, tokenizer, trainer: TrainerConfig, schedule: TrainerConfig | None,
+                      resume_dir: Path | None) -> FSDP2PolicyWorker:
+    """`module` sharded into an FSDP2 policy worker, restored from a checkpoint folder if `resume_dir`."""
+    worker = FSDP2PolicyWorker(module, tokenizer, trainer, schedule)
+    if resume_dir is not None:
+        worker.load(resume_dir)
+    return worker

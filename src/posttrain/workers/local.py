@@ -1,0 +1,254 @@
+"""Workers that hold their model in this process: the default for every recipe on one CPU or GPU.
+
+    policy = build_policy(cfg.model, cfg.lora, cfg.trainer, tokenizer, device)      # a LocalPolicyWorker
+    reference = build_scorer(cfg.model, cfg.trainer, device, role="reference")      # frozen, a LocalScoringWorker
+    reference = base_model_scorer(policy)        # with LoRA: the policy itself with its adapters switched off
+
+`LocalPolicyWorker` owns the module, its AdamW optimizer and learning-rate schedule; `LocalScoringWorker` a frozen
+module (eval mode, no gradients). Both run the one forward pass of workers/forward.py under the trainer's
+precision, so a policy and its reference read a batch identically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from posttrain.checkpoint import (
+    export_final,
+    is_sharded,
+    load_optimizer_state,
+    load_sharded_state,
+    save_model_state,
+)
+from posttrain.config.schema import LoraSection, ModelConfig, TrainerConfig
+from posttrain.data.types import RolloutBatch
+from posttrain.models.loading import load_causal_lm, load_trainable_model
+from posttrain.models.lora import ADAPTER_DIR, TaskKind, adapters_disabled, is_lora_model, merged_model, save_adapter
+from posttrain.optim import build_optimizer, build_scheduler
+from posttrain.workers.base import Exported, LossFn, MetricsFn
+from posttrain.workers.forward import AnyBatch, autocast, batch_to, forward_logits, token_logprobs_of
+from posttrain.workers.metrics import Metric, MetricDict
+
+
+class _LocalModel:
+    """The forward passes a local policy and a local scorer share."""
+
+    model: torch.nn.Module
+    trainer: TrainerConfig
+    adapters_off: bool = False
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @contextlib.contextmanager
+    def _frozen_pass(self) -> Iterator[None]:
+        """Eval mode, no graph (and the adapters off for a LoRA model's base), restoring the mode afterwards."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), adapters_disabled(self.model) if self.adapters_off else contextlib.nullcontext():
+                yield
+        finally:
+            self.model.train(was_training)
+
+    def _outputs(self, batch: AnyBatch) -> torch.Tensor:
+        with autocast(self.trainer, self.device):
+            return forward_logits(self.model, batch)
+
+    def _chunks(self, batch: AnyBatch) -> list[AnyBatch]:
+        """A rollout batch in micro-batches of trainer.micro_batch_size rows; other batches are micro-batches."""
+        if isinstance(batch, RolloutBatch) and len(batch) > self.trainer.micro_batch_size:
+            return [batch.select(index) for index in torch.arange(len(batch)).split(self.trainer.micro_batch_size)]
+        return [batch]
+
+    def logprobs(self, batch: AnyBatch, temperature: float = 1.0) -> torch.Tensor:
+        parts = []
+        with self._frozen_pass():
+            for chunk in self._chunks(batch):
+                chunk = batch_to(chunk, self.device)
+                parts.append(token_logprobs_of(self._outputs(chunk), chunk, temperature).cpu())
+        return torch.cat(parts)
+
+    def evaluate(self, batch: AnyBatch, metrics_fn: MetricsFn) -> MetricDict:
+        with self._frozen_pass():
+            batch = batch_to(batch, self.device)
+            return metrics_fn(self._outputs(batch), batch)
+
+
+class LocalPolicyWorker(_LocalModel):
+    """A trained model in this process with its optimizer and schedule (see workers/base.py for the protocol).
+
+    schedule: the TrainerConfig the learning-rate schedule counts in, when it is not `trainer` (GRPO counts
+    optimizer updates, several per RL step).
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer, trainer: TrainerConfig, schedule: TrainerConfig | None = None,
+                 role: str = "policy"):
+        self.model, self.tokenizer, self.trainer, self.role = model, tokenizer, trainer, role
+        self.model.train()
+        self.optimizer = build_optimizer(model, trainer)
+        self.scheduler = build_scheduler(self.optimizer, schedule or trainer)
+
+    @property
+    def is_lora(self) -> bool:
+        return is_lora_model(self.model)
+
+    def shard(self, items: list) -> list:
+        """This process's share of a step's micro-batches: all of them."""
+        return items
+
+    def all_reduce(self, metrics: MetricDict) -> MetricDict:
+        """The step's metrics over every process: these."""
+        return metrics
+
+    def forward_backward(self, batch: AnyBatch, loss_fn: LossFn, normalizer: float) -> MetricDict:
+        batch = batch_to(batch, self.device)
+        loss, metrics = loss_fn(self._outputs(batch), batch, normalizer)
+        loss.backward()
+        return {**metrics, "loss": Metric.sum(loss.item())}
+
+    def optim_step(self) -> MetricDict:
+        learning_rate = self.scheduler.get_last_lr()[0]
+        max_norm = self.trainer.max_grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                   max_norm if max_norm is not None else float("inf"))
+        if hasattr(grad_norm, "full_tensor"):  # sharded gradients (FSDP2): the norm over every rank's shard
+            grad_norm = grad_norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": Metric.mean(float(grad_norm)), "learning_rate": Metric.mean(learning_rate)}
+
+    def named_weights(self, adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        if not self.is_lora:
+            for name, tensor in self.model.state_dict().items():
+                yield name, tensor.detach()
+            return
+        from peft import get_peft_model_state_dict
+
+        if adapters_only:
+            yield from get_peft_model_state_dict(self.model).items()
+            return
+        # Merge, copy the merged tensors out under the base model's names, unmerge: the adapters keep training.
+        self.model.merge_adapter()
+        try:
+            merged = [(name, tensor.detach().clone()) for name, tensor in self.model.get_base_model().state_dict().items()]
+        finally:
+            self.model.unmerge_adapter()
+        for name, tensor in merged:
+            if "lora_" in name or ".original_module." in name:
+                continue
+            yield name.replace(".base_layer.", ".").replace(".modules_to_save.default.", "."), tensor
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        save_model_state(directory, self.model, self.tokenizer, self.optimizer, self.scheduler)
+
+    def load(self, directory: Path) -> None:
+        """Restore a checkpoint folder: this worker's own format, or a data-parallel run's sharded one (a run
+        resumed in one process after training on several)."""
+        if is_sharded(directory):
+            load_sharded_state(directory, self.model, self.optimizer)
+            self.scheduler.load_state_dict(torch.load(Path(directory) / "scheduler.pt", weights_only=True))
+            return
+        load_weights(self.model, directory)
+        load_optimizer_state(directory, self.optimizer, self.scheduler)
+
+    def export(self, output_dir: Path) -> Exported:
+        adapter_dir = None
+        model = self.model
+        if self.is_lora:
+            adapter_dir = save_adapter(model, Path(output_dir) / ADAPTER_DIR, self.tokenizer)
+            model = self.model = merged_model(model)
+        return Exported(export_final(output_dir, model, self.tokenizer), adapter_dir)
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad or not trainable_only)
+
+
+class LocalScoringWorker(_LocalModel):
+    """A frozen model in this process (see workers/base.py for the protocol). With `adapters_off` the model is a
+    LoRA policy's and scores as its frozen base (adapters switched off for each pass, nothing copied)."""
+
+    def __init__(self, model: torch.nn.Module, trainer: TrainerConfig, role: str = "reference",
+                 adapters_off: bool = False):
+        self.model, self.trainer, self.role, self.adapters_off = model, trainer, role, adapters_off
+        if not adapters_off:
+            self.model.eval()
+            self.model.requires_grad_(False)
+
+    def topk_logprobs(self, batch: AnyBatch, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        values, indices = [], []
+        with self._frozen_pass():
+            for chunk in self._chunks(batch):
+                logits = self._outputs(batch_to(chunk, self.device)).float() / temperature
+                top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+                values.append(top.values.cpu())
+                indices.append(top.indices.cpu())
+        return torch.cat(values), torch.cat(indices)
+
+    def sequence_scores(self, batch: AnyBatch) -> torch.Tensor:
+        with self._frozen_pass():
+            return torch.cat([self._outputs(batch_to(chunk, self.device)).squeeze(-1).float().cpu()
+                              for chunk in self._chunks(batch)])
+
+
+# ---- building local workers --------------------------------------------------------------------------------
+
+
+def build_policy(model: ModelConfig, lora: LoraSection, trainer: TrainerConfig, tokenizer, device: torch.device,
+                 task: TaskKind = "causal_lm", schedule: TrainerConfig | None = None,
+                 resume_dir: Path | None = None) -> LocalPolicyWorker:
+    """The policy a recipe trains: the starting model (with fresh LoRA adapters if lora.enabled), or, with
+    `resume_dir`, restored from a checkpoint's policy folder."""
+    module = load_trainable_model(model, lora, None, device, task=task, pad_token_id=tokenizer.pad_token_id)
+    worker = LocalPolicyWorker(module, tokenizer, trainer, schedule)
+    if resume_dir is not None:
+        worker.load(resume_dir)
+    return worker
+
+
+def build_scorer(model: ModelConfig, trainer: TrainerConfig, device: torch.device,
+                 role: str = "reference") -> LocalScoringWorker:
+    """`model` loaded frozen (eval mode, no gradients): a reference or teacher."""
+    return LocalScoringWorker(load_causal_lm(model, device=device), trainer, role)
+
+
+def base_model_scorer(policy: LocalPolicyWorker, role: str = "reference") -> LocalScoringWorker:
+    """A LoRA policy's frozen base as a scorer: the same module, adapters switched off for every pass."""
+    if not policy.is_lora:
+        raise ValueError("base_model_scorer needs a LoRA policy; load a frozen copy with build_scorer instead")
+    return LocalScoringWorker(policy.model, policy.trainer, role, adapters_off=True)
+
+
+def load_weights(model: torch.nn.Module, directory: Path) -> None:
+    """Load the weights `save_model_state` wrote into `model` in place: a peft adapter into a LoRA model, the
+    safetensors files of a Hugging Face directory into a full one (weights tied to a loaded one may be absent)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if is_lora_model(model):
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(model, load_file(directory / "adapter_model.safetensors"))
+        unexpected = list(getattr(result, "unexpected_keys", []))
+        if unexpected:
+            raise ValueError(f"{directory}: adapter weights that this LoRA model has no place for: {unexpected[:5]}")
+        return
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory}: no *.safetensors weights to load")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(file))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {parameters[k].data_ptr() for k in state if k in parameters}
+    untied = [k for k in missing if k not in parameters or parameters[k].data_ptr() not in loaded]
+    if unexpected or untied:
+        raise ValueError(f"{directory} does not match the model: missing {untied[:5]}, unexpected {unexpected[:5]}")

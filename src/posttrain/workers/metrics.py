@@ -1,0 +1,107 @@
+"""Metrics that carry their own reduction, so one reducer serves micro-batches, optimizer updates and ranks.
+
+A loss function or a worker returns `dict[str, Metric]`; the loop folds the records of a step together with
+`reduce_metrics` (or `Metric.merge`), and only at the end turns them into plain floats with `as_floats`. The
+reduction travels with the value instead of being guessed from the metric's name:
+
+    Metric.sum(x)            added up (a loss already divided by the step's normalizer, a token count)
+    Metric.mean(x, weight)   a weighted mean (per-token statistics weighted by the token count, per-pair ones by
+                             the pair count); stored as (x * weight, weight) so partial sums merge exactly
+    Metric.min(x), .max(x)   extremes (the smallest and largest importance ratio)
+
+`all_reduce_metrics` applies the same rules across data-parallel ranks in one collective per reduction kind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Reduction = Literal["sum", "mean", "min", "max"]
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One metric's partial value: for "mean", `total` is the weighted sum and `weight` the summed weight."""
+
+    total: float
+    weight: float
+    reduction: Reduction
+
+    @staticmethod
+    def sum(value: float) -> Metric:
+        return Metric(float(value), 1.0, "sum")
+
+    @staticmethod
+    def mean(value: float, weight: float = 1.0) -> Metric:
+        return Metric(float(value) * float(weight), float(weight), "mean")
+
+    @staticmethod
+    def min(value: float) -> Metric:
+        return Metric(float(value), 1.0, "min")
+
+    @staticmethod
+    def max(value: float) -> Metric:
+        return Metric(float(value), 1.0, "max")
+
+    @property
+    def value(self) -> float:
+        if self.reduction == "mean":
+            return self.total / self.weight if self.weight else 0.0
+        return self.total
+
+    def merge(self, other: Metric) -> Metric:
+        if other.reduction != self.reduction:
+            raise ValueError(f"cannot merge a {self.reduction} metric with a {other.reduction} one")
+        if self.reduction == "min":
+            return Metric(min(self.total, other.total), 1.0, "min")
+        if self.reduction == "max":
+            return Metric(max(self.total, other.total), 1.0, "max")
+        return Metric(self.total + other.total, self.weight + other.weight, self.reduction)
+
+
+MetricDict = dict[str, Metric]
+
+
+def reduce_metrics(records: Iterable[Mapping[str, Metric]]) -> MetricDict:
+    """Fold records key by key with each metric's own reduction (a key missing from a record is skipped)."""
+    out: MetricDict = {}
+    for record in records:
+        for name, metric in record.items():
+            out[name] = out[name].merge(metric) if name in out else metric
+    return out
+
+
+def as_floats(metrics: Mapping[str, Metric]) -> dict[str, float]:
+    return {name: metric.value for name, metric in metrics.items()}
+
+
+def all_reduce_metrics(metrics: Mapping[str, Metric], group=None) -> MetricDict:
+    """The metrics reduced over every rank of the default process group (or `group`); every rank gets the result.
+
+    Every rank must pass the same keys with the same reductions (the loops guarantee it: ranks run the same code
+    on equally many micro-batches). Sums and means travel as one float64 SUM collective, minima and maxima as
+    one MIN and one MAX.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return dict(metrics)
+    names = sorted(metrics)
+    additive = [n for n in names if metrics[n].reduction in ("sum", "mean")]
+    out: MetricDict = {}
+    if additive:
+        packed = torch.tensor([[metrics[n].total, metrics[n].weight] for n in additive], dtype=torch.float64)
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        for name, (total, weight) in zip(additive, packed.tolist()):
+            out[name] = Metric(total, weight, metrics[name].reduction)
+    for reduction, op in (("min", dist.ReduceOp.MIN), ("max", dist.ReduceOp.MAX)):
+        chosen = [n for n in names if metrics[n].reduction == reduction]
+        if chosen:
+            packed = torch.tensor([metrics[n].total for n in chosen], dtype=torch.float64)
+            dist.all_reduce(packed, op=op, group=group)
+            out.update({name: Metric(value, 1.0, reduction) for name, value in zip(chosen, packed.tolist())})
+    return {name: out[name] for name in names}
