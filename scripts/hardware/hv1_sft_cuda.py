@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from posttrain.algorithms.common import batch_to, forward_logits
 from posttrain.algorithms.sft import train_sft
 from posttrain.config import SFTConfig, load_config
 from posttrain.data.collate import collate_packed, collate_padded
@@ -30,6 +29,7 @@ from posttrain.data.types import TokenizedExample
 from posttrain.logging import read_metrics
 from posttrain.losses.nll import token_logprobs
 from posttrain.models.loading import load_causal_lm
+from posttrain.workers.forward import batch_to, forward_logits
 
 ARGS = ["data.train_files=[posttrain/arithmetic:train]", "data.packing=true", "data.max_length=128",
         "trainer.precision=bf16", "trainer.max_steps=200", "trainer.learning_rate=3e-3", "trainer.warmup_steps=10",

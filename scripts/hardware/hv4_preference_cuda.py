@@ -51,7 +51,6 @@ from pathlib import Path
 
 import torch
 
-from posttrain.algorithms.common import batch_to, forward_logits
 from posttrain.algorithms.dpo import completion_logps, train_dpo
 from posttrain.algorithms.rm import train_rm
 from posttrain.config import DPOConfig, RMConfig, load_config
@@ -65,6 +64,8 @@ from posttrain.data.preference import (
 from posttrain.logging import read_metrics
 from posttrain.models import RewardModel
 from posttrain.models.loading import load_causal_lm, load_tokenizer
+from posttrain.workers.forward import batch_to, forward_logits
+from posttrain.workers.local import LocalScoringWorker
 
 THRESHOLDS = {
     "step1_loss_abs_diff_max": 1e-2,        # |DPO loss at step 1 − log 2| (bf16 autocast)
@@ -225,8 +226,9 @@ def check_shared_prompt(results: dict, checks: dict, device: torch.device) -> No
     examples, _ = load_preference_examples(["posttrain/arithmetic-preference:heldout[:128]"], tokenizer, cfg.data)
     for precision in ("fp32", "bf16"):
         trainer = cfg.trainer.model_copy(update={"precision": precision})
-        scores = [completion_logps(model, batch_to(collate(examples, tokenizer.pad_token_id), device), False, trainer,
-                                   device) for collate in (collate_preference, collate_shared_prompt)]
+        scorer = LocalScoringWorker(model, trainer)
+        batches = [collate(examples, tokenizer.pad_token_id) for collate in (collate_preference, collate_shared_prompt)]
+        scores = [completion_logps(scorer.logprobs(batch), batch, False) for batch in batches]
         difference = max(float((getattr(scores[0], side) - getattr(scores[1], side)).abs().max())
                          for side in ("chosen", "rejected"))
         results[f"shared_prompt_{precision}_max_abs_logp_diff"] = difference

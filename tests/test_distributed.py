@@ -1,0 +1,196 @@
+"""Data-parallel FSDP2 over gloo on CPU: two processes make the update one process makes from the same config.
+
+Every run here is a real `posttrain RECIPE ... --nproc-per-node 2` (torchrun, two ranks of one thread each)
+against the same command in one process, on rows of very different lengths, so that the loss normalizer (the
+whole step's token or pair count, over every rank) matters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.checkpoint import latest_checkpoint, list_checkpoints
+
+STEP_SPLIT = ["trainer.micro_batch_size=2", "trainer.gradient_accumulation_steps=4"]
+COMMON = ["model.name_or_path=posttrain/tiny", *STEP_SPLIT, "trainer.learning_rate=1e-3", "trainer.warmup_steps=2",
+          "logging.progress=none", "logging.plot=false", "trainer.num_threads=1"]
+
+
+def _sft_rows(path: Path) -> Path:
+    """64 completions of 1 to 30 numbers: micro-batches of 2 hold from 2 to 60 target tokens."""
+    rng = random.Random(0)
+    lines = []
+    for i in range(64):
+        numbers = " ".join(str(rng.randint(0, 99)) for _ in range(rng.choice([1, 2, 3, 12, 30])))
+        lines.append(json.dumps({"prompt": f"echo {i}: ", "completion": numbers}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _pair_rows(path: Path) -> Path:
+    rng = random.Random(1)
+    lines = []
+    for i in range(64):
+        chosen = " ".join(str(rng.randint(0, 99)) for _ in range(rng.choice([1, 2, 10, 25])))
+        rejected = " ".join(str(rng.randint(0, 99)) for _ in range(rng.choice([1, 3, 15])))
+        lines.append(json.dumps({"prompt": f"say {i}: ", "chosen": chosen, "rejected": rejected}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _run(recipe: str, output_dir: Path, args: list[str], nproc: int = 1) -> None:
+    command = [sys.executable, "-m", "posttrain", recipe, *args, f"output_dir={output_dir}"]
+    if nproc > 1:
+        command += ["--nproc-per-node", str(nproc)]
+    process = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert process.returncode == 0, (process.stdout + process.stderr)[-4000:]
+
+
+def _records(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _assert_same_run(a: Path, b: Path, keys: tuple[str, ...] = ("loss", "grad_norm")) -> None:
+    ra, rb = _records(a), _records(b)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb]
+    for x, y in zip(ra, rb):
+        for key in keys + tuple(k for k in x if k.startswith("eval_")):
+            assert y[key] == pytest.approx(x[key], rel=1e-5, abs=1e-6), (x["step"], key)
+
+
+def _assert_same_weights(a: Path, b: Path, auto_class=None) -> None:
+    from transformers import AutoModelForCausalLM
+
+    auto_class = auto_class or AutoModelForCausalLM
+    wa, wb = auto_class.from_pretrained(a).state_dict(), auto_class.from_pretrained(b).state_dict()
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.fixture(scope="module")
+def sft_runs(tmp_path_factory, tiny_model_dir) -> dict:
+    """The same 6-step SFT config (checkpoints at 3 and 6) in one process and on two ranks."""
+    root = tmp_path_factory.mktemp("sft-dp")
+    args = [*COMMON, f"data.train_files=[{_sft_rows(root / 'rows.jsonl')}]", "trainer.max_steps=6",
+            "trainer.save_every=3"]
+    _run("sft", root / "one", args)
+    _run("sft", root / "two", args, nproc=2)
+    return {"root": root, "args": args, "one": root / "one", "two": root / "two"}
+
+
+def test_sft_on_two_ranks_equals_one_process(sft_runs):
+    _assert_same_run(sft_runs["one"], sft_runs["two"])
+    _assert_same_weights(sft_runs["one"] / "final", sft_runs["two"] / "final")
+    assert (sft_runs["two"] / "checkpoints" / "step_3" / "policy" / ".metadata").is_file()  # sharded
+    assert (sft_runs["one"] / "checkpoints" / "step_3" / "policy" / "model.safetensors").is_file()
+
+
+def test_averaging_per_rank_would_give_another_loss(sft_runs, tiny_model_dir):
+    """The control: on these rows the mean of each rank's own per-token mean is not the step's mean, and the
+    2-rank run logged the step's mean."""
+    from posttrain.config import SFTConfig, load_config
+    from posttrain.data import load_sft_examples
+    from posttrain.data.collate import collate
+    from posttrain.data.sampler import EpochSampler
+    from posttrain.losses.nll import nll_loss
+    from posttrain.models.loading import load_causal_lm, load_tokenizer
+    from posttrain.workers.forward import forward_logits
+
+    cfg = load_config(SFTConfig, None, [*sft_runs["args"], "output_dir=unused"])
+    tokenizer = load_tokenizer(cfg.model)
+    examples, _ = load_sft_examples(cfg.data.train_files, tokenizer, cfg.data)
+    sampler = EpochSampler(len(examples), seed=cfg.seed, shuffle=cfg.data.shuffle)
+    model = load_causal_lm(cfg.model).eval()
+    sums, counts = [], []
+    with torch.no_grad():
+        for _ in range(cfg.trainer.gradient_accumulation_steps):
+            batch = collate([examples[i] for i in sampler.next_indices(cfg.trainer.micro_batch_size)],
+                            tokenizer.pad_token_id, cfg.data.packing, cfg.data.max_length)
+            _, stats = nll_loss(forward_logits(model, batch), batch.input_ids, batch.loss_mask, 1.0)
+            sums.append(stats["nll_sum"])
+            counts.append(stats["target_tokens"])
+    step_mean = sum(sums) / sum(counts)
+    per_rank = [sum(sums[r::2]) / sum(counts[r::2]) for r in range(2)]
+    logged = _records(sft_runs["two"])[0]["loss"]
+    assert logged == pytest.approx(step_mean, rel=1e-5)
+    # ~0.027 apart on these rows: 500 times the tolerance the parity checks above allow.
+    assert abs(sum(per_rank) / 2 - step_mean) > 1e-2, (per_rank, step_mean)
+
+
+def test_sharded_checkpoint_resumes_on_two_ranks_and_on_one(sft_runs, tmp_path):
+    """Drop everything after step 3 and re-run: 2 -> 2, 2 -> 1 and 1 -> 2 continue to the uninterrupted losses."""
+    for name, source, nproc in (("2to2", "two", 2), ("2to1", "two", 1), ("1to2", "one", 2)):
+        target = tmp_path / name
+        shutil.copytree(sft_runs[source], target)
+        shutil.rmtree(target / "checkpoints" / "step_6")
+        shutil.rmtree(target / "final")
+        assert latest_checkpoint(target).step == 3
+        _run("sft", target, sft_runs["args"], nproc=nproc)
+        _assert_same_run(sft_runs["one"], target)
+        _assert_same_weights(sft_runs["one"] / "final", target / "final")
+
+
+def test_a_killed_rank_brings_the_job_down_and_the_rerun_resumes(tmp_path, tiny_model_dir):
+    args = [*COMMON, f"data.train_files=[{_sft_rows(tmp_path / 'rows.jsonl')}]", "trainer.max_steps=60",
+            "trainer.save_every=10"]
+    output_dir = tmp_path / "killed"
+    torchrun = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "posttrain", "sft",
+         *args, f"output_dir={output_dir}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline, killed = time.monotonic() + 300, False
+    metrics = output_dir / "metrics.jsonl"
+    while time.monotonic() < deadline and torchrun.poll() is None:
+        if metrics.exists() and metrics.read_text().count("\n") >= 13 and list_checkpoints(output_dir):
+            ranks = Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children").read_text().split()
+            os.kill(int(ranks[-1]), signal.SIGKILL)
+            killed = True
+            break
+        time.sleep(0.005)
+    assert killed, "the run ended before a rank could be killed"
+    assert torchrun.wait(timeout=120) != 0  # torchrun takes the other rank down and fails
+    assert not (output_dir / "final").exists()
+    step = latest_checkpoint(output_dir).step
+    assert 10 <= step < 60
+
+    _run("sft", output_dir, args, nproc=2)
+    _run("sft", tmp_path / "reference", args)
+    _assert_same_run(tmp_path / "reference", output_dir)
+    assert [c.step for c in list_checkpoints(output_dir)][-1] == 60
+
+
+@pytest.mark.parametrize("recipe", ["dpo", "rm"])
+def test_pair_recipes_on_two_ranks_equal_one_process(recipe, tmp_path, tiny_model_dir):
+    from transformers import AutoModelForSequenceClassification
+
+    pairs = _pair_rows(tmp_path / "pairs.jsonl")
+    args = [*COMMON, f"data.train_files=[{pairs}]", f"data.eval_files=[{pairs}]", "data.max_eval_examples=16",
+            "trainer.max_steps=5", "trainer.eval_every=3", "trainer.save_every=0"]
+    _run(recipe, tmp_path / "one", args)
+    _run(recipe, tmp_path / "two", args, nproc=2)
+    _assert_same_run(tmp_path / "one", tmp_path / "two")
+    _assert_same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final",
+                         AutoModelForSequenceClassification if recipe == "rm" else None)
+
+
+def test_a_step_that_does_not_split_over_the_ranks_is_refused(tmp_path, tiny_model_dir):
+    args = [*COMMON, f"data.train_files=[{_sft_rows(tmp_path / 'rows.jsonl')}]", "trainer.max_steps=2",
+            "trainer.gradient_accumulation_steps=3"]
+    process = subprocess.run([sys.executable, "-m", "posttrain", "sft", *args, f"output_dir={tmp_path / 'x'}",
+                              "--nproc-per-node", "2"], capture_output=True, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert process.returncode != 0
+    assert "trainer.gradient_accumulation_steps=3 does not split over 2" in process.stderr
+    assert "trainer.micro_batch_size" in process.stderr

@@ -1,0 +1,123 @@
+"""The worker seam: metrics that carry their reduction, and the local workers' state round trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from posttrain.config.schema import LoraSection, ModelConfig, TrainerConfig
+from posttrain.data.collate import collate_padded
+from posttrain.data.types import TokenizedExample
+from posttrain.models.loading import load_tokenizer
+from posttrain.workers import Metric, as_floats, reduce_metrics
+from posttrain.workers.local import LocalScoringWorker, build_policy, load_weights
+
+
+def test_each_metric_reduces_its_own_way():
+    # Two micro-batches: a loss already divided by the step's count adds up; a per-token mean over 3 and 1 tokens
+    # is (0.5 * 3 + 2.0 * 1) / 4 = 0.875, not (0.5 + 2.0) / 2; extremes stay extremes.
+    records = [
+        {"loss": Metric.sum(0.25), "entropy": Metric.mean(0.5, 3), "ratio_min": Metric.min(0.9), "ratio_max": Metric.max(1.1)},
+        {"loss": Metric.sum(0.5), "entropy": Metric.mean(2.0, 1), "ratio_min": Metric.min(0.7), "ratio_max": Metric.max(1.05)},
+    ]
+    assert as_floats(reduce_metrics(records)) == {"loss": 0.75, "entropy": 0.875, "ratio_min": 0.7, "ratio_max": 1.1}
+    # Folding in two halves and then together gives the same as folding all four at once.
+    halves = [reduce_metrics(records[:1]), reduce_metrics(records[1:])]
+    assert as_floats(reduce_metrics(halves)) == as_floats(reduce_metrics(records))
+    with pytest.raises(ValueError, match="cannot merge"):
+        Metric.sum(1.0).merge(Metric.mean(1.0))
+    assert Metric.mean(3.0, 0.0).value == 0.0  # nothing counted: no division by zero
+
+
+def _batch(tokenizer) -> object:
+    rows = [TokenizedExample(tuple(range(3, 3 + n)), (0,) + (1,) * (n - 1)) for n in (4, 9, 6)]
+    return collate_padded(rows, tokenizer.pad_token_id)
+
+
+def test_policy_save_and_load_restore_weights_and_optimizer(tmp_path, tiny_model_dir):
+    cfg = ModelConfig(name_or_path=str(tiny_model_dir))
+    tokenizer = load_tokenizer(cfg)
+    trainer = TrainerConfig(learning_rate=1e-2)
+    device = torch.device("cpu")
+    policy = build_policy(cfg, LoraSection(), trainer, tokenizer, device)
+    batch = _batch(tokenizer)
+
+    def nll(logits, batch, normalizer):
+        from posttrain.losses.nll import nll_loss
+
+        return nll_loss(logits, batch.input_ids, batch.loss_mask, normalizer)[0], {}
+
+    policy.forward_backward(batch, nll, batch.num_target_tokens)
+    policy.optim_step()
+    policy.save(tmp_path / "policy")
+    restored = build_policy(cfg, LoraSection(), trainer, tokenizer, device, resume_dir=tmp_path / "policy")
+    for (name, a), (_, b) in zip(policy.named_weights(), restored.named_weights()):
+        assert torch.equal(a, b), name
+    # One more identical update from both: the AdamW moments and the schedule came back too.
+    for worker in (policy, restored):
+        worker.forward_backward(batch, nll, batch.num_target_tokens)
+    assert policy.optim_step() == restored.optim_step()
+    assert policy.logprobs(batch).equal(restored.logprobs(batch))
+
+
+def test_load_weights_names_what_does_not_fit(tmp_path, tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        load_weights(model, tmp_path / "empty")
+    from safetensors.torch import save_file
+
+    (tmp_path / "other").mkdir()
+    save_file({"not.a.weight": torch.zeros(2)}, tmp_path / "other" / "model.safetensors")
+    with pytest.raises(ValueError, match="does not match the model"):
+        load_weights(model, tmp_path / "other")
+
+
+def test_lora_named_weights_are_the_merged_model_and_training_goes_on(tiny_model_dir):
+    cfg = ModelConfig(name_or_path=str(tiny_model_dir))
+    tokenizer = load_tokenizer(cfg)
+    lora = LoraSection(enabled=True, r=4, alpha=8, target_modules=["q_proj", "v_proj"])
+    policy = build_policy(cfg, lora, TrainerConfig(learning_rate=5e-2), tokenizer, torch.device("cpu"))
+    batch = _batch(tokenizer)
+
+    def push(logits, batch, normalizer):
+        return -logits[..., 5].mean(), {}
+
+    for _ in range(2):  # move the adapters off zero
+        policy.forward_backward(batch, push, 1.0)
+        policy.optim_step()
+    merged = dict(policy.named_weights())
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert set(merged) == set(plain.state_dict())  # Hugging Face names, no adapter tensors
+    plain.load_state_dict(merged)
+    with torch.no_grad():
+        expected = policy.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        got = plain(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert any(not torch.equal(merged[n], t) for n, t in AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict().items())
+    adapters = dict(policy.named_weights(adapters_only=True))
+    assert adapters and all("lora_" in name for name in adapters)
+    # The base the reference scores is still the unmerged, frozen one.
+    base = LocalScoringWorker(policy.model, policy.trainer, adapters_off=True).logprobs(batch)
+    frozen = LocalScoringWorker(AutoModelForCausalLM.from_pretrained(tiny_model_dir), policy.trainer).logprobs(batch)
+    torch.testing.assert_close(base, frozen, atol=1e-6, rtol=0)
+
+
+def test_scorer_topk_and_sequence_scores(tiny_model_dir):
+    cfg = ModelConfig(name_or_path=str(tiny_model_dir))
+    tokenizer = load_tokenizer(cfg)
+    scorer = LocalScoringWorker(AutoModelForCausalLM.from_pretrained(tiny_model_dir), TrainerConfig())
+    batch = _batch(tokenizer)
+    values, indices = scorer.topk_logprobs(batch, k=3)
+    assert values.shape == indices.shape == (*batch.input_ids.shape, 3)
+    assert (values[..., 0] >= values[..., 1]).all() and (values <= 0).all()
+    # The top token at position t is the argmax of the logits that predict token t + 1.
+    with torch.no_grad():
+        logits = scorer.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    assert torch.equal(indices[..., 0], logits.argmax(-1))
+    # logprobs(t) reads the distribution at t - 1: where that token is the top one, the two agree.
+    logps = scorer.logprobs(batch)
+    top_of_previous = values[:, :-1, 0]
+    hit = indices[:, :-1, 0] == batch.input_ids[:, 1:]
+    torch.testing.assert_close(logps[:, 1:][hit], top_of_previous[hit])
