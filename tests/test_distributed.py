@@ -194,3 +194,20 @@ def test_a_step_that_does_not_split_over_the_ranks_is_refused(tmp_path, tiny_mod
     assert process.returncode != 0
     assert "trainer.gradient_accumulation_steps=3 does not split over 2" in process.stderr
     assert "trainer.micro_batch_size" in process.stderr
+
+
+def test_lora_on_two_ranks_equals_one_process_and_resumes(tmp_path, tiny_model_dir):
+    lora = ["lora.enabled=true", "lora.r=4", "lora.alpha=8", "trainer.learning_rate=1e-2"]
+    args = [*COMMON, *lora, f"data.train_files=[{_sft_rows(tmp_path / 'rows.jsonl')}]", "trainer.max_steps=6",
+            "trainer.save_every=3"]
+    _run("sft", tmp_path / "one", args)
+    _run("sft", tmp_path / "two", args, nproc=2)
+    _assert_same_run(tmp_path / "one", tmp_path / "two")
+    _assert_same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final")  # merged
+    assert (tmp_path / "two" / "adapter" / "adapter_model.safetensors").is_file()
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "two", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_6")
+    shutil.rmtree(resumed / "final")
+    _run("sft", resumed, args)  # 2 -> 1
+    _assert_same_run(tmp_path / "one", resumed)

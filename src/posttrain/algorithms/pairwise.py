@@ -147,7 +147,7 @@ def train_on_pairs(run: PairRun, cfg: RecipeConfig, policy: PolicyWorker, recipe
                 batch = collate([run.train_examples[i] for i in indices], tokenizer.pad_token_id)
                 micro_batches.append((batch, indices))
             step_metrics = accumulate_gradients(policy, micro_batches, objective)
-            step_metrics.update(policy.optim_step())
+            step_metrics.update(policy.all_reduce(policy.optim_step()))
             elapsed = time.perf_counter() - started
 
             metrics = {

@@ -123,7 +123,7 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
                 for _ in range(trainer.gradient_accumulation_steps)
             ]
             loss, target_tokens = accumulate_gradients(policy, micro_batches)
-            update = as_floats(policy.optim_step())
+            update = as_floats(policy.all_reduce(policy.optim_step()))
             elapsed = time.perf_counter() - started
 
             metrics = {
@@ -134,6 +134,7 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
                 "step_seconds": elapsed,
                 "target_tokens": target_tokens,
                 "epoch": sampler.epochs_completed,
+                **{k: v for k, v in update.items() if k not in ("learning_rate", "grad_norm")},
             }
             if eval_examples and is_eval_step(step, trainer):
                 eval_loss = evaluate_loss(policy, eval_examples, cfg, tokenizer.pad_token_id)

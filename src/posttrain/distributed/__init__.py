@@ -29,11 +29,12 @@ def build_policy(model: ModelConfig, lora: LoraSection, trainer: TrainerConfig, 
     from posttrain.models.loading import load_trainable_model
 
     check_split(trainer)
-    if lora.enabled:
-        raise ValueError("lora.enabled=true is not supported with more than one process yet; run LoRA in a single "
-                         "process, or train all weights (lora.enabled=false) under torchrun")
-    module = load_trainable_model(model, lora, None, device, task=task, pad_token_id=tokenizer.pad_token_id)
-    return build_fsdp_policy(module, tokenizer, trainer, schedule, resume_dir)
+
+    def load(on: torch.device) -> torch.nn.Module:
+        return load_trainable_model(model, lora, None, on, task=task, pad_token_id=tokenizer.pad_token_id)
+
+    unsharded = (lambda: load(torch.device("cpu"))) if lora.enabled else None
+    return build_fsdp_policy(load(device), tokenizer, trainer, schedule, resume_dir, unsharded)
 
 
 def build_scorer(model: ModelConfig, trainer: TrainerConfig, device: torch.device,

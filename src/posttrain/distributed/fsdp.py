@@ -21,6 +21,7 @@ it: equal shares of micro-batches; evaluation runs every batch on every rank).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,7 +38,8 @@ from posttrain.config.schema import TrainerConfig
 from posttrain.distributed.env import barrier, is_main, rank, world_size
 from posttrain.workers.base import Exported, LossFn
 from posttrain.workers.forward import AnyBatch
-from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker
+from posttrain.models.lora import ADAPTER_DIR
+from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker, export_model
 from posttrain.workers.metrics import Metric, MetricDict, all_reduce_metrics
 
 def shard_module(model: torch.nn.Module, trainer: TrainerConfig, cpu_offload: bool = False) -> torch.nn.Module:
@@ -69,7 +71,11 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
     """A trained model sharded with FSDP2 over the default process group (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, trainer: TrainerConfig, schedule: TrainerConfig | None = None,
-                 role: str = "policy", cpu_offload: bool = False):
+                 role: str = "policy", cpu_offload: bool = False,
+                 unsharded: Callable[[], torch.nn.Module] | None = None):
+        """unsharded: builds a plain copy of the starting model (with fresh adapters for LoRA) on the CPU, which
+        rank 0 fills with the gathered weights to export a LoRA model (merging needs the peft module whole)."""
+        self._unsharded = unsharded
         shard_module(model, trainer, cpu_offload)
         super().__init__(model, tokenizer, trainer, schedule, role)
 
@@ -94,7 +100,14 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
         return metrics
 
     def named_weights(self, adapters_only: bool = False):
-        yield from full_state_dict(self.model).items()
+        weights = full_state_dict(self.model)
+        if not self.is_lora:
+            yield from weights.items()
+        elif adapters_only:
+            yield from ((name, tensor) for name, tensor in weights.items() if "lora_" in name)
+        else:
+            raise NotImplementedError("the merged weights of a LoRA model sharded over several processes are not "
+                                      "gathered yet; ask for adapters_only=True, or export the model")
 
     def save(self, directory: Path) -> None:
         if is_main():
@@ -114,6 +127,9 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
         else:  # a single-process checkpoint: full weights and an optimizer.pt keyed by parameter index
             from safetensors.torch import load_file
 
+            if self.is_lora:
+                raise ValueError(f"{directory} is a LoRA adapter checkpoint written by one process; resume it in one "
+                                 "process (a LoRA checkpoint written by several processes resumes on any number)")
             weights: dict[str, torch.Tensor] = {}
             for file in sorted(directory.glob("*.safetensors")):
                 weights.update(load_file(file))
@@ -125,11 +141,20 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
 
     def export(self, output_dir: Path) -> Exported:
         weights = full_state_dict(self.model)
-        final_dir = Path(output_dir) / "final"
+        exported = Exported(Path(output_dir) / "final", Path(output_dir) / ADAPTER_DIR if self.is_lora else None)
         if is_main():
-            final_dir = export_final(output_dir, unsharded_copy(self.model, weights), self.tokenizer)
+            if self.is_lora:
+                plain = self._unsharded()
+                missing, unexpected = plain.load_state_dict({k: v.detach().cpu() for k, v in weights.items()},
+                                                            strict=False)
+                if missing or unexpected:
+                    raise ValueError(f"gathered LoRA weights do not fit: missing {missing[:5]}, unexpected "
+                                     f"{unexpected[:5]}")
+                exported = export_model(output_dir, plain, self.tokenizer)
+            else:
+                exported = Exported(export_final(output_dir, unsharded_copy(self.model, weights), self.tokenizer))
         barrier()
-        return Exported(final_dir)
+        return exported
 
 
 class FSDP2ScoringWorker(LocalScoringWorker):
@@ -171,9 +196,10 @@ def unsharded_copy(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> 
 
 
 def build_fsdp_policy(module: torch.nn.Module, tokenizer, trainer: TrainerConfig, schedule: TrainerConfig | None,
-                      resume_dir: Path | None) -> FSDP2PolicyWorker:
+                      resume_dir: Path | None, unsharded: Callable[[], torch.nn.Module] | None = None
+                      ) -> FSDP2PolicyWorker:
     """`module` sharded into an FSDP2 policy worker, restored from a checkpoint folder if `resume_dir`."""
-    worker = FSDP2PolicyWorker(module, tokenizer, trainer, schedule)
+    worker = FSDP2PolicyWorker(module, tokenizer, trainer, schedule, unsharded=unsharded)
     if resume_dir is not None:
         worker.load(resume_dir)
     return worker

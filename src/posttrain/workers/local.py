@@ -122,7 +122,10 @@ class LocalPolicyWorker(_LocalModel):
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": Metric.mean(float(grad_norm)), "learning_rate": Metric.mean(learning_rate)}
+        metrics = {"grad_norm": Metric.mean(float(grad_norm)), "learning_rate": Metric.mean(learning_rate)}
+        if self.device.type == "cuda":  # the largest of any rank's, under data parallelism
+            metrics["peak_memory_gib"] = Metric.max(torch.cuda.max_memory_allocated(self.device) / 2**30)
+        return metrics
 
     def named_weights(self, adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         if not self.is_lora:
@@ -160,12 +163,11 @@ class LocalPolicyWorker(_LocalModel):
         load_optimizer_state(directory, self.optimizer, self.scheduler)
 
     def export(self, output_dir: Path) -> Exported:
-        adapter_dir = None
-        model = self.model
-        if self.is_lora:
-            adapter_dir = save_adapter(model, Path(output_dir) / ADAPTER_DIR, self.tokenizer)
-            model = self.model = merged_model(model)
-        return Exported(export_final(output_dir, model, self.tokenizer), adapter_dir)
+        lora = self.is_lora
+        exported = export_model(output_dir, self.model, self.tokenizer)
+        if lora:
+            self.model = None  # merged into its base in place: the worker is finished
+        return exported
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad or not trainable_only)
@@ -224,6 +226,16 @@ def base_model_scorer(policy: LocalPolicyWorker, role: str = "reference") -> Loc
     if not policy.is_lora:
         raise ValueError("base_model_scorer needs a LoRA policy; load a frozen copy with build_scorer instead")
     return LocalScoringWorker(policy.model, policy.trainer, role, adapters_off=True)
+
+
+def export_model(output_dir: Path, model: torch.nn.Module, tokenizer) -> Exported:
+    """OUTPUT/final/ from an unsharded model; a LoRA model first writes its adapter alone to OUTPUT/adapter/ and
+    is then merged into its base (in place) for final/."""
+    adapter_dir = None
+    if is_lora_model(model):
+        adapter_dir = save_adapter(model, Path(output_dir) / ADAPTER_DIR, tokenizer)
+        model = merged_model(model)
+    return Exported(export_final(output_dir, model, tokenizer), adapter_dir)
 
 
 def load_weights(model: torch.nn.Module, directory: Path) -> None:
