@@ -6,7 +6,7 @@ last non-pad token (the end of the completion). The loop (algorithms/pairwise.py
 micro-batch, chosen and rejected sequences go through the model in ONE forward pass, giving a reward r_c and r_r
 per pair; the loss is −log σ(r_c − r_r [− margin]) (+ the optional centering term), normalized by the pair count
 of the whole optimizer step. OUTPUT/final/ loads with AutoModelForSequenceClassification and scores text through
-posttrain.models.reward.RewardModel; with lora.enabled the adapter (and the trained score head) is also written
+posttrain.workers.reward_model.RewardModel; with lora.enabled the adapter (and the trained score head) is also written
 alone to OUTPUT/adapter/.
 """
 

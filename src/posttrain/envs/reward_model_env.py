@@ -1,7 +1,7 @@
 """A trained reward model as an RL environment: the reward of a reply is the model's score of (prompt, reply).
 
 The model is any directory `posttrain rm` wrote (OUTPUT/final/) or another one-label sequence classifier; it is
-scored through posttrain.models.reward.RewardModel, so text is tokenized as the reward model was trained.
+scored through posttrain.workers.reward_model.RewardModel, so text is tokenized as the reward model was trained.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class RewardModelEnvironment:
 
     def __init__(self, path: str, conversational: bool = False, batch_size: int = 32, max_length: int | None = None,
                  device: str | None = None):
-        from posttrain.models.reward import RewardModel
+        from posttrain.workers.reward_model import RewardModel
 
         self.model = RewardModel.from_pretrained(path, device=device, batch_size=batch_size, max_length=max_length)
         self.conversational = conversational

@@ -1,4 +1,5 @@
-"""Models: loading, the embedded tiny models, LoRA, and reward-model scoring (`RewardModel`)."""
+"""Models: loading, the embedded tiny models, LoRA. `RewardModel` (scoring text with a trained reward model) lives in
+posttrain.workers and is importable from here too."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 def __getattr__(name: str) -> Any:  # lazy: importing posttrain.models must not import transformers
     if name == "RewardModel":
-        from posttrain.models.reward import RewardModel
+        from posttrain.workers.reward_model import RewardModel
 
         return RewardModel
     raise AttributeError(f"module 'posttrain.models' has no attribute {name!r}")

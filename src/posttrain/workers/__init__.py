@@ -4,10 +4,23 @@ See workers/base.py for the protocols (`PolicyWorker`, `ScoringWorker`), workers
 implementations every recipe uses on one device, and posttrain.distributed for FSDP2 ones.
 """
 
+from typing import Any
+
 from posttrain.workers.base import Exported, LossFn, MetricsFn, PolicyWorker, ScoringWorker
 from posttrain.workers.metrics import Metric, MetricDict, all_reduce_metrics, as_floats, reduce_metrics
 
+
+
+def __getattr__(name: str) -> Any:  # lazy: RewardModel imports the data pipeline
+    if name == "RewardModel":
+        from posttrain.workers.reward_model import RewardModel
+
+        return RewardModel
+    raise AttributeError(f"module 'posttrain.workers' has no attribute {name!r}")
+
+
 __all__ = [
+    "RewardModel",
     "Exported", "LossFn", "Metric", "MetricDict", "MetricsFn", "PolicyWorker", "ScoringWorker",
     "all_reduce_metrics", "as_floats", "reduce_metrics",
 ]

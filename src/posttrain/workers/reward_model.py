@@ -1,14 +1,15 @@
 """Scoring text with a trained reward model (the OUTPUT/final/ of `posttrain rm`, or any Hugging Face sequence
 classifier with one label).
 
-    from posttrain.models import RewardModel
+    from posttrain.workers import RewardModel       # also importable as posttrain.models.RewardModel
     rm = RewardModel.from_pretrained("runs/rm_arithmetic/final")
     rm.score(["12+34="], ["46"])          # -> [reward]
 
 Text is tokenized exactly as in training (posttrain.data.preference.tokenize_completions): a string prompt with the
 tokenizer's special tokens, the completion without them and followed by EOS; a conversation (a list of messages
 for the prompt, one or more assistant messages for the completion) through the chat template. Rows are
-right-padded and the head reads each row's last non-pad token, as in training.
+right-padded and the head reads each row's last non-pad token, as in training; the scoring itself is a
+`LocalScoringWorker`'s `sequence_scores`, the same pass that reward-model training evaluates with.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import torch
 from posttrain.data.collate import collate_padded
 from posttrain.data.formats import Messages
 from posttrain.data.preference import completion_room, tokenize_completions
+from posttrain.config.schema import TrainerConfig
 from posttrain.data.types import TokenizedExample
+from posttrain.workers.local import LocalScoringWorker
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -41,6 +44,7 @@ class RewardModel:
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
         self.model = model.eval()
+        self.scorer = LocalScoringWorker(model, TrainerConfig(micro_batch_size=batch_size), role="reward")
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.max_length = max_length
@@ -76,13 +80,7 @@ class RewardModel:
         rewards: list[float] = []
         for start in range(0, len(rows), self.batch_size):
             batch = collate_padded(rows[start:start + self.batch_size], self.tokenizer.pad_token_id)
-            logits = self.model(
-                input_ids=batch.input_ids.to(self.device),
-                attention_mask=batch.attention_mask.to(self.device),
-                position_ids=batch.position_ids.to(self.device),
-                use_cache=False,
-            ).logits
-            rewards.extend(logits.squeeze(-1).float().tolist())
+            rewards.extend(self.scorer.sequence_scores(batch).tolist())
         return rewards
 
     def _tokenize(self, prompt: str | Messages, completion: str | Messages, index: int) -> TokenizedExample:
