@@ -211,3 +211,25 @@ def test_lora_on_two_ranks_equals_one_process_and_resumes(tmp_path, tiny_model_d
     shutil.rmtree(resumed / "final")
     _run("sft", resumed, args)  # 2 -> 1
     _assert_same_run(tmp_path / "one", resumed)
+
+
+def test_grpo_on_two_ranks_equals_one_process_and_resumes(tmp_path, tiny_model_dir):
+    """Every rank samples the step's groups with the same seeds from its own synced copy of the policy, and the
+    ranks split the update's micro-batches: the same rewards, losses and weights as one process."""
+    rewards = Path(__file__).with_name("reward_fns_for_tests.py")
+    args = ["model.name_or_path=posttrain/tiny", "data.train_files=['posttrain/arithmetic[:256]']", "data.max_length=32",
+            "rollout.prompts_per_step=8", "rollout.num_generations_per_prompt=4", "rollout.max_new_tokens=6",
+            "trainer.learning_rate=1e-2", "trainer.lr_scheduler=constant", "trainer.micro_batch_size=8",
+            "update.num_minibatches=2", "trainer.max_steps=4", "trainer.save_every=2", "trainer.num_threads=1",
+            "logging.progress=none", "logging.plot=false", "environment.kind=python",
+            f"environment.options={{functions: ['{rewards}:digit_fraction'], num_workers: 0}}"]
+    _run("grpo", tmp_path / "one", args)
+    _run("grpo", tmp_path / "two", args, nproc=2)
+    _assert_same_run(tmp_path / "one", tmp_path / "two", keys=("loss", "grad_norm", "reward/mean", "ratio_max"))
+    _assert_same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final")
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "two", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_4")
+    shutil.rmtree(resumed / "final")
+    _run("grpo", resumed, args)  # 2 -> 1
+    _assert_same_run(tmp_path / "one", resumed, keys=("loss", "grad_norm", "reward/mean"))

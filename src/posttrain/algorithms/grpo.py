@@ -19,6 +19,7 @@ configs/grpo_arithmetic.yaml only in those knobs.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -60,7 +61,7 @@ from posttrain.data.types import RolloutBatch
 from posttrain.envs.registry import build_environment
 from posttrain.envs.rewards import RewardErrorBudget
 from posttrain.generation.base import SamplingParams
-from posttrain.distributed.env import is_distributed
+from posttrain.distributed.env import world_size
 from posttrain.logging import RunLogger
 from posttrain.losses.nll import token_logprobs
 from posttrain.losses.policy_gradient import (
@@ -86,9 +87,6 @@ class GRPOResult:
 
 def train_grpo(cfg: GRPOConfig) -> GRPOResult:
     configure_torch(cfg.trainer)
-    if is_distributed():
-        raise ValueError("grpo with more than one process is not supported yet (its generator samples from the "
-                         "policy's module, which FSDP2 shards); run it in a single process")
     output_dir, changed_keys = prepare_output_dir(cfg, cfg.output_dir)
     seed_everything(cfg.seed)
     device = default_device()
@@ -275,18 +273,21 @@ def accumulate_policy_gradients(policy: PolicyWorker, batch: RolloutBatch, minib
                                 advantages: torch.Tensor, old_logprobs: torch.Tensor | None,
                                 reference_logprobs: torch.Tensor | None, loss_cfg: PolicyLossConfig,
                                 cfg: GRPOConfig) -> MetricDict:
-    """Forward/backward the minibatch in micro-batches; the loss is normalized over the whole minibatch."""
+    """Forward/backward the minibatch in micro-batches of at most trainer.micro_batch_size episodes, as many on
+    every data-parallel rank; the loss is normalized over the whole minibatch."""
     normalizer = loss_normalizer(batch.loss_mask[minibatch], loss_cfg)
     if normalizer == 0:  # every sample masked (all filtered or failed): nothing to learn from
         return {"loss": Metric.sum(0.0)}
+    ranks = world_size()
+    pieces = ranks * math.ceil(len(minibatch) / (cfg.trainer.micro_batch_size * ranks))
     records = []
-    for index in minibatch.split(cfg.trainer.micro_batch_size):
+    for index in policy.shard(list(torch.tensor_split(minibatch, pieces))):
         objective = policy_gradient_objective(
             advantages[index], None if old_logprobs is None else old_logprobs[index],
             None if reference_logprobs is None else reference_logprobs[index], loss_cfg, cfg.rollout.temperature,
         )
         records.append(policy.forward_backward(batch.select(index), objective, normalizer))
-    return reduce_metrics(records)
+    return policy.all_reduce(reduce_metrics(records))
 
 
 def log_and_save(run_log: RunLogger, step: int, metrics: dict[str, float], cfg: GRPOConfig, policy: PolicyWorker,

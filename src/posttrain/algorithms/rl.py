@@ -13,7 +13,8 @@ from posttrain.data.errors import DataError
 from posttrain.data.formats import PromptOnlyRow
 from posttrain.data.tokenize import tokenize_prompt
 from posttrain.generation.base import Generator, SamplingParams
-from posttrain.models.loading import resolve_model_path
+from posttrain.distributed.env import is_distributed
+from posttrain.models.loading import load_causal_lm, resolve_model_path
 from posttrain.workers import PolicyWorker
 from posttrain.workers.local import LocalPolicyWorker
 
@@ -62,7 +63,8 @@ def format_prompt(row: PromptOnlyRow, cfg: GRPOConfig, location: str) -> str | l
 
 def build_generator(cfg: GRPOConfig, policy: PolicyWorker, tokenizer) -> Generator:
     """The rollout.backend generator for `policy`: vLLM loaded with the policy's current weights (a resumed run's,
-    not the starting model's), or the transformers backend sampling from a local policy's own module."""
+    not the starting model's), or the transformers backend sampling from a local policy's own module (from its
+    own synced copy on each rank of a data-parallel run)."""
     if cfg.rollout.backend == "vllm":
         from posttrain.generation.vllm_backend import VLLMGenerator
 
@@ -72,10 +74,15 @@ def build_generator(cfg: GRPOConfig, policy: PolicyWorker, tokenizer) -> Generat
         return generator
     from posttrain.generation.transformers_backend import TransformersGenerator
 
-    if not isinstance(policy, LocalPolicyWorker):
-        raise ValueError("rollout.backend=transformers samples from the policy's own module, which only a local "
-                         "policy worker has; use rollout.backend=vllm")
-    return TransformersGenerator(policy.model, tokenizer, batch_size=cfg.rollout.generation_batch_size, seed=cfg.seed)
+    batch_size, seed = cfg.rollout.generation_batch_size, cfg.seed
+    if isinstance(policy, LocalPolicyWorker) and not is_distributed():
+        return TransformersGenerator(policy.model, tokenizer, batch_size=batch_size, seed=seed)
+    # A sharded policy has no whole module to sample from: each rank keeps an unsharded copy, refreshed from the
+    # gathered weights after every update (and now, for a resumed run's weights).
+    generator = TransformersGenerator(load_causal_lm(cfg.model, device=policy.device).eval(), tokenizer,
+                                      batch_size=batch_size, seed=seed, owns_weights=True)
+    generator.update_weights(dict(policy.named_weights()))
+    return generator
 
 
 def rollout_metrics(episodes: list[Episode], weights: dict[str, float]) -> dict[str, float]:

@@ -1,7 +1,9 @@
 """Batched, KV-cached sampling with a transformers model, on CPU or GPU.
 
 `TransformersGenerator` samples from the very model the trainer updates (no weight copy, so
-`update_weights` has nothing to do), which is what a single-process CPU run wants. Prompts are
+`update_weights` has nothing to do), which is what a single-process CPU run wants; with `owns_weights` it samples
+from its own copy, which `update_weights` refreshes (each rank of a data-parallel run, whose trained model is
+sharded, keeps such a copy). Prompts are
 left-padded into one batch per `batch_size` rows; each step feeds one new token per row through
 the model's KV cache. A row stops at an eos token or once its decoded text contains a stop
 string; the batch stops when every row has.
@@ -26,8 +28,9 @@ from posttrain.generation.base import Completion, GenerationOutput, SamplingPara
 
 class TransformersGenerator:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_size: int = 256,
-                 seed: int = 0):
+                 seed: int = 0, owns_weights: bool = False):
         self.model = model
+        self.owns_weights = owns_weights
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.device = next(model.parameters()).device
@@ -38,7 +41,10 @@ class TransformersGenerator:
         self.cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Nothing to do: this generator samples from the trainer's own model object."""
+        """Load the trainer's weights into this generator's own copy; nothing to do when it samples from the
+        trainer's model object itself."""
+        if self.owns_weights:
+            self.model.load_state_dict(state_dict)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
