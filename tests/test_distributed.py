@@ -226,6 +226,7 @@ def test_grpo_on_two_ranks_equals_one_process_and_resumes(tmp_path, tiny_model_d
     _run("grpo", tmp_path / "one", args)
     _run("grpo", tmp_path / "two", args, nproc=2)
     _assert_same_run(tmp_path / "one", tmp_path / "two", keys=("loss", "grad_norm", "reward/mean", "ratio_max"))
+    assert (tmp_path / "two" / "checkpoints" / "step_2" / "policy" / ".metadata").is_file()  # the ranks were sharded
     _assert_same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final")
     resumed = tmp_path / "resumed"
     shutil.copytree(tmp_path / "two", resumed)

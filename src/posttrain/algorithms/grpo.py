@@ -61,6 +61,7 @@ from posttrain.data.types import RolloutBatch
 from posttrain.envs.registry import build_environment
 from posttrain.envs.rewards import RewardErrorBudget
 from posttrain.generation.base import SamplingParams
+from posttrain.distributed import build_policy, build_scorer
 from posttrain.distributed.env import world_size
 from posttrain.logging import RunLogger
 from posttrain.losses.nll import token_logprobs
@@ -72,7 +73,6 @@ from posttrain.losses.policy_gradient import (
 )
 from posttrain.models.loading import default_device, load_tokenizer
 from posttrain.workers import LossFn, Metric, MetricDict, PolicyWorker, as_floats, reduce_metrics
-from posttrain.workers.local import build_policy, build_scorer
 
 PROGRESS_METRICS = ("reward/mean", "accuracy", "val/accuracy", "kl", "response_length/mean")
 

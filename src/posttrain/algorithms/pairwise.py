@@ -33,6 +33,7 @@ from posttrain.algorithms.common import (
 from posttrain.checkpoint import POLICY, Checkpoint, latest_checkpoint
 from posttrain.config.schema import RecipeConfig
 from posttrain.data.dataset import DataStats
+from posttrain.distributed import check_split
 from posttrain.data.preference import collate_preference, load_preference_examples
 from posttrain.data.sampler import EpochSampler
 from posttrain.data.types import PreferenceExample, SFTBatch, SharedPromptBatch
@@ -71,6 +72,7 @@ def start_pair_run(cfg: RecipeConfig) -> PairRun:
     """Output directory, torch settings, seed, tokenizer, the pairs (before any model: a malformed row should
     fail before minutes go into loading a large model) and the checkpoint to resume from, if any."""
     configure_torch(cfg.trainer)
+    check_split(cfg.trainer)
     output_dir, changed_keys = prepare_output_dir(cfg, cfg.output_dir)
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.model, padding_side="right")

@@ -40,7 +40,7 @@ from posttrain.data.types import SFTBatch, TokenizedExample
 from posttrain.losses.nll import nll_loss
 from posttrain.models.loading import default_device, load_tokenizer
 from posttrain.workers import Metric, MetricDict, PolicyWorker, as_floats, reduce_metrics
-from posttrain.distributed import build_policy
+from posttrain.distributed import build_policy, check_split
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +102,7 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
         eval_examples, _ = load_sft_examples(cfg.data.eval_files, tokenizer, cfg.data)
         eval_examples = eval_examples[: cfg.data.max_eval_examples]
 
+    check_split(trainer)
     resume = latest_checkpoint(output_dir)
     policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, device,
                           resume_dir=resume.worker_dir(POLICY) if resume else None)

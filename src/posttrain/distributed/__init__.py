@@ -28,8 +28,6 @@ def build_policy(model: ModelConfig, lora: LoraSection, trainer: TrainerConfig, 
     from posttrain.distributed.fsdp import build_fsdp_policy
     from posttrain.models.loading import load_trainable_model
 
-    check_split(trainer)
-
     def load(on: torch.device) -> torch.nn.Module:
         return load_trainable_model(model, lora, None, on, task=task, pad_token_id=tokenizer.pad_token_id)
 
@@ -51,7 +49,8 @@ def build_scorer(model: ModelConfig, trainer: TrainerConfig, device: torch.devic
 
 
 def check_split(trainer: TrainerConfig) -> None:
-    """A step's micro-batches are divided among the ranks: gradient_accumulation_steps must be a multiple of them."""
+    """A step's micro-batches are divided among the ranks (sft, dpo, rm): gradient_accumulation_steps must be a
+    multiple of them. Called before any model loads; nothing to check in one process."""
     n = world_size()
     if trainer.gradient_accumulation_steps % n:
         raise ValueError(
