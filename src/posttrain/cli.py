@@ -28,6 +28,8 @@ from posttrain.config.loader import type_name
 from posttrain.config.presets import quickstart_base_config
 from posttrain.config.schema import GRPOConfig, Section
 from posttrain.data.errors import DataError
+from posttrain.envs.rewards import RewardError
+from posttrain.errors import RunError
 from posttrain.models.errors import ModelNotFoundError
 
 
@@ -207,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"posttrain {recipe.name}: bad data: {err}", file=sys.stderr)
         return 1
     except ModelNotFoundError as err:
+        print(f"posttrain {recipe.name}: {err}", file=sys.stderr)
+        return 1
+    except RewardError as err:
+        print(f"posttrain {recipe.name}: reward failed: {err}", file=sys.stderr)
+        return 1
+    except RunError as err:
         print(f"posttrain {recipe.name}: {err}", file=sys.stderr)
         return 1
 
