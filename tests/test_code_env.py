@@ -123,8 +123,9 @@ def test_crash_and_timeout_fail_the_test_but_are_not_errors():
 
 
 def test_sandbox_that_cannot_start_python_masks_the_reward(monkeypatch):
+    env = CodeEnvironment()  # probes the sandbox with the real interpreter first
     monkeypatch.setattr(sandbox, "_program_python", lambda: "/nonexistent/python3")
-    step = CodeEnvironment().step([reply(CORRECT)], [SUM_TESTS])
+    step = env.step([reply(CORRECT)], [SUM_TESTS])
     assert step.rewards == [None]
     assert step.errors[0].startswith("sandbox failure: test 0: the program did not start")
 

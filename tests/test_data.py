@@ -443,7 +443,7 @@ def test_truncate_and_drop_are_counted(tmp_path, tokenizer):
 
 def test_sft_refuses_preference_data(tmp_path, tokenizer):
     path = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Q", "chosen": "a", "rejected": "b"}])
-    with pytest.raises(ValueError, match="PreferenceRow has no SFT target"):
+    with pytest.raises(DataError, match=r"pairs\.jsonl:1: is a preference pair .*no SFT target.*posttrain dpo"):
         load_sft_examples([path], tokenizer, sft_config(path, on_error="skip"))
 
 

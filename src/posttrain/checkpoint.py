@@ -8,19 +8,28 @@ Layout of one checkpoint, ``OUTPUT/checkpoints/step_N/``::
     trainer_state.json       step, data position and anything else the loop needs
     rng_state.pt             Python, NumPy and torch RNG states
 
+    manifest.json            every other file's size and SHA-256, written last
+
 A checkpoint is written into a hidden temporary directory beside its final place and renamed into
 place only when every worker has written its part; rename is atomic, so a process killed mid-write (kill -9
-included) leaves at worst a hidden ``.tmp-*`` folder, which resume ignores and the next save removes.
-Checkpoints written before the per-worker layout (the policy's files directly in ``step_N/``) still resume.
+included) leaves at worst a hidden ``.tmp-*`` folder, which resume ignores and the next run removes.
+Resume verifies the newest checkpoint against its manifest; one that fails (a truncated or overwritten file)
+is named, moved aside to ``step_N.damaged`` and passed over for the next newest that verifies, so a run
+never trains on damaged state. A write that fails (disk full, read-only) removes its staging folder and
+stops the run with a message naming the path. Checkpoints written before manifests (or before the
+per-worker layout, the policy's files directly in ``step_N/``) still resume, unverified.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from collections.abc import Mapping
@@ -30,9 +39,13 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from posttrain.errors import RunError
+
 CHECKPOINT_DIR = "checkpoints"
 FINAL_DIR = "final"
 POLICY = "policy"
+MANIFEST = "manifest.json"
+DAMAGED_SUFFIX = ".damaged"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -67,7 +80,7 @@ def list_checkpoints(output_dir: str | Path) -> list[Checkpoint]:
     found = []
     for child in root.iterdir():
         match = _STEP_DIR.match(child.name)
-        if match and (child / "trainer_state.json").is_file():
+        if match and ((child / MANIFEST).is_file() or (child / "trainer_state.json").is_file()):
             found.append(Checkpoint(child, int(match.group(1))))
     return sorted(found, key=lambda c: c.step)
 
@@ -75,6 +88,85 @@ def list_checkpoints(output_dir: str | Path) -> list[Checkpoint]:
 def latest_checkpoint(output_dir: str | Path) -> Checkpoint | None:
     checkpoints = list_checkpoints(output_dir)
     return checkpoints[-1] if checkpoints else None
+
+
+def checkpoint_to_resume(output_dir: str | Path) -> Checkpoint | None:
+    """The newest checkpoint that verifies against its manifest (None for a new run). Damaged ones on the way
+    are reported, moved aside to step_N.damaged (kept for inspection, out of keep_last's rotation) and passed
+    over. Every rank of a data-parallel run gets rank 0's answer. Raises RunError when checkpoints exist but
+    none is intact: starting over silently would discard them."""
+    from posttrain.distributed.env import broadcast_object, is_main
+
+    chosen, problem = None, None
+    if is_main():
+        damaged = []
+        for checkpoint in reversed(list_checkpoints(output_dir)):
+            fault = verify_checkpoint(checkpoint.path)
+            if fault is None:
+                chosen = checkpoint.step
+                break
+            aside = _set_aside(checkpoint.path)
+            damaged.append(f"{checkpoint.path} ({fault})")
+            print(f"posttrain: checkpoint {checkpoint.path} is damaged: {fault}; moved it to {aside} and "
+                  "looking for an older one", file=sys.stderr)
+        if chosen is None and damaged:
+            problem = (f"no intact checkpoint in {Path(output_dir) / CHECKPOINT_DIR}: {'; '.join(damaged)}. The "
+                       "damaged ones were moved aside (*.damaged); run again to start from step 0, or restore a "
+                       "good copy")
+    chosen, problem = broadcast_object((chosen, problem))
+    if problem is not None:
+        raise RunError(problem)
+    return None if chosen is None else Checkpoint(Path(output_dir) / CHECKPOINT_DIR / f"step_{chosen}", chosen)
+
+
+def _set_aside(path: Path) -> Path:
+    aside = path.with_name(path.name + DAMAGED_SUFFIX)
+    number = 1
+    while aside.exists():
+        number += 1
+        aside = path.with_name(f"{path.name}{DAMAGED_SUFFIX}{number}")
+    os.rename(path, aside)
+    return aside
+
+
+def write_manifest(directory: Path) -> None:
+    """DIRECTORY/manifest.json: the size and SHA-256 of every other file below `directory`."""
+    files = {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
+
+
+def read_manifest(directory: Path) -> dict[str, dict[str, Any]]:
+    return json.loads((directory / MANIFEST).read_text())["files"]
+
+
+def verify_checkpoint(directory: Path) -> str | None:
+    """What is wrong with the checkpoint in `directory` (a missing, truncated or altered file), or None. One
+    written before manifests is checked only for its trainer_state.json."""
+    if not (directory / MANIFEST).is_file():
+        return None if (directory / "trainer_state.json").is_file() else f"{MANIFEST} missing"
+    try:
+        files = read_manifest(directory)
+    except (ValueError, KeyError) as error:
+        return f"{directory / MANIFEST} is unreadable ({error})"
+    for name, expected in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{path} is missing"
+        size = path.stat().st_size
+        if size != expected["size"]:
+            return f"{path} has {size} bytes, {expected['size']} were written"
+        if _sha256(path) != expected["sha256"]:
+            return f"{path} does not match the checksum written with it"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -102,24 +194,38 @@ def save_checkpoint(
     """Write checkpoint `step` atomically (every worker into its role's folder, then the RNG and trainer state),
     then delete all but the `keep_last` newest."""
     from posttrain.distributed.env import barrier, broadcast_object, is_main
+    from posttrain.rundir import remove_dead_staging
 
     root = Path(output_dir) / CHECKPOINT_DIR
     # Every rank writes into the same staging folder (rank 0 names it), and only rank 0 publishes it, after
     # every rank has finished writing.
     staging = root / f".tmp-step_{step}-{broadcast_object(os.getpid())}"
-    if is_main():
-        root.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temporaries(root)
-    barrier()
-    for role, worker in workers.items():
-        worker.save(staging / role)
-    barrier()
     target = root / f"step_{step}"
+    try:
+        if is_main():
+            root.mkdir(parents=True, exist_ok=True)
+            remove_dead_staging(root)
+        barrier()
+        for role, worker in workers.items():
+            worker.save(staging / role)
+        barrier()
+        if is_main():
+            torch.save(capture_rng_state(), staging / "rng_state.pt")
+            (staging / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2) + "\n")
+            # The manifest is what marks a checkpoint complete and checkable: written last, flushed, renamed.
+            write_manifest(staging)
+            _fsync_tree(staging)
+    except (OSError, RuntimeError) as error:
+        reason = describe_write_failure(error, root)
+        shutil.rmtree(staging, ignore_errors=True)
+        if reason is None:
+            raise
+        previous = latest_checkpoint(output_dir)
+        raise RunError(f"could not write checkpoint step {step} into {staging}: {reason}. The partial checkpoint "
+                       f"was removed; {f'{previous.path} is intact' if previous else 'there is no earlier checkpoint'}"
+                       ". Free space (or fix the permissions) and run the same command again to resume"
+                       f"{f' from step {previous.step}' if previous else ''}") from error
     if is_main():
-        torch.save(capture_rng_state(), staging / "rng_state.pt")
-        # trainer_state.json is what marks a checkpoint complete for list_checkpoints: written last.
-        (staging / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2) + "\n")
-        _fsync_tree(staging)
         if target.exists():  # the same step saved again (a resumed run that re-reached it): replace it
             shutil.rmtree(target)
         os.rename(staging, target)
@@ -128,6 +234,25 @@ def save_checkpoint(
             shutil.rmtree(old.path)
     barrier()
     return Checkpoint(target, step)
+
+
+def describe_write_failure(error: BaseException, where: Path) -> str | None:
+    """Why writing below `where` failed, in words, when it is the file system's doing (disk full, quota,
+    read-only, permissions); None for other errors. torch.save reports a full disk as a RuntimeError
+    ("unexpected pos", "failed writing file"), so a RuntimeError counts when the disk has no room left."""
+    codes = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
+             errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+             errno.EPERM: "permission denied"}
+    if isinstance(error, OSError) and error.errno in codes:
+        return f"{codes[error.errno]} ({error.filename or where})"
+    if isinstance(error, RuntimeError) and _nearly_full(where):
+        return f"no space left on the device ({error})"
+    return None
+
+
+def _nearly_full(where: Path) -> bool:
+    existing = next((p for p in [where, *where.parents] if p.exists()), Path("/"))
+    return shutil.disk_usage(existing).free < 1 << 20
 
 
 def save_model_state(directory: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None,
@@ -186,25 +311,41 @@ def restore_trainer_state(checkpoint: Checkpoint) -> dict[str, Any]:
     return checkpoint.trainer_state
 
 
+def check_finite_weights(model: torch.nn.Module, where: Path) -> None:
+    """Raise RunError, naming the first offending tensor, when `model` holds a NaN or infinite weight."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise RunError(f"not writing {where}: the weight {name} holds NaN or infinite values (the training "
+                           "diverged; lower trainer.learning_rate or check the data)")
+
+
 def export_final(output_dir: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Path:
-    """Write OUTPUT/final/ (a Hugging Face model directory) atomically, replacing an older one."""
+    """Write OUTPUT/final/ (a Hugging Face model directory with a manifest) atomically, replacing an older
+    export; never from non-finite weights, and never over a final/ holding the user's own files."""
+    from posttrain.rundir import check_export_dir
+
     target = Path(output_dir) / FINAL_DIR
     staging = Path(output_dir) / f".tmp-{FINAL_DIR}-{os.getpid()}"
+    check_finite_weights(model, target)
+    check_export_dir(target)
     if staging.exists():
         shutil.rmtree(staging)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    _fsync_tree(staging)
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        write_manifest(staging)
+        _fsync_tree(staging)
+    except (OSError, RuntimeError) as error:
+        reason = describe_write_failure(error, staging)
+        shutil.rmtree(staging, ignore_errors=True)
+        if reason is None:
+            raise
+        raise RunError(f"could not write {target}: {reason}. The partial export was removed; the last checkpoint "
+                       "is intact: free space and run the same command again to export from it") from error
     if target.exists():
         shutil.rmtree(target)
     os.rename(staging, target)
     return target
-
-
-def _remove_stale_temporaries(root: Path) -> None:
-    for child in root.iterdir():
-        if child.name.startswith(".tmp-"):
-            shutil.rmtree(child, ignore_errors=True)
 
 
 def _fsync_tree(directory: Path) -> None:

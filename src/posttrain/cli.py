@@ -217,6 +217,17 @@ def main(argv: list[str] | None = None) -> int:
     except RunError as err:
         print(f"posttrain {recipe.name}: {err}", file=sys.stderr)
         return 1
+    except OSError as err:
+        from pathlib import Path
+
+        from posttrain.checkpoint import describe_write_failure
+
+        reason = describe_write_failure(err, Path(err.filename or "."))
+        if reason is None:
+            raise
+        print(f"posttrain {recipe.name}: could not write: {reason}; nothing written before it was lost, and the "
+              "run resumes from its newest checkpoint once this is fixed", file=sys.stderr)
+        return 1
 
 
 def _without_option(argv: list[str], option: str) -> list[str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -11,12 +12,23 @@ import torch
 import yaml
 from pydantic import BaseModel
 
-from posttrain.checkpoint import Checkpoint, SavesState, restore_trainer_state, save_checkpoint
+from posttrain.checkpoint import (
+    CHECKPOINT_DIR,
+    FINAL_DIR,
+    Checkpoint,
+    SavesState,
+    latest_checkpoint,
+    restore_trainer_state,
+    save_checkpoint,
+)
 from posttrain.config.schema import TrainerConfig
 from posttrain.data.sampler import EpochSampler
 from posttrain.distributed.env import broadcast_object, init_from_env, is_distributed, is_main
+from posttrain.errors import RunError
 from posttrain.logging import RunLogger
+from posttrain.models.lora import ADAPTER_DIR
 from posttrain.models.loading import resolve_model_path
+from posttrain.rundir import check_export_dir, remove_dead_staging
 from posttrain.workers import PolicyWorker
 
 CONFIG_FILE = "config.yaml"
@@ -25,14 +37,29 @@ CONFIG_FILE = "config.yaml"
 def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, list[str]]:
     """Create the run directory and write the resolved config.yaml (rank 0 of a data-parallel run).
 
-    Returns the directory and, when an earlier run left a different config there, the dotted keys
-    that changed (the caller warns: resuming under other settings is allowed but worth knowing). In a
-    data-parallel run rank 0 also resolves the model first (an embedded model is built once, not by every rank).
+    The caller holds the directory's lock (rundir.one_run_per_output_dir). Before anything is written, the
+    staging folders of dead runs are removed, and a final/ or adapter/ holding files no export wrote stops the
+    run (RunError) rather than being replaced at its end. Returns the directory and, when an earlier run left
+    a different config there, the dotted keys that changed (the caller warns: resuming under other settings is
+    allowed but worth knowing). In a data-parallel run rank 0 also resolves the model first (an embedded model
+    is built once, not by every rank).
     """
     out = Path(output_dir)
     changed: list[str] = []
+    problem = None
     if is_main():
         out.mkdir(parents=True, exist_ok=True)
+        for folder in (out, out / CHECKPOINT_DIR):
+            remove_dead_staging(folder)
+        try:
+            check_export_dir(out / FINAL_DIR)
+            check_export_dir(out / ADAPTER_DIR)
+        except RunError as error:
+            problem = str(error)
+    problem = broadcast_object(problem)
+    if problem is not None:
+        raise RunError(problem)
+    if is_main():
         resolved = cfg.model_dump(mode="json")
         previous_file = out / CONFIG_FILE
         if previous_file.is_file():
@@ -118,6 +145,48 @@ def announce_run(run_log: RunLogger, data_summary: str, resume: Checkpoint | Non
             run_log.message(f"warning: config differs from the run being resumed in: {', '.join(changed_keys)}")
     trainable = policy.num_parameters(trainable_only=True)
     run_log.message(f"training {trainable / 1e6:.2f}M parameters on {policy.device}, {what}")
+
+
+class NonFiniteGuard:
+    """trainer.on_nonfinite for one run: a step whose loss or gradient norm is NaN or infinite stops the run
+    ("stop") or is skipped and counted ("skip", at most trainer.max_nonfinite_skips in a row).
+
+    The workers never apply an update whose gradient norm is not finite, so when the run stops the weights in
+    memory are still those of the last good step; nothing is saved from them, and the newest checkpoint and
+    any earlier final/ stay as they were.
+    """
+
+    def __init__(self, trainer: TrainerConfig, output_dir: Path):
+        self.trainer = trainer
+        self.output_dir = output_dir
+        self.skipped = 0
+        self.in_a_row = 0
+
+    def check(self, step: int, metrics: dict[str, float]) -> None:
+        """Call once per step with its metrics (loss, grad_norm); adds `nonfinite_skipped_steps` to them when
+        steps were skipped. Raises RunError when the run must stop."""
+        bad = {name: metrics[name] for name in ("loss", "grad_norm") if name in metrics
+               and not math.isfinite(metrics[name])}
+        if not bad:
+            self.in_a_row = 0
+        else:
+            what = " and ".join(f"{'the loss' if name == 'loss' else 'the gradient norm'} is {value}"
+                                for name, value in bad.items())
+            newest = latest_checkpoint(self.output_dir)
+            kept = (f"the newest checkpoint, {newest.path}, is kept" if newest
+                    else "no checkpoint had been written yet")
+            if self.trainer.on_nonfinite == "stop":
+                raise RunError(f"step {step}: {what}; the run stopped without applying it: {kept} and final/ "
+                               "was not written. Lower trainer.learning_rate, check the data, or set "
+                               "trainer.on_nonfinite=skip to skip such steps")
+            self.skipped += 1
+            self.in_a_row += 1
+            if self.in_a_row > self.trainer.max_nonfinite_skips:
+                raise RunError(f"step {step}: {what}; {self.in_a_row} non-finite steps in a row, more than "
+                               f"trainer.max_nonfinite_skips={self.trainer.max_nonfinite_skips}: the run stopped; "
+                               f"{kept} and final/ was not written")
+        if self.skipped:
+            metrics["nonfinite_skipped_steps"] = float(self.skipped)
 
 
 def is_eval_step(step: int, trainer: TrainerConfig) -> bool:

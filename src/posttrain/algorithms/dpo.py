@@ -37,6 +37,7 @@ from posttrain.algorithms.pairwise import (
 from posttrain.checkpoint import POLICY
 from posttrain.config.schema import DPOConfig
 from posttrain.data.preference import collate_preference, collate_shared_prompt
+from posttrain.data.sampler import check_step_fits
 from posttrain.data.types import PreferenceExample, SharedPromptBatch
 from posttrain.losses.preference import (
     PreferenceLossConfig,
@@ -45,6 +46,7 @@ from posttrain.losses.preference import (
 )
 from posttrain.workers import ScoringWorker
 from posttrain.workers.forward import token_logprobs_of
+from posttrain.rundir import one_run_per_output_dir
 from posttrain.distributed import build_policy, build_scorer
 from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker, base_model_scorer
 
@@ -172,8 +174,10 @@ def build_references(cfg: DPOConfig, run: PairRun, policy: LocalPolicyWorker) ->
     return table(run.train_examples), table(run.eval_examples) if run.eval_examples else Reference()
 
 
+@one_run_per_output_dir
 def train_dpo(cfg: DPOConfig) -> DPOResult:
     run = start_pair_run(cfg)
+    check_step_fits(cfg.trainer, len(run.train_examples), "training pairs")
     loss_cfg = PreferenceLossConfig(**cfg.loss.model_dump(exclude={"average_logprobs"}))
     policy = build_policy(cfg.model, cfg.lora, cfg.trainer, run.tokenizer, run.device,
                           resume_dir=run.resume.worker_dir(POLICY) if run.resume else None)

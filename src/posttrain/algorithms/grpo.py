@@ -34,6 +34,7 @@ from posttrain.advantages import (
     rloo_advantages,
 )
 from posttrain.algorithms.common import (
+    NonFiniteGuard,
     announce_run,
     configure_torch,
     export_policy,
@@ -54,9 +55,9 @@ from posttrain.algorithms.rollout import (
     run_episodes,
     to_batch,
 )
-from posttrain.checkpoint import POLICY, latest_checkpoint
+from posttrain.checkpoint import POLICY, checkpoint_to_resume
 from posttrain.config.schema import GRPOConfig, TrainerConfig
-from posttrain.data.sampler import EpochSampler
+from posttrain.data.sampler import EpochSampler, check_draw_fits
 from posttrain.data.types import RolloutBatch
 from posttrain.envs.registry import build_environment
 from posttrain.envs.rewards import RewardErrorBudget
@@ -64,6 +65,7 @@ from posttrain.generation.base import SamplingParams
 from posttrain.distributed import build_policy, build_scorer
 from posttrain.distributed.env import world_size
 from posttrain.logging import RunLogger
+from posttrain.rundir import one_run_per_output_dir
 from posttrain.losses.nll import token_logprobs
 from posttrain.losses.policy_gradient import (
     PolicyLossConfig,
@@ -85,6 +87,7 @@ class GRPOResult:
     final_metrics: dict[str, float]
 
 
+@one_run_per_output_dir
 def train_grpo(cfg: GRPOConfig) -> GRPOResult:
     configure_torch(cfg.trainer)
     output_dir, changed_keys = prepare_output_dir(cfg, cfg.output_dir)
@@ -96,11 +99,12 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
     prompts, data_summary = load_prompts(cfg.data.train_files, cfg, tokenizer)
     eval_prompts = load_prompts(cfg.data.eval_files, cfg, tokenizer)[0][: cfg.data.max_eval_examples]
-    environment = build_environment({"kind": cfg.environment.kind, **cfg.environment.options})
+    check_draw_fits({"rollout.prompts_per_step": rollout.prompts_per_step}, len(prompts), "training prompts")
+    environment = build_environment(cfg.environment.spec())
     reward_weights = {**getattr(environment, "reward_weights", {}), **cfg.advantage.component_weights}
     loss_cfg = cfg.loss.to_loss_config(rollout.max_new_tokens * rollout.max_turns)
 
-    resume = latest_checkpoint(output_dir)
+    resume = checkpoint_to_resume(output_dir)
     updates_per_step = cfg.update.ppo_epochs * cfg.update.num_minibatches
     policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, device,
                           schedule=_per_update_schedule(trainer, updates_per_step),
@@ -127,6 +131,7 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
                      f"{rollout.prompts_per_step} prompts x {rollout.num_generations_per_prompt} samples per step, "
                      f"{updates_per_step} optimizer step(s) per rollout batch")
         metrics: dict[str, float] = {}
+        guard = NonFiniteGuard(trainer, output_dir)
         for step in range(start_step + 1, trainer.max_steps + 1):
             step_started = time.perf_counter()
 
@@ -197,6 +202,7 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
             # 7. Metrics, validation, checkpoint.
             step_seconds = time.perf_counter() - step_started
             metrics.update(mean_over_updates(update_metrics))
+            guard.check(step, metrics)
             metrics.update({
                 "time/generate": generate_seconds, "time/score": score_seconds, "time/logprobs": logprob_seconds,
                 "time/train": train_seconds, "time/step": step_seconds,

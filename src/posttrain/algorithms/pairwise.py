@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from posttrain.algorithms.common import (
+    NonFiniteGuard,
     announce_run,
     configure_torch,
     export_policy,
@@ -30,7 +31,7 @@ from posttrain.algorithms.common import (
     save_if_due,
     seed_everything,
 )
-from posttrain.checkpoint import POLICY, Checkpoint, latest_checkpoint
+from posttrain.checkpoint import POLICY, Checkpoint, checkpoint_to_resume
 from posttrain.config.schema import RecipeConfig
 from posttrain.data.dataset import DataStats
 from posttrain.distributed import check_split
@@ -82,7 +83,7 @@ def start_pair_run(cfg: RecipeConfig) -> PairRun:
         eval_examples, _ = load_preference_examples(cfg.data.eval_files, tokenizer, cfg.data)
         eval_examples = eval_examples[: cfg.data.max_eval_examples]
     return PairRun(output_dir, changed_keys, default_device(), tokenizer, train_examples, train_stats, eval_examples,
-                   latest_checkpoint(output_dir))
+                   checkpoint_to_resume(output_dir))
 
 
 def pair_means(metrics: dict[str, float], num_pairs: int) -> MetricDict:
@@ -141,6 +142,7 @@ def train_on_pairs(run: PairRun, cfg: RecipeConfig, policy: PolicyWorker, recipe
 
         metrics: dict[str, float] = {}
         eval_metrics: dict[str, float] = {}
+        guard = NonFiniteGuard(trainer, run.output_dir)
         for step in range(start_step + 1, trainer.max_steps + 1):
             started = time.perf_counter()
             micro_batches = []
@@ -158,6 +160,7 @@ def train_on_pairs(run: PairRun, cfg: RecipeConfig, policy: PolicyWorker, recipe
                 "step_seconds": elapsed,
                 "epoch": sampler.epochs_completed,
             }
+            guard.check(step, metrics)
             if evaluate is not None and is_eval_step(step, trainer):
                 eval_metrics = evaluate()
                 metrics.update(eval_metrics)

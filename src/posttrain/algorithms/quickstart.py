@@ -30,6 +30,7 @@ from posttrain.algorithms.sft import train_sft
 from posttrain.config.schema import QuickstartConfig
 from posttrain.logging import read_metrics
 from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer
+from posttrain.rundir import one_run_per_output_dir
 
 
 def _measure(cfg: QuickstartConfig, model_path: str) -> EvalResult:
@@ -46,6 +47,7 @@ def _stage(evaluation: EvalResult, seconds: float, **extra: Any) -> dict[str, An
             "mean_response_tokens": evaluation.mean_response_tokens, "seconds": round(seconds, 1), **extra}
 
 
+@one_run_per_output_dir
 def run_quickstart(cfg: QuickstartConfig) -> dict[str, Any]:
     console = Console()
     output_dir = Path(cfg.output_dir)

@@ -14,13 +14,17 @@ from posttrain.data.formats import PromptOnlyRow
 from posttrain.data.tokenize import tokenize_prompt
 from posttrain.generation.base import Generator, SamplingParams
 from posttrain.distributed.env import is_distributed
+from posttrain.envs.registry import NEEDED_COLUMNS
 from posttrain.models.loading import load_causal_lm, resolve_model_path
 from posttrain.workers import PolicyWorker
 from posttrain.workers.local import LocalPolicyWorker
 
 
 def load_prompts(sources: list[str], cfg: GRPOConfig, tokenizer) -> tuple[list[PromptRow], str]:
-    """Prompt rows (every non-prompt column kept as metadata for the environment), formatted and tokenized once."""
+    """Prompt rows (every non-prompt column kept as metadata for the environment), formatted and tokenized once.
+
+    A row lacking the column the environment scores against (`registry.NEEDED_COLUMNS`: the answer, the tests)
+    is malformed here, with the data, rather than at its first reward after a model has loaded."""
     if not sources:
         return [], "no data"
     data_cfg = cfg.data.model_copy(update={"format": "prompt_only"})
@@ -29,6 +33,7 @@ def load_prompts(sources: list[str], cfg: GRPOConfig, tokenizer) -> tuple[list[P
     for location, row in iter_rows(sources, data_cfg, stats):
         assert isinstance(row, PromptOnlyRow)
         try:
+            check_needed_columns(row, cfg.environment.kind, location)
             prompt = format_prompt(row, cfg, location)
             prompt_ids = tokenize_prompt(prompt, tokenizer)
             if len(prompt_ids) > cfg.data.max_length:
@@ -41,6 +46,17 @@ def load_prompts(sources: list[str], cfg: GRPOConfig, tokenizer) -> tuple[list[P
     stats.examples = len(prompts)
     check_not_empty(sources, stats)
     return prompts, stats.summary()
+
+
+def check_needed_columns(row: PromptOnlyRow, kind: str, location: str) -> None:
+    """DataError (at location, field: the column) when the row has none of the columns environment `kind`
+    scores against."""
+    needed = NEEDED_COLUMNS.get(kind, ())
+    if needed and not any(column in row.extras for column in needed):
+        either = " or ".join(repr(column) for column in needed)
+        columns = ", ".join(["prompt", *sorted(row.extras)])
+        raise DataError(location, f"missing: the {kind} environment scores each reply against the row's {either} "
+                        f"(columns found: {columns}; data.column_map can rename one)", needed[0])
 
 
 def format_prompt(row: PromptOnlyRow, cfg: GRPOConfig, location: str) -> str | list[dict]:

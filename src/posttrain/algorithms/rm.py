@@ -28,8 +28,10 @@ from posttrain.algorithms.pairwise import (
 from posttrain.checkpoint import POLICY
 from posttrain.config.schema import RMConfig
 from posttrain.data.errors import DataError
+from posttrain.data.sampler import check_step_fits
 from posttrain.data.types import PreferenceExample, SFTBatch
 from posttrain.losses.reward_model import bradley_terry_loss
+from posttrain.rundir import one_run_per_output_dir
 from posttrain.distributed import build_policy
 
 EVAL_METRICS = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
@@ -73,11 +75,13 @@ def reward_objective(examples: Sequence[PreferenceExample], cfg: RMConfig) -> Pa
     return objective
 
 
+@one_run_per_output_dir
 def train_rm(cfg: RMConfig) -> RMResult:
     run = start_pair_run(cfg)
     if cfg.loss.use_margin:
         check_margins(run.train_examples)
         check_margins(run.eval_examples)
+    check_step_fits(cfg.trainer, len(run.train_examples), "training pairs")
     policy = build_policy(cfg.model, cfg.lora, cfg.trainer, run.tokenizer, run.device, task="reward",
                           resume_dir=run.resume.worker_dir(POLICY) if run.resume else None)
 

@@ -5,6 +5,11 @@ An episode starts from one prompt row and runs up to `max_turns` assistant turns
 generator continues the episode's tokens, the environment scores the reply and either ends the
 episode or returns an observation, whose chat-template tokens are appended before the next turn.
 Only tokens the model sampled carry loss; prompt and observation tokens never do.
+
+Every reward an environment returns is checked again here (`rewards.validate_reward`), whatever the
+environment: a reward that is not a finite number float32 can hold (NaN, inf, 1e308) would crash
+`to_batch` or poison the advantages, so it masks its episode with an error, which the loop counts
+like any other failed reward.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from posttrain.data.formats import Message, Messages
 from posttrain.data.types import RolloutBatch
 from posttrain.data.tokenize import tokenize_next_turn
 from posttrain.envs.base import Environment, Reward
-from posttrain.envs.rewards import combine_components
+from posttrain.envs.rewards import combine_components, validate_reward
 from posttrain.generation.base import Generator, SamplingParams
 
 
@@ -107,7 +112,8 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
         if len(result.rewards) != len(active):
             raise ValueError(f"the environment returned {len(result.rewards)} rewards for {len(active)} episodes")
         for i, episode in enumerate(active):
-            episode.reward, episode.error, episode.metadata = result.rewards[i], result.errors[i], result.metadata[i]
+            episode.reward, episode.error = _checked_reward(result.rewards[i], result.errors[i], environment)
+            episode.metadata = result.metadata[i]
             observation = result.observations[i]
             episode.done = result.done[i] or observation is None or turn + 1 == max_turns
             if not episode.done:
@@ -121,6 +127,16 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
         if not active:
             break
     return episodes, RolloutTimes(generate_seconds, score_seconds, generated_tokens)
+
+
+def _checked_reward(reward: Reward, error: str | None, environment: Environment) -> tuple[Reward, str | None]:
+    """`(reward, error)` as the environment gave them, or `(None, why)` when the reward is not valid."""
+    if reward is None:
+        return None, error
+    checked, problem = validate_reward(reward)
+    if problem is not None:
+        return None, f"{type(environment).__name__}: the reward {problem}"
+    return checked, error
 
 
 def _initial_messages(prompt: str | Messages) -> list[Message]:

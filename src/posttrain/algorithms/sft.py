@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from posttrain.algorithms.common import (
+    NonFiniteGuard,
     announce_run,
     chunks,
     configure_torch,
@@ -31,16 +32,17 @@ from posttrain.algorithms.common import (
     save_if_due,
     seed_everything,
 )
-from posttrain.checkpoint import POLICY, latest_checkpoint
+from posttrain.checkpoint import POLICY, checkpoint_to_resume
 from posttrain.config.schema import SFTConfig
 from posttrain.data import load_sft_examples
 from posttrain.data.collate import collate
-from posttrain.data.sampler import EpochSampler
+from posttrain.data.sampler import EpochSampler, check_step_fits
 from posttrain.data.types import SFTBatch, TokenizedExample
 from posttrain.losses.nll import nll_loss
 from posttrain.models.loading import default_device, load_tokenizer
 from posttrain.workers import Metric, MetricDict, PolicyWorker, as_floats, reduce_metrics
 from posttrain.distributed import build_policy, check_split
+from posttrain.rundir import one_run_per_output_dir
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,7 @@ def evaluate_loss(policy: PolicyWorker, examples: Sequence[TokenizedExample], cf
     return totals["nll_sum"].value / max(totals["target_tokens"].value, 1.0)
 
 
+@one_run_per_output_dir
 def train_sft(cfg: SFTConfig) -> SFTResult:
     configure_torch(cfg.trainer)
     output_dir, changed_keys = prepare_output_dir(cfg, cfg.output_dir)
@@ -101,9 +104,10 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
     if cfg.data.eval_files:
         eval_examples, _ = load_sft_examples(cfg.data.eval_files, tokenizer, cfg.data)
         eval_examples = eval_examples[: cfg.data.max_eval_examples]
+    check_step_fits(trainer, len(train_examples))
 
     check_split(trainer)
-    resume = latest_checkpoint(output_dir)
+    resume = checkpoint_to_resume(output_dir)
     policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, device,
                           resume_dir=resume.worker_dir(POLICY) if resume else None)
     sampler = EpochSampler(len(train_examples), seed=cfg.seed, shuffle=cfg.data.shuffle)
@@ -116,6 +120,7 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
                      f"{examples_per_step} examples per step ({len(train_examples)} in the training set)")
 
         loss, eval_loss = None, None
+        guard = NonFiniteGuard(trainer, output_dir)
         for step in range(start_step + 1, trainer.max_steps + 1):
             started = time.perf_counter()
             micro_batches = [
@@ -137,6 +142,7 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
                 "epoch": sampler.epochs_completed,
                 **{k: v for k, v in update.items() if k not in ("learning_rate", "grad_norm")},
             }
+            guard.check(step, metrics)
             if eval_examples and is_eval_step(step, trainer):
                 eval_loss = evaluate_loss(policy, eval_examples, cfg, tokenizer.pad_token_id)
                 metrics["eval_loss"] = eval_loss

@@ -80,12 +80,24 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     return tree
 
 
-def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    """Recursively merge `update` over `base` (mappings merge, everything else replaces)."""
+def deep_merge(base: dict[str, Any], update: dict[str, Any], _path: str = "") -> dict[str, Any]:
+    """Recursively merge `update` over `base` (mappings merge, everything else replaces).
+
+    Keys set inside a section that `base` holds as a scalar or a list (`trainer: 5` in the YAML, then
+    trainer.max_steps=3) are a ConfigError naming the section: replacing it by the new keys would drop the bad
+    value without a word. An empty section (`trainer:`, which YAML reads as null) takes the keys.
+    """
     out = dict(base)
     for key, value in update.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
+        where = f"{_path}.{key}" if _path else str(key)
+        current = out.get(key)
+        if isinstance(value, dict) and isinstance(current, dict):
+            out[key] = deep_merge(current, value, where)
+        elif isinstance(value, dict) and current is not None:
+            first = f"{where}.{next(iter(value))}" if value else where
+            raise ConfigError(f"{where}: is {current!r} ({type(current).__name__}), not a section of keys, so "
+                              f"{first} cannot be set in it; write {where} as a mapping (e.g. {where}: "
+                              "{key: value}) or remove the value")
         else:
             out[key] = value
     return out

@@ -8,13 +8,21 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class Section(BaseModel):
-    """Base of every config node: unknown keys are errors, field docstrings are the help text."""
+    """Base of every config node: unknown keys are errors, field docstrings are the help text, and a number
+    given as NaN or infinity is an error wherever one is read (`trainer.learning_rate=inf` would train NaN)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              allow_inf_nan=False)
+
+
+def _run_folder(value: str) -> str:
+    if value.strip() in ("", "."):
+        raise ValueError(f"{value!r} would write the run into the current directory; give it a folder of its own")
+    return value
 
 
 class ModelConfig(Section):
@@ -130,6 +138,14 @@ class TrainerConfig(Section):
     num_threads: int | None = Field(None, gt=0)
     """torch intra-op CPU threads (default: torch's choice)."""
 
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A step whose loss or gradient norm is NaN or infinite: "stop" the run (the update is not applied, the
+    newest checkpoint is kept, final/ is not written) or "skip" it (not applied, counted as
+    nonfinite_skipped_steps) and go on."""
+
+    max_nonfinite_skips: int = Field(5, ge=0)
+    """With on_nonfinite=skip: stop after more than this many non-finite steps in a row."""
+
 
 class LoggingConfig(Section):
     progress: Literal["auto", "rich", "plain", "none"] = "auto"
@@ -185,10 +201,16 @@ class RecipeConfig(Section):
     """Keys every training recipe has."""
 
     output_dir: str = "runs/default"
-    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/. Re-running with the same directory resumes."""
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/. Re-running with the same directory resumes;
+    one run at a time holds it (OUTPUT/.lock)."""
 
     seed: int = 0
     """Seed for model init (where applicable), data order and sampling."""
+
+    @field_validator("output_dir")
+    @classmethod
+    def _a_folder(cls, value: str) -> str:
+        return _run_folder(value)
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The model to train."""
@@ -435,6 +457,42 @@ class EnvironmentSection(Section):
     """Samples whose reward failed (raised, timed out, NaN) are masked and counted in reward/errors; the run
     stops with a clear message only when a step's failed fraction exceeds this."""
 
+    worker_memory_mb: int = Field(4096, ge=0)
+    """Address-space limit (RLIMIT_AS) in MiB of each reward worker process (python and math environments),
+    inherited by whatever a reward function starts; a call that needs more fails with MemoryError and its sample
+    is masked and counted. 0: no limit (needed by reward functions that use CUDA, which reserves far more address
+    space than it uses)."""
+
+    @model_validator(mode="after")
+    def _one_memory_limit(self) -> EnvironmentSection:
+        if "worker_memory_mb" in self.options:
+            raise ValueError("options.worker_memory_mb: set environment.worker_memory_mb instead, the one place "
+                             "for the reward workers' memory limit")
+        return self
+
+    def spec(self) -> dict[str, Any]:
+        """The environment's spec for `envs.registry.build_environment`: kind, options, and worker_memory_mb for
+        the environments whose constructor takes it (those that run reward workers)."""
+        import inspect
+
+        from posttrain.envs.registry import ENVIRONMENTS
+
+        limit = {"worker_memory_mb": self.worker_memory_mb}
+        takes_limit = "worker_memory_mb" in inspect.signature(ENVIRONMENTS[self.kind]).parameters
+        return {"kind": self.kind, **(limit if takes_limit else {}), **self.options}
+
+    @model_validator(mode="after")
+    def _check_options(self) -> EnvironmentSection:
+        # The environment's constructor is the one definition of its options, so the check lives beside it
+        # (imported here, not at the top: the config tree is importable without the environments); run at load,
+        # a misspelt or ill-typed option stops before the data is read or a model loads.
+        from posttrain.envs.registry import option_problems
+
+        problems = option_problems(self.kind, self.options)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
 
 class AdvantageSection(Section):
     """How rewards become advantages (posttrain.advantages)."""
@@ -578,6 +636,12 @@ class GRPOConfig(RecipeConfig):
         if self.advantage.estimator in ("grpo", "rloo", "gdpo") and self.rollout.num_generations_per_prompt < 2:
             raise ValueError(f"advantage.estimator={self.advantage.estimator!r} compares samples of a group: "
                              "rollout.num_generations_per_prompt must be at least 2")
+        if self.rollout.backend == "transformers" and \
+                self.rollout.num_generations_per_prompt > self.rollout.generation_batch_size:
+            raise ValueError(f"rollout.num_generations_per_prompt={self.rollout.num_generations_per_prompt} is more "
+                             f"than rollout.generation_batch_size={self.rollout.generation_batch_size}: the "
+                             "transformers backend samples a prompt's whole group in one batch; raise "
+                             "generation_batch_size or lower num_generations_per_prompt")
         if self.rollout.overlong_buffer_length >= self.rollout.max_new_tokens:
             raise ValueError("rollout.overlong_buffer_length must be smaller than rollout.max_new_tokens")
         try:
@@ -593,6 +657,11 @@ class QuickstartConfig(Section):
 
     output_dir: str = "runs/quickstart"
     """Where each stage writes its run directory, and where summary.json and curves.png go."""
+
+    @field_validator("output_dir")
+    @classmethod
+    def _a_folder(cls, value: str) -> str:
+        return _run_folder(value)
 
     sft: SFTConfig
     """The SFT stage (defaults: configs/sft_arithmetic_small.yaml; override as sft.trainer.max_steps=...)."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from posttrain.config.schema import DataConfig
 from posttrain.data.errors import DataError
-from posttrain.data.formats import Row, detect_format, parse_row
+from posttrain.data.formats import PreferenceRow, PromptOnlyRow, Row, detect_format, parse_row
 from posttrain.data.loading import iter_records
 from posttrain.data.tokenize import tokenize_sft_row, truncate_or_drop
 from posttrain.data.types import TokenizedExample
@@ -23,6 +23,8 @@ if TYPE_CHECKING:  # annotations only: importing transformers takes seconds
     from transformers import PreTrainedTokenizerBase
 
 MAX_SKIP_REASONS = 10
+SHOWN_SKIP_REASONS = 5
+"""How many of the kept skip reasons the run's data summary prints (each with its file:line and field)."""
 
 
 @dataclass
@@ -51,12 +53,25 @@ class DataStats:
         if len(self.skip_reasons) < MAX_SKIP_REASONS:
             self.skip_reasons.append(str(error))
 
-    def summary(self) -> str:
+    def counts(self) -> str:
+        """One line: rows read, examples, skipped, truncated and dropped."""
         return (
             f"{self.rows_read} rows read: {self.examples} examples ({self.target_tokens} target tokens), "
             f"{self.rows_skipped} skipped as malformed, {self.truncated} truncated, "
             f"{self.dropped_overlong} dropped as overlong"
         )
+
+    def summary(self) -> str:
+        """The counts, then (when rows were skipped) the first skip reasons, one per line with its location, so
+        that a user who asked for skipping sees what was dropped and where without rerunning in raise mode."""
+        shown = self.skip_reasons[:SHOWN_SKIP_REASONS]
+        if not shown:
+            return self.counts()
+        unshown = self.rows_skipped - len(shown)
+        lines = [f"{self.counts()}; first skipped:", *(f"  {reason}" for reason in shown)]
+        if unshown:
+            lines.append(f"  ... and {unshown} more")
+        return "\n".join(lines)
 
 
 def load_rows(sources: Sequence[str], cfg: DataConfig) -> tuple[list[Row], DataStats]:
@@ -78,12 +93,14 @@ def load_sft_examples(
     """Read, validate and tokenize every record of sources into SFT examples of at most cfg.max_length tokens.
 
     Overlong examples are truncated or dropped (cfg.overlong), and counted. An example left with no
-    target tokens is a malformed row: raised or skipped per cfg.on_error. Rows of a format with no SFT
-    target (preference, prompt_only) raise ValueError.
+    target tokens is a malformed row: raised or skipped per cfg.on_error. A source whose rows have no SFT
+    target (preference pairs, prompts alone) raises DataError whatever cfg.on_error says: every row of it would
+    be skipped, since a source's format is decided once.
     """
     stats = DataStats()
     examples: list[TokenizedExample] = []
     for location, row in iter_rows(sources, cfg, stats):
+        check_sft_target(row, location)
         try:
             example = _sft_example(row, tokenizer, cfg, location, stats)
         except DataError as error:
@@ -120,6 +137,25 @@ def iter_rows(sources: Sequence[str], cfg: DataConfig, stats: DataStats) -> Iter
             yield location, row
 
 
+def check_sft_target(row: Row, location: str) -> None:
+    """DataError (at location) when the row has nothing for SFT to learn: a preference pair or a prompt alone."""
+    if isinstance(row, PreferenceRow):
+        raise DataError(
+            location,
+            "is a preference pair (chosen and rejected columns), which has no SFT target; SFT takes text, "
+            "prompt+completion or messages rows. Train on pairs with `posttrain dpo` or `posttrain rm`, or give "
+            "SFT data",
+        )
+    if isinstance(row, PromptOnlyRow):
+        columns = ", ".join(["prompt", *sorted(row.extras)])
+        raise DataError(
+            location,
+            f"has a prompt but no completion (columns: {columns}), so there is no SFT target; SFT takes text, "
+            "prompt+completion or messages rows. Name the target column `completion` (data.column_map can rename "
+            "it), or train on prompts with `posttrain grpo`",
+        )
+
+
 def _sft_example(
     row: Row, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, location: str, stats: DataStats
 ) -> TokenizedExample | None:
@@ -153,5 +189,5 @@ def check_not_empty(sources: Sequence[str], stats: DataStats) -> None:
         reasons = "; ".join(stats.skip_reasons[:3])
         raise DataError(
             ", ".join(sources),
-            f"no usable rows ({stats.summary()})" + (f"; first problems: {reasons}" if reasons else ""),
+            f"no usable rows ({stats.counts()})" + (f"; first problems: {reasons}" if reasons else ""),
         )

@@ -135,7 +135,7 @@ def _parse_pair(row: Mapping[str, Any], location: str) -> PreferenceRow:
         prompt = _string_or_messages(row["prompt"], "prompt", location)
         chosen = _same_kind(_field(row, "chosen", location), prompt, "chosen", "prompt", location)
         rejected = _same_kind(_field(row, "rejected", location), prompt, "rejected", "prompt", location)
-        return PreferenceRow(prompt=prompt, chosen=chosen, rejected=rejected)
+        return _checked_pair(PreferenceRow(prompt=prompt, chosen=chosen, rejected=rejected), location, 0)
     chosen = _string_or_messages(_field(row, "chosen", location), "chosen", location)
     rejected = _same_kind(_field(row, "rejected", location), chosen, "rejected", "chosen", location)
     if isinstance(chosen, str):
@@ -157,7 +157,27 @@ def _parse_pair(row: Mapping[str, Any], location: str) -> PreferenceRow:
         raise DataError(
             location, "one of chosen and rejected is the other or its beginning; nothing is left to compare", "chosen"
         )
-    return PreferenceRow(prompt=chosen[:shared], chosen=chosen[shared:], rejected=rejected[shared:])
+    return _checked_pair(PreferenceRow(prompt=chosen[:shared], chosen=chosen[shared:], rejected=rejected[shared:]),
+                         location, shared)
+
+
+def _checked_pair(pair: PreferenceRow, location: str, offset: int) -> PreferenceRow:
+    """The pair, if it has something to compare: two different completions, each (in a conversation) beginning
+    with the assistant's reply. offset: where the completions start in the row's chosen/rejected lists.
+
+    Identical completions get identical log-probabilities, so the pair's loss is constant (ln 2 for DPO and a
+    reward model at a zero margin) and its gradient zero: a file of them trains on nothing, silently. A completion
+    that opens with a user or system message is not a reply, and the chat template cannot render it after the
+    generation prompt.
+    """
+    if pair.chosen == pair.rejected:
+        raise DataError(location, "is identical to chosen; a preference pair needs two different completions "
+                        "(identical ones give a constant loss and no gradient)", "rejected")
+    for name, completion in (("chosen", pair.chosen), ("rejected", pair.rejected)):
+        if isinstance(completion, list) and completion[0]["role"] != "assistant":
+            raise DataError(location, f"expected 'assistant', got {completion[0]['role']!r}: the {name} completion "
+                            "must begin with the assistant's reply to the prompt", f"{name}[{offset}].role")
+    return pair
 
 
 def _parse_prompt_only(row: Mapping[str, Any], location: str) -> PromptOnlyRow:

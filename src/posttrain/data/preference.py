@@ -60,6 +60,9 @@ def _tokenize_pair(row: PreferenceRow, tokenizer: PreTrainedTokenizerBase, sourc
                                                                    source)
     if not chosen_ids or not rejected_ids:
         raise DataError(source, "a completion tokenizes to no tokens; nothing to compare", "chosen")
+    if chosen_ids == rejected_ids:
+        raise DataError(source, "tokenizes to the same tokens as chosen; a preference pair needs two different "
+                        "completions (identical ones give a constant loss and no gradient)", "rejected")
     return PreferenceExample(tuple(prompt_ids), tuple(chosen_ids), tuple(rejected_ids), source, row.margin)
 
 
@@ -130,7 +133,8 @@ def load_preference_examples(
 ) -> tuple[list[PreferenceExample], DataStats]:
     """Read, validate and tokenize every preference row of sources. Rows of another format, and pairs whose
     prompt leaves no room for a completion, are malformed (raised or skipped per cfg.on_error); overlong pairs
-    are truncated or dropped per cfg.overlong. All counted in the returned stats."""
+    are truncated or dropped per cfg.overlong. A pair whose completions are the same (as text, as tokens, or once
+    truncated) has nothing to compare and is malformed too. All counted in the returned stats."""
     stats = DataStats()
     examples: list[PreferenceExample] = []
     # dataset.py's reading path, so malformed rows are reported and counted exactly as for SFT.
@@ -140,6 +144,10 @@ def load_preference_examples(
                 raise DataError(location, f"expected a preference row (prompt, chosen, rejected), got {type(row).__name__}")
             full = _tokenize_pair(row, tokenizer, location)
             example = fit_pair(full, cfg.max_length, cfg.overlong)
+            if example is not None and example.chosen_ids == example.rejected_ids:
+                raise DataError(location, f"is the same as chosen once both are truncated to fit "
+                                f"data.max_length={cfg.max_length} (the prompt has {len(example.prompt_ids)} tokens); "
+                                "raise data.max_length or set data.overlong=drop", "rejected")
         except DataError as error:
             skip_or_raise(error, cfg.on_error, stats)
             continue

@@ -1,8 +1,42 @@
-"""Resumable, deterministic example order over epochs."""
+"""Resumable, deterministic example order over epochs, and the check that a step's draw fits in the data."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 import torch
+
+from posttrain.config.schema import TrainerConfig
+from posttrain.errors import RunError
+
+
+def check_step_fits(trainer: TrainerConfig, num_examples: int, what: str = "training examples") -> None:
+    """`check_draw_fits` for the recipes whose step is micro_batch_size × gradient_accumulation_steps examples
+    (sft, dpo, rm)."""
+    check_draw_fits({"trainer.micro_batch_size": trainer.micro_batch_size,
+                     "trainer.gradient_accumulation_steps": trainer.gradient_accumulation_steps}, num_examples, what)
+
+
+def check_draw_fits(knobs: Mapping[str, int], num_examples: int, what: str) -> None:
+    """Refuse a step that would draw more examples than the data holds, before any model loads.
+
+    knobs: the config keys whose product is the number of examples one step draws, with their values, e.g.
+        {"trainer.micro_batch_size": 8, "trainer.gradient_accumulation_steps": 4}.
+    what: what the examples are, for the message ("training examples", "training prompts").
+
+    A step larger than the data would hold some examples twice, which only weights them, and every drawn index,
+    example and batch is held in memory: a mistyped knob (micro_batch_size=1000000000) would otherwise fill it
+    for minutes before anything is printed. Raises RunError naming the knobs and the data size.
+    """
+    per_step = math.prod(knobs.values())
+    if per_step <= num_examples:
+        return
+    settings = " × ".join(f"{key}={value}" for key, value in knobs.items())
+    product = f" = {per_step}" if len(knobs) > 1 else ""
+    raise RunError(f"{settings}{product} {what} per step, but data.train_files hold only {num_examples}; one "
+                   f"step would draw some of them twice. Lower {' or '.join(knobs)} so that a step draws at most "
+                   f"{num_examples}, or give more data")
 
 
 class EpochSampler:
@@ -29,6 +63,10 @@ class EpochSampler:
         return torch.randperm(self.num_examples, generator=generator).tolist()
 
     def next_indices(self, count: int) -> list[int]:
+        """The next `count` indices, continuing into the next epoch's order when this one runs out. count is at
+        most num_examples (recipes check it with `check_draw_fits` before any model loads)."""
+        if count > self.num_examples:
+            raise ValueError(f"cannot draw {count} indices at once from {self.num_examples} examples")
         out: list[int] = []
         while len(out) < count:
             if self.position == self.num_examples:

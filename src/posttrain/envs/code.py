@@ -20,15 +20,24 @@ sample instead of punishing the model for the machine.
 
 Metadata out: the row's metadata plus `passed` and `total` (test counts), `correct` (all passed)
 and `first_failure` (why the lowest-numbered failing test failed, or None).
+
+The environment refuses to start on a machine where the sandbox's namespace layer does not work
+(`sandbox.sandbox_info()`), unless `allow_unisolated_fallback=True`: the fallback (resource limits
+and a Python audit hook only) is not a security boundary. There the program runs as the training
+process's user — uid 0 with its capabilities dropped when that is root — and sees the host's whole
+file system: it could read /etc/shadow, and create FIFOs and device nodes in the host's
+temporary directory, which the audit hook does not see.
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from posttrain.envs import sandbox
 from posttrain.envs.base import (
     EnvStep,
     Message,
@@ -52,6 +61,10 @@ def extract_program(reply: str) -> str:
 def normalize_output(text: str) -> str:
     """Compare outputs modulo surrounding blank space and trailing whitespace on each line."""
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
+
+
+class UnisolatedSandboxError(RuntimeError):
+    """The sandbox would run without namespace isolation, and the user did not allow that."""
 
 
 @dataclass(frozen=True)
@@ -79,12 +92,36 @@ class CodeEnvironment:
     """Test runs executed at once (threads, each waiting on one sandboxed subprocess)."""
     all_or_nothing: bool = False
     """Reward 1.0 only when every test passes, else 0.0; otherwise the fraction passed."""
+    allow_unisolated_fallback: bool = False
+    """Run programs even where the sandbox has no namespace isolation (see the module docstring): only for
+    trusted programs, or on a throw-away machine."""
 
     def __post_init__(self) -> None:
         if self.time_limit_s <= 0 or self.memory_limit_mb <= 0 or self.output_limit_bytes <= 0:
             raise ValueError("time_limit_s, memory_limit_mb and output_limit_bytes must be positive")
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {self.num_workers}")
+        info = sandbox.sandbox_info()
+        if info.namespaces:
+            return
+        why = (info.namespace_error or "the probe failed").strip().splitlines()[-1]
+        if not self.allow_unisolated_fallback:
+            raise UnisolatedSandboxError(
+                "the code environment will not run model-written programs on this machine: the sandbox's namespace "
+                f"isolation does not work here ({why}). Its fallback, resource limits and a Python audit hook, is "
+                "not a security boundary: the program would run as this process's user (uid 0 with capabilities "
+                "dropped, when that is root) with the host's whole file system in view — it could read files such "
+                "as /etc/shadow and create FIFOs and device nodes in the host's temporary directory. Enable "
+                "unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1 and "
+                "user.max_user_namespaces > 0; in a container, a seccomp/AppArmor profile that allows unshare), "
+                "or, for trusted programs only, set environment.options.allow_unisolated_fallback=true."
+            )
+        warnings.warn(
+            f"the code environment runs programs without namespace isolation ({why}), because "
+            "allow_unisolated_fallback is set: only resource limits and an audit hook, not a security boundary",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:
         check_batch(message_logs, metadata)

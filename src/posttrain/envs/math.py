@@ -39,7 +39,13 @@ from posttrain.envs.base import (
     required_column,
     single_turn_step,
 )
-from posttrain.envs.rewards import CallOutcome, RewardWorkerPool, Task, score_in_process
+from posttrain.envs.rewards import (
+    DEFAULT_WORKER_MEMORY_MB,
+    CallOutcome,
+    RewardWorkerPool,
+    Task,
+    score_in_process,
+)
 
 SCORER_PATH = "posttrain.envs.math:score_math_answer"
 
@@ -96,10 +102,12 @@ class MathEnvironment:
         num_workers: int = 2,
         format_weight: float = 0.0,
         reward_components: bool = False,
+        worker_memory_mb: int = DEFAULT_WORKER_MEMORY_MB,
     ):
         """`timeout_s`: time limit per sample. `num_workers`: scorer processes (0: score in the calling
         thread, which must be the main thread). `format_weight`: weight of the boxed-answer format
-        component. `reward_components`: return {"correct", "format"} dicts instead of floats."""
+        component. `reward_components`: return {"correct", "format"} dicts instead of floats.
+        `worker_memory_mb`: address-space limit of each scorer process (0: none)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if num_workers < 0:
@@ -110,7 +118,11 @@ class MathEnvironment:
         self.reward_weights = {"correct": 1.0, "format": format_weight}
         """How to sum the components of a dict reward into one number."""
         self._verify_timeout_s = max(1, math.floor(timeout_s / 3))
-        self._pool = RewardWorkerPool(num_workers, preload=[SCORER_PATH]) if num_workers > 0 else None
+        self._pool = (
+            RewardWorkerPool(num_workers, preload=[SCORER_PATH], memory_limit_mb=worker_memory_mb)
+            if num_workers > 0
+            else None
+        )
 
     def _score(self, replies: list[str], answers: list[str]) -> list[CallOutcome]:
         calls = [{"reply": r, "gold": a, "timeout_s": self._verify_timeout_s} for r, a in zip(replies, answers)]

@@ -18,6 +18,8 @@ sample: calls of `samples_per_call` completions (default 1, so one slow or faili
 only itself) get `samples_per_call * timeout_s` seconds each. Larger calls amortize a function's
 per-call cost (a model forward pass, say) at the price of masking the whole call when it fails.
 With `num_workers=0` the functions run in the calling thread with no time limit, for debugging.
+Each worker may use `worker_memory_mb` of address space (0: no limit); what a function prints is
+kept out of the console and shown, its last bytes, in the error of a call that fails.
 
 Several functions combine into named components: `functions=[("accuracy", "my.rewards:accuracy",
 1.0), ("length", "my.rewards:length_penalty", 0.1)]` gives the rewards
@@ -42,6 +44,7 @@ from posttrain.envs.base import (
     single_turn_step,
 )
 from posttrain.envs.rewards import (
+    DEFAULT_WORKER_MEMORY_MB,
     CallOutcome,
     RewardWorkerPool,
     Task,
@@ -98,12 +101,14 @@ class PythonRewardEnvironment:
         num_workers: int = 2,
         samples_per_call: int = 1,
         reward_components: bool | None = None,
+        worker_memory_mb: int = DEFAULT_WORKER_MEMORY_MB,
     ):
         """`functions`: one import path, or a list of import paths, (name, path, weight) triples,
         {"name", "path", "weight"} dicts or `RewardFunction`s. `timeout_s`: time limit per sample.
         `num_workers`: worker processes (0: call in this thread without a time limit).
         `samples_per_call`: completions per call of a function. `reward_components`: dict rewards
-        keyed by function name (default: True for several functions, False for one)."""
+        keyed by function name (default: True for several functions, False for one).
+        `worker_memory_mb`: address-space limit of each worker process (0: none)."""
         specs = [functions] if isinstance(functions, str) else list(functions)
         if not specs:
             raise ValueError("PythonRewardEnvironment needs at least one reward function")
@@ -126,7 +131,9 @@ class PythonRewardEnvironment:
         self.reward_weights = {f.name: f.weight for f in self.functions}
         """How to sum the components of a dict reward into one number."""
         preload = [f.path for f in self.functions]
-        self._pool = RewardWorkerPool(num_workers, preload=preload) if num_workers > 0 else None
+        self._pool = (
+            RewardWorkerPool(num_workers, preload=preload, memory_limit_mb=worker_memory_mb) if num_workers > 0 else None
+        )
 
     def _calls(
         self, function: RewardFunction, prompts: list[str], completions: list[str], metadata: list[dict[str, Any]]

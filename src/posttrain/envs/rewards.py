@@ -12,8 +12,8 @@ Two ways to call a scorer:
   Only for built-in scorers that cannot hang or crash (arithmetic exact match): it costs a few
   microseconds per sample.
 - `RewardWorkerPool`: a persistent pool of `num_workers` worker processes. Each call goes to an
-  idle worker with a deadline; a worker past its deadline is killed (with its whole process
-  group) and replaced, and the call is masked as timed out. Calls run in parallel across
+  idle worker with a deadline; a worker past its deadline is killed, together with every process
+  it started, and replaced, and the call is masked as timed out. Calls run in parallel across
   workers, and each runs in its worker's main thread, so libraries that time themselves with
   `signal.alarm` (math-verify) work there.
 
@@ -21,12 +21,24 @@ Why fresh interpreters rather than `multiprocessing`: the training process has t
 possibly CUDA and their thread pools) loaded, and forking it is unsafe; the 'spawn' and
 'forkserver' contexts re-import the launching script's `__main__`, which breaks scripts without
 an `if __name__ == "__main__"` guard and re-runs their top-level code. A worker here is
-`python -c` started with `subprocess` (fork+exec, safe with threads), importing only this module
-and the scorer's module, and talking to the pool over two pipes with `multiprocessing.connection`
+`python -c` started with `subprocess` (fork+exec, safe with threads), importing only this module,
+`reward_worker` and the scorer's module, and talking to the pool over two pipes with `multiprocessing.connection`
 framing. Scorers are therefore named by import path ("package.module:function" or
 "path/to/file.py:function"), not passed as objects. A worker starts in about 50 ms plus the
 import time of its scorer; the time limit only counts once a worker has reported itself ready,
 so a replacement's start-up never eats into the next call's budget.
+
+What a worker may not do (`reward_worker` has the mechanics, all Linux):
+
+- outlive the training process: a small supervisor process between the pool and each worker
+  kills the worker and everything it started as soon as the training process ends — closed
+  pool, exception, Ctrl-C, SIGTERM or SIGKILL alike — and the worker dies with its supervisor;
+- leave processes behind when it is killed: the supervisor is a child subreaper, so processes a
+  scorer starts stay its descendants even after `setsid()`, and every descendant is killed;
+- use more than `memory_limit_mb` of address space (RLIMIT_AS, default
+  `DEFAULT_WORKER_MEMORY_MB`): an allocation past it raises MemoryError, which masks the call;
+- write to the console: stdout and stderr of the worker and its children go to the supervisor,
+  which keeps the last `OUTPUT_TAIL_BYTES` of each call and shows them in that call's error.
 
 Counting is the training loop's job: `EnvStep.errors` carries one error (or None) per sample,
 and `RewardErrorBudget.record` counts them and raises `RewardError` when too many samples of one
@@ -35,6 +47,7 @@ step failed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -60,6 +73,18 @@ from posttrain.envs.base import Reward
 
 MAX_ERROR_MESSAGE_CHARS = 500
 """Longer error strings (long tracebacks or reprs) are cut to this length."""
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32. Rewards become float32 tensors in training, so a larger |reward| is an error."""
+DEFAULT_WORKER_MEMORY_MB = 4096
+"""Address-space limit of a reward worker (config: environment.worker_memory_mb)."""
+OUTPUT_TAIL_BYTES = 1024
+"""How much of a failed call's stdout and stderr (its last bytes) its error shows."""
+SUPERVISOR_GRACE_S = 5.0
+"""How long past a call's deadline the pool waits for the supervisor's word before killing it itself."""
+SUPERVISOR_EXIT_WAIT_S = 5.0
+"""How long a supervisor may take to kill its worker's tree and exit once the pool lets it go."""
+WORKER_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+"""Set to 1 in workers unless already set (see `_worker_environment`)."""
 
 
 class RewardError(RuntimeError):
@@ -112,13 +137,16 @@ def _validate_number(value: Any) -> tuple[float | None, str | None]:
     number = float(value)
     if not math.isfinite(number):
         return None, f"returned {number}, expected a finite float"
+    if abs(number) > FLOAT32_MAX:
+        return None, f"returned {number:g}, outside float32's range (|reward| <= {FLOAT32_MAX:.4g}) used in training"
     return number, None
 
 
 def validate_reward(value: Any) -> tuple[Reward, str | None]:
     """Check one sample's reward: a finite real number, or a non-empty dict of them keyed by name.
 
-    Returns `(reward, None)` when valid, `(None, error)` otherwise; None, NaN and inf are errors.
+    Returns `(reward, None)` when valid, `(None, error)` otherwise; None, NaN, inf and numbers
+    float32 cannot hold (|x| > 3.4e38, which training would turn into inf) are errors.
     """
     if value is None:
         return None, "returned None"
@@ -304,54 +332,49 @@ class Task:
     """Seconds the call may run once it reached a worker; past them the worker is killed."""
 
 
-_WORKER_BOOTSTRAP = (
+_SUPERVISOR_BOOTSTRAP = (
     "import sys, json; sys.path[:] = json.loads(sys.argv[1]); "
-    "from posttrain.envs.rewards import _worker_main; _worker_main(int(sys.argv[2]), int(sys.argv[3]))"
+    "from posttrain.envs.reward_worker import supervise; supervise(int(sys.argv[2]), int(sys.argv[3]))"
 )
 
 
-def _worker_main(inbox_fd: int, outbox_fd: int) -> None:
-    """A worker's loop: load the preloaded scorers, say ready, then answer calls until the pipe closes."""
-    inbox = Connection(inbox_fd, writable=False)
-    outbox = Connection(outbox_fd, readable=False)
-    preload: list[str] = inbox.recv()
-    functions: dict[str, Callable[..., Any]] = {}
-    try:
-        for path in preload:
-            functions[path] = load_function(path)
-    except BaseException as error:
-        outbox.send(("startup_error", describe_exception(error)))
-        return
-    outbox.send(("ready", None))
-    while True:
-        try:
-            function_path, kwargs = inbox.recv()
-        except EOFError:  # the pool closed or its process died
-            return
-        try:
-            if function_path not in functions:
-                functions[function_path] = load_function(function_path)
-            value = functions[function_path](**kwargs)
-        except BaseException as error:  # SystemExit and signal-raised timeouts included: report, keep serving
-            outbox.send(("error", describe_exception(error)))
-            continue
-        try:
-            outbox.send(("ok", value))
-        except Exception as error:  # pickling happens before anything is written, so the pipe stays clean
-            message = f"returned a value that cannot be sent between processes: {describe_exception(error)}"
-            outbox.send(("error", message))
+def _worker_environment() -> dict[str, str]:
+    """The training process's environment, with one thread per native thread pool unless set.
+
+    The pool already runs `num_workers` calls in parallel, and every pool thread reserves address
+    space (a malloc arena, a stack, OpenBLAS buffers) that counts against the memory limit: with
+    one thread per core, importing numpy alone can pass a few GiB on a large machine.
+    """
+    environment = dict(os.environ)
+    for name in WORKER_THREAD_VARIABLES:
+        environment.setdefault(name, "1")
+    return environment
+
+
+def _output_note(output: tuple[int, bytes]) -> str:
+    """What a failed call printed, for its error: the last OUTPUT_TAIL_BYTES, on one line."""
+    total, tail = output
+    if not total:
+        return ""
+    text = tail.decode("utf-8", "replace")
+    if total == len(tail):
+        return f"; its output: {text!r}"
+    return f"; its output ({total} bytes, the last {len(tail)}): {text!r}"
 
 
 class _Worker:
-    def __init__(self, preload: Sequence[str]):
+    """The pool's handle on one worker: its supervisor process and the two pipes to it."""
+
+    def __init__(self, preload: Sequence[str], memory_limit_mb: int):
         parent_inbox, child_outbox = os.pipe()
         child_inbox, parent_outbox = os.pipe()
         self.process = subprocess.Popen(
-            [sys.executable, "-c", _WORKER_BOOTSTRAP, json.dumps(sys.path), str(child_inbox), str(child_outbox)],
+            [sys.executable, "-c", _SUPERVISOR_BOOTSTRAP, json.dumps(sys.path), str(child_inbox), str(child_outbox)],
             pass_fds=(child_inbox, child_outbox),
             stdin=subprocess.DEVNULL,
-            # Its own process group: a kill also reaches whatever the scorer started, and Ctrl-C in the
-            # terminal reaches only the training process, which then closes the pool.
+            env=_worker_environment(),
+            # Its own session: Ctrl-C in the terminal reaches only the training process, which then
+            # closes the pool, and a last-resort killpg reaches the supervisor and the worker.
             start_new_session=True,
         )
         os.close(child_inbox)
@@ -360,27 +383,46 @@ class _Worker:
         self.outbox = Connection(parent_outbox, readable=False)
         self.started_at = time.monotonic()
         self.ready = False
-        self.outbox.send(list(preload))
+        config = {
+            "parent_pid": os.getpid(),
+            "preload": list(preload),
+            "memory_limit_mb": memory_limit_mb,
+            "output_tail_bytes": OUTPUT_TAIL_BYTES,
+        }
+        self.outbox.send(config)
 
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.process.wait()
-        self.inbox.close()
+    def send(self, task: Task) -> None:
+        """Start `task` on this (ready, idle) worker; the supervisor times it from now."""
+        self.outbox.send(("call", task.timeout_s, pickle.dumps((task.function_path, task.kwargs))))
+
+    def release(self) -> None:
+        """Close the pipes: the supervisor sees end-of-file, kills the worker's tree and exits."""
         self.outbox.close()
+        self.inbox.close()
+
+    def kill(self, wait_s: float = SUPERVISOR_EXIT_WAIT_S) -> None:
+        """Stop the worker and everything it started; SIGKILL the supervisor's session if it does not exit."""
+        if not self.outbox.closed:
+            self.release()
+        try:
+            self.process.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:  # the supervisor is stopped or stuck: the last resort
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
 
     def exit_description(self) -> str:
         code = self.process.wait()
         if code < 0:
-            return f"worker process died from signal {signal.Signals(-code).name}"
-        return f"worker process exited with code {code}"
+            return f"the reward worker's supervisor died from signal {signal.Signals(-code).name}"
+        return f"the reward worker's supervisor exited with code {code}"
 
 
 def _kill_all(workers: list[_Worker]) -> None:
-    for worker in workers:
+    for worker in workers:  # all supervisors clean up in parallel ...
+        if not worker.outbox.closed:
+            worker.release()
+    for worker in workers:  # ... and are waited for one by one
         worker.kill()
     workers.clear()
 
@@ -389,29 +431,39 @@ class RewardWorkerPool:
     """A persistent pool of scorer processes with per-call deadlines.
 
     `run(tasks)` sends each task to an idle ready worker and waits; a task past its `timeout_s`
-    gets its worker killed and replaced and comes back as an error, as does a task whose worker
-    died. Calls of one `run` execute in parallel over `num_workers` processes, in any order; the
-    outcomes come back in task order. Workers start on first use and live until `close()` (or
-    until the pool is garbage collected or the interpreter exits). Not thread-safe: one `run` at
-    a time.
+    gets its worker (and every process the worker started) killed and replaced and comes back as
+    an error, as does a task whose worker died. Calls of one `run` execute in parallel over
+    `num_workers` processes, in any order; the outcomes come back in task order. Workers start on
+    first use and live until `close()` (or until the pool is garbage collected, the interpreter
+    exits or the training process dies in any way). Not thread-safe: one `run` at a time.
     """
 
-    def __init__(self, num_workers: int, preload: Sequence[str] = (), startup_timeout_s: float = 120.0):
+    def __init__(
+        self,
+        num_workers: int,
+        preload: Sequence[str] = (),
+        startup_timeout_s: float = 120.0,
+        memory_limit_mb: int = DEFAULT_WORKER_MEMORY_MB,
+    ):
         """`preload`: import paths every worker loads before it reports ready (so import time
         never counts against a call's time limit). `startup_timeout_s`: how long a worker may take
-        to start before the pool gives up with an error."""
+        to start before the pool gives up with an error. `memory_limit_mb`: address-space limit
+        of each worker and of what it starts (RLIMIT_AS); 0 for none."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
+        if memory_limit_mb < 0:
+            raise ValueError(f"memory_limit_mb must be 0 (no limit) or more, got {memory_limit_mb}")
         self.num_workers = num_workers
         self.preload = tuple(preload)
         self.startup_timeout_s = startup_timeout_s
+        self.memory_limit_mb = memory_limit_mb
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _kill_all, self._workers)
         self.workers_replaced = 0
         """How many workers were killed (deadline) or died and were replaced, over the pool's life."""
 
     def close(self) -> None:
-        """Stop every worker now."""
+        """Stop every worker, and everything the workers started, now."""
         _kill_all(self._workers)
 
     def __enter__(self) -> RewardWorkerPool:
@@ -420,26 +472,29 @@ class RewardWorkerPool:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _replace(self, worker: _Worker) -> None:
-        worker.kill()
-        self._workers[self._workers.index(worker)] = _Worker(self.preload)
+    def _new_worker(self) -> _Worker:
+        return _Worker(self.preload, self.memory_limit_mb)
+
+    def _replace(self, worker: _Worker, wait_s: float = SUPERVISOR_EXIT_WAIT_S) -> None:
+        worker.kill(wait_s)
+        self._workers[self._workers.index(worker)] = self._new_worker()
         self.workers_replaced += 1
 
     def _on_startup_message(self, worker: _Worker) -> None:
         try:
-            kind, message = worker.inbox.recv()
+            kind, message, output = worker.inbox.recv()
         except (EOFError, OSError):
             raise RuntimeError(
                 f"a reward worker failed to start ({worker.exit_description()}); its stderr above says why"
             ) from None
-        if kind == "startup_error":
-            raise RuntimeError(f"a reward worker failed to start: {message}")
+        if kind != "ready":  # "startup_error" (the scorer did not import) or "died"
+            raise RuntimeError(f"a reward worker failed to start: {message}{_output_note(output)}")
         worker.ready = True
 
     def run(self, tasks: Sequence[Task]) -> list[CallOutcome]:
         """Run every task in the pool and return one outcome per task, in task order."""
         while len(self._workers) < self.num_workers:
-            self._workers.append(_Worker(self.preload))
+            self._workers.append(self._new_worker())
         outcomes: list[CallOutcome | None] = [None] * len(tasks)
         pending = deque(range(len(tasks)))
         running: dict[_Worker, tuple[int, float]] = {}  # worker → (task index, deadline)
@@ -454,6 +509,43 @@ class RewardWorkerPool:
             raise
         return outcomes
 
+    def _start_pending(self, tasks: Sequence[Task], pending: deque[int], running: dict[_Worker, tuple[int, float]]):
+        for worker in list(self._workers):
+            if not pending:
+                return
+            if not worker.ready or worker in running:
+                continue
+            if worker.inbox.poll():  # an idle worker has nothing to say unless it died: the task never started
+                self._replace(worker)
+                continue
+            index = pending.popleft()
+            try:
+                worker.send(tasks[index])
+            except (BrokenPipeError, ConnectionResetError):  # its supervisor is gone: the task never started
+                pending.appendleft(index)
+                self._replace(worker)
+                continue
+            running[worker] = (index, time.monotonic() + tasks[index].timeout_s + SUPERVISOR_GRACE_S)
+
+    def _on_answer(self, worker: _Worker, task: Task) -> CallOutcome:
+        """The outcome of `task` from its worker's message; replaces the worker when it is gone."""
+        try:
+            kind, payload, output = worker.inbox.recv()
+        except (EOFError, OSError):  # the supervisor itself died without a word
+            self._replace(worker)
+            return CallOutcome(None, worker.exit_description())
+        if kind == "ok":
+            try:
+                return CallOutcome(pickle.loads(payload), None)
+            except Exception as error:  # e.g. an instance of a class this process cannot import
+                return CallOutcome(None, f"returned a value this process cannot unpickle: {describe_exception(error)}")
+        if kind == "error":
+            return CallOutcome(None, payload + _output_note(output))
+        self._replace(worker)  # "timeout" or "died": the supervisor has killed the tree and exits
+        if kind == "timeout":
+            return CallOutcome(None, f"timed out after {task.timeout_s:g} s (worker killed){_output_note(output)}")
+        return CallOutcome(None, payload + _output_note(output))
+
     def _run_until_done(
         self,
         tasks: Sequence[Task],
@@ -462,18 +554,7 @@ class RewardWorkerPool:
         running: dict[_Worker, tuple[int, float]],
     ) -> None:
         while pending or running:
-            for worker in list(self._workers):
-                if not pending:
-                    break
-                if worker.ready and worker not in running:
-                    index = pending.popleft()
-                    try:
-                        worker.outbox.send((tasks[index].function_path, tasks[index].kwargs))
-                    except (BrokenPipeError, ConnectionResetError):  # died while idle: the task never started
-                        pending.appendleft(index)
-                        self._replace(worker)
-                        continue
-                    running[worker] = (index, time.monotonic() + tasks[index].timeout_s)
+            self._start_pending(tasks, pending, running)
             now = time.monotonic()
             starting = [w for w in self._workers if not w.ready]
             for worker in starting:
@@ -489,25 +570,13 @@ class RewardWorkerPool:
                     self._on_startup_message(worker)
                     continue
                 index, _ = running.pop(worker)
-                try:
-                    payload = worker.inbox.recv_bytes()
-                except (EOFError, OSError):  # died before or while answering
-                    outcomes[index] = CallOutcome(None, worker.exit_description())
-                    self._replace(worker)
-                    continue
-                try:
-                    kind, value = pickle.loads(payload)
-                except Exception as error:  # e.g. an instance of a class this process cannot import
-                    message = f"returned a value this process cannot unpickle: {describe_exception(error)}"
-                    outcomes[index] = CallOutcome(None, message)
-                    continue
-                outcomes[index] = CallOutcome(value, None) if kind == "ok" else CallOutcome(None, value)
+                outcomes[index] = self._on_answer(worker, tasks[index])
             now = time.monotonic()
             for worker, (index, deadline) in list(running.items()):
-                if now >= deadline:
+                if now >= deadline:  # the supervisor missed its own deadline by SUPERVISOR_GRACE_S
                     del running[worker]
                     outcomes[index] = CallOutcome(None, f"timed out after {tasks[index].timeout_s:g} s (worker killed)")
-                    self._replace(worker)
+                    self._replace(worker, wait_s=0.0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ machine allows (`sandbox_info` says which are active):
    (a determined program can find interpreter-level ways around it, C-level calls that raise no
    audit event such as `os.mkfifo` are not seen, and a symlink swapped between check and use can
    redirect a write). Keeping it on with namespaces too makes programs behave the same on every
-   machine.
+   machine. For that reason `envs.code.CodeEnvironment` refuses to start where the namespace layer
+   does not work, unless its `allow_unisolated_fallback` option says the user accepts it.
 
 The environment holds only PATH, HOME and TMPDIR (both the working directory); `-I` ignores
 PYTHON* variables and the user site, and `-S` skips `site`, so no `.pth` file runs and only the

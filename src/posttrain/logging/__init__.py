@@ -17,6 +17,7 @@ Create it on one process only (rank 0) in distributed runs.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -107,8 +108,16 @@ class RunLogger:
         for experiment_logger in self._experiment_loggers:
             experiment_logger.close(failed=failed)
         self._metrics_file.close()
-        if self.cfg.plot:
+        if not self.cfg.plot:
+            return
+        try:
             self.plot_path = plot_training_curves(self.metrics_path, self.output_dir / PLOT_FILENAME)
+        except OSError as error:
+            if not failed:
+                raise
+            # The run is already failing: its own error is the one to see, not the plot's (a full disk fails
+            # both, and the plot's error would be the one printed last).
+            print(f"posttrain: could not write the training-curves plot: {error}", file=sys.stderr)
 
     def __enter__(self) -> RunLogger:
         return self

@@ -77,13 +77,19 @@ def adapters_disabled(model: torch.nn.Module) -> Iterator[None]:
 
 def save_adapter(model: torch.nn.Module, directory: str | Path, tokenizer=None) -> Path:
     """Write the adapter alone (peft's format), and the tokenizer if given, to `directory`, replacing it whole:
-    the files go to a hidden folder beside it that is renamed into place when complete."""
+    the files go to a hidden folder beside it that is renamed into place when complete. A `directory` holding
+    files no export wrote is refused, not replaced."""
+    from posttrain.checkpoint import write_manifest
+    from posttrain.rundir import check_export_dir
+
     target = Path(directory)
+    check_export_dir(target)
     staging = target.parent / f".tmp-{target.name}-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     model.save_pretrained(str(staging))
     if tokenizer is not None:
         tokenizer.save_pretrained(staging)
+    write_manifest(staging)
     shutil.rmtree(target, ignore_errors=True)
     os.rename(staging, target)
     return target

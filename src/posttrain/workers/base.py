@@ -67,7 +67,9 @@ class PolicyWorker(Protocol):
 
     def optim_step(self) -> MetricDict:
         """Clip the accumulated gradients, apply them, advance the schedule; metrics `grad_norm` (before
-        clipping) and `learning_rate` (the rate this update used)."""
+        clipping) and `learning_rate` (the rate this update used). An update whose gradient norm (or any
+        micro-batch loss since the last step) is not finite is not applied, and `grad_norm` is then NaN or
+        infinite: the recipe's trainer.on_nonfinite decides what follows."""
         ...
 
     def named_weights(self, adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:

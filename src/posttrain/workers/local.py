@@ -12,6 +12,7 @@ precision, so a policy and its reference read a batch identically.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,6 +94,7 @@ class LocalPolicyWorker(_LocalModel):
         self.model.train()
         self.optimizer = build_optimizer(model, trainer)
         self.scheduler = build_scheduler(self.optimizer, schedule or trainer)
+        self._nonfinite_loss = False
 
     @property
     def is_lora(self) -> bool:
@@ -110,7 +112,9 @@ class LocalPolicyWorker(_LocalModel):
         batch = batch_to(batch, self.device)
         loss, metrics = loss_fn(self._outputs(batch), batch, normalizer)
         loss.backward()
-        return {**metrics, "loss": Metric.sum(loss.item())}
+        value = loss.item()
+        self._nonfinite_loss |= not math.isfinite(value)
+        return {**metrics, "loss": Metric.sum(value)}
 
     def optim_step(self) -> MetricDict:
         learning_rate = self.scheduler.get_last_lr()[0]
@@ -119,10 +123,16 @@ class LocalPolicyWorker(_LocalModel):
                                                    max_norm if max_norm is not None else float("inf"))
         if hasattr(grad_norm, "full_tensor"):  # sharded gradients (FSDP2): the norm over every rank's shard
             grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
+        grad_norm = float("nan") if self._nonfinite_loss else float(grad_norm)
+        # Never apply a non-finite update: the weights stay those of the last good step, whatever the recipe's
+        # trainer.on_nonfinite then decides (stop, or skip and go on). The schedule advances either way, so the
+        # learning rate stays a function of the step.
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = {"grad_norm": Metric.mean(float(grad_norm)), "learning_rate": Metric.mean(learning_rate)}
+        self._nonfinite_loss = False
+        metrics = {"grad_norm": Metric.mean(grad_norm), "learning_rate": Metric.mean(learning_rate)}
         if self.device.type == "cuda":  # the largest of any rank's, under data parallelism
             metrics["peak_memory_gib"] = Metric.max(torch.cuda.max_memory_allocated(self.device) / 2**30)
         return metrics

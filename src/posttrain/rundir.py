@@ -1,0 +1,145 @@
+"""One run per output directory: the lock, the cleanup of dead runs' leftovers, and the guard on `final/`.
+
+- `OUTPUT/.lock` is held (``flock``) for the whole run by its process (rank 0 of a data-parallel run). The
+  kernel releases it on any exit, kill -9 included, so a lock whose holder died is free: the next run takes it
+  over and says whose it was. A second run on a directory in use fails at once, naming the holder's PID, and
+  touches nothing.
+- Staging folders (``.tmp-<what>-<pid>``) are removed only when they are this process's own or their PID is
+  not running: never another live run's.
+- `final/` is replaced only when it holds what an export writes (its manifest's files, or for one written
+  before manifests, the files a Hugging Face model directory holds); a user's own files there stop the run
+  before it starts.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+from posttrain.errors import RunError
+
+LOCK_FILE = ".lock"
+_STAGING = re.compile(r"^\.tmp-.+-(\d+)$")
+_EXPORT_FILES = re.compile(
+    r"^(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
+    r"|pytorch_model.*\.bin|tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json"
+    r"|vocab\.(json|txt)|merges\.txt|chat_template\.(jinja|json)|adapter_config\.json|adapter_model\.safetensors"
+    r"|README\.md|manifest\.json)$"
+)
+"""What save_pretrained of a model, an adapter or a tokenizer writes (an export from before manifests)."""
+
+R = TypeVar("R")
+
+
+def one_run_per_output_dir(train: Callable[..., R]) -> Callable[..., R]:
+    """Decorate a recipe's entry point `train(cfg, ...)`: it runs holding the lock on cfg.output_dir."""
+
+    @functools.wraps(train)
+    def run(cfg, *args, **kwargs) -> R:
+        from posttrain.distributed.env import init_from_env
+
+        init_from_env()  # the lock is rank 0's, and every rank must learn whether it got it
+        with output_dir_lock(cfg.output_dir):
+            return train(cfg, *args, **kwargs)
+
+    return run
+
+
+@contextmanager
+def output_dir_lock(output_dir: str | Path) -> Iterator[None]:
+    """Hold OUTPUT/.lock for the block (rank 0 of a data-parallel run; every rank raises if it is taken)."""
+    from posttrain.distributed.env import broadcast_object, is_main
+
+    out = Path(output_dir)
+    handle, problem = None, None
+    if is_main():
+        try:
+            handle = _acquire(out)
+        except RunError as error:
+            problem = str(error)
+    problem = broadcast_object(problem)
+    if problem is not None:
+        raise RunError(problem)
+    try:
+        yield
+    finally:
+        if handle is not None:
+            handle.truncate(0)  # an empty lock file tells the next run nobody died holding it
+            handle.close()  # closing releases the flock
+
+
+def _acquire(out: Path):
+    if str(out).strip() in ("", "."):
+        raise RunError(f"output_dir {str(out)!r} would write the run into the current directory; give it a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / LOCK_FILE
+    handle = open(path, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise RunError(f"{out} is in use by another run (PID {holder}, lock {path}); wait for it to finish, stop "
+                       "it, or choose another output_dir") from None
+    handle.seek(0)
+    previous = handle.read().strip()
+    if previous and previous != str(os.getpid()):
+        print(f"posttrain: {path}: taking over the lock of PID {previous}, which is no longer running")
+    handle.seek(0)
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def remove_dead_staging(folder: Path) -> list[Path]:
+    """Remove `.tmp-*-<pid>` folders of `folder` whose PID is this process or no longer runs; return them."""
+    removed = []
+    if not folder.is_dir():
+        return removed
+    for child in folder.iterdir():
+        match = _STAGING.match(child.name)
+        if match and (int(match.group(1)) == os.getpid() or not _running(int(match.group(1)))):
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def foreign_files(export_dir: Path) -> list[str]:
+    """Files in `export_dir` that no export wrote (empty when it is absent or holds only an export)."""
+    from posttrain.checkpoint import MANIFEST, read_manifest
+
+    if not export_dir.is_dir():
+        return []
+    present = sorted(str(p.relative_to(export_dir)) for p in export_dir.rglob("*") if p.is_file())
+    manifest = read_manifest(export_dir) if (export_dir / MANIFEST).is_file() else None
+    if manifest is not None:
+        return [name for name in present if name != MANIFEST and name not in manifest]
+    return [name for name in present if not _EXPORT_FILES.match(name)]
+
+
+def check_export_dir(export_dir: Path) -> None:
+    """Refuse to replace `export_dir` (OUTPUT/final or OUTPUT/adapter) when it holds files no export wrote."""
+    extra = foreign_files(export_dir)
+    if extra:
+        shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        raise RunError(f"{export_dir} holds files this run did not write ({shown}); the export would replace the "
+                       "folder: move them, or choose another output_dir")
