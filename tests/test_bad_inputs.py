@@ -91,12 +91,26 @@ def test_the_sampler_never_materialises_a_draw_larger_than_the_data():
     with pytest.raises(ValueError, match="cannot draw 1000000000 indices at once from 200 examples"):
         EpochSampler(200, seed=0).next_indices(10**9)
     assert time.perf_counter() - started < 1
+    # A draw a few times the data wraps into the next epochs, as small files with the default batch need.
+    assert sorted(EpochSampler(5, seed=0).next_indices(15)) == sorted(list(range(5)) * 3)
 
 
-def test_a_group_larger_than_the_generation_batch_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"rollout\.num_generations_per_prompt=1000000000 is more than "
-                                          r"rollout\.generation_batch_size=256"):
+def test_a_file_smaller_than_the_batch_still_trains(tmp_path, tiny_model_dir):
+    from posttrain.algorithms.sft import train_sft
+
+    data = write_jsonl(tmp_path / "five.jsonl", [{"prompt": f"{i}+1=", "completion": str(i + 1)} for i in range(5)])
+    cfg = load_config(SFTConfig, None, [*QUICK, f"model.name_or_path={tiny_model_dir}", f"data.train_files=[{data}]",
+                                        f"output_dir={tmp_path / 'run'}", "trainer.micro_batch_size=8",
+                                        "trainer.max_steps=1"])
+    assert train_sft(cfg).steps == 1
+
+
+def test_an_absurd_group_size_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"rollout\.num_generations_per_prompt.*less than or equal to 4096"):
         load_config(GRPOConfig, None, ["data.train_files=[x.jsonl]", "rollout.num_generations_per_prompt=1000000000"])
+    # A group larger than the generation batch is sampled one group per batch: allowed.
+    load_config(GRPOConfig, None, ["data.train_files=[x.jsonl]", "rollout.num_generations_per_prompt=16",
+                                   "rollout.generation_batch_size=8"])
     # generation_batch_size itself only bounds how many sequences are sampled together: nothing is sized by it.
     load_config(GRPOConfig, None, ["data.train_files=[x.jsonl]", "rollout.generation_batch_size=1000000000"])
 

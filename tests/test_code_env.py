@@ -28,6 +28,20 @@ SLACK_S = 1.5
 ISOLATIONS = ["default", "namespaces", "user-namespace", "audit-hook"]
 
 
+@pytest.fixture(autouse=True)
+def _fallback_allowed_where_namespaces_are_missing(monkeypatch):
+    """These tests check scoring, not isolation: where the machine has no user namespaces they run in the
+    sandbox's fallback, which the code environment refuses unless allowed (that refusal has its own test)."""
+    if sandbox.sandbox_info().namespaces:
+        return
+    original = CodeEnvironment.__init__
+
+    def allowing(self, *args, allow_unisolated_fallback: bool = True, **kwargs):
+        original(self, *args, allow_unisolated_fallback=allow_unisolated_fallback, **kwargs)
+
+    monkeypatch.setattr(CodeEnvironment, "__init__", allowing)
+
+
 class Isolation(NamedTuple):
     name: str
     kwargs: dict

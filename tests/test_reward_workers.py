@@ -160,6 +160,7 @@ def test_memory_limit_fails_the_call_and_the_worker_keeps_serving():
     with build_environment(section.spec()) as env:
         assert env._pool.memory_limit_mb == 256
         step = env.step(logs("1", "512", "1"), [{}] * 3)
+        assert env._pool.workers_replaced == 0  # the MemoryError was the call's, not the worker's end
     assert step.rewards == [1.0, None, 1.0]
     assert "MemoryError" in step.errors[1] and "worker_memory_mb=256 MiB" in step.errors[1]
     assert RewardErrorBudget(max_error_fraction=1.0).record(step.errors).step_errors == 1

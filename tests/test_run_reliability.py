@@ -116,6 +116,10 @@ def _truncate(path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
+def _delete(path: Path) -> None:
+    path.unlink()
+
+
 def _overwrite_4kb(path: Path) -> None:
     with open(path, "r+b") as f:
         f.seek(path.stat().st_size // 2)
@@ -135,7 +139,9 @@ def reference_run(tmp_path_factory) -> list[tuple[int, float]]:
     (_truncate, "rng_state.pt"),
     (_truncate, "trainer_state.json"),
     (_overwrite_4kb, "policy/model.safetensors"),
-], ids=["truncated-model", "truncated-optimizer", "truncated-rng", "truncated-trainer-state", "4kb-overwritten-model"])
+    (_delete, "manifest.json"),
+], ids=["truncated-model", "truncated-optimizer", "truncated-rng", "truncated-trainer-state", "4kb-overwritten-model",
+        "manifest-deleted"])
 def test_damaged_newest_checkpoint_is_skipped_for_the_intact_one(tmp_path: Path, capsys, reference_run, damage, file):
     out = tmp_path / "run"
     _train(out, "trainer.max_steps=4", "trainer.save_every=2")
@@ -245,11 +251,17 @@ def _can_mount_tmpfs() -> str | None:
 @pytest.mark.skipif(_can_mount_tmpfs() is not None, reason=str(_can_mount_tmpfs()))
 def test_disk_full_during_a_checkpoint_is_named_cleaned_up_and_resumable(tmp_path: Path):
     # In a private mount namespace: a 20 MB tmpfs holds one 13 MB checkpoint of the tiny model, not two.
-    mount = tmp_path / "disk"
+    mount, small = tmp_path / "disk", tmp_path / "small"
     mount.mkdir()
+    small.mkdir()
     out = mount / "run"
     cli = shlex.join(_command(out, "trainer.max_steps=6", "trainer.save_every=2", "logging.plot=true"))
+    # 3 MB cannot hold even the 4.3 MB model.safetensors: the weights' own writer (safetensors) fails first.
+    tiny_disk = shlex.join(_command(small / "run", "trainer.max_steps=2", "trainer.save_every=2"))
     script = textwrap.dedent(f"""
+        mount -t tmpfs -o size=3m tmpfs {small}
+        {tiny_disk} > {tmp_path}/small.out 2> {tmp_path}/small.err; echo $? > {tmp_path}/small.rc
+        ls -a {small}/run/checkpoints > {tmp_path}/after_small.ls
         mount -t tmpfs -o size=20m tmpfs {mount}
         {cli} > {tmp_path}/first.out 2> {tmp_path}/first.err; echo $? > {tmp_path}/first.rc
         ls -a {out}/checkpoints > {tmp_path}/after_first.ls
@@ -272,6 +284,12 @@ def test_disk_full_during_a_checkpoint_is_named_cleaned_up_and_resumable(tmp_pat
     assert "resuming from" in read("second.out") and "(step 2)" in read("second.out")
     assert read("after_second.ls").split() == [".", "..", "step_4", "step_6"]
     assert "model.safetensors" in read("final.ls").split()
+
+    assert read("small.rc").strip() == "1"
+    small_err = read("small.err")
+    assert "could not write checkpoint step 2" in small_err and "no space left on the device" in small_err
+    assert "there is no earlier checkpoint" in small_err and "Traceback" not in small_err
+    assert read("after_small.ls").split() == [".", ".."]
 
 
 # ---- row 15: the output directory itself ------------------------------------------------------------------------

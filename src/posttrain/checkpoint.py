@@ -45,6 +45,8 @@ CHECKPOINT_DIR = "checkpoints"
 FINAL_DIR = "final"
 POLICY = "policy"
 MANIFEST = "manifest.json"
+CHECKPOINT_FORMAT = 2
+"""trainer_state.json's `format`: 2 for checkpoints with a manifest (one without it is then damaged)."""
 DAMAGED_SUFFIX = ".damaged"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -131,8 +133,9 @@ def _set_aside(path: Path) -> Path:
 
 def write_manifest(directory: Path) -> None:
     """DIRECTORY/manifest.json: the size and SHA-256 of every other file below `directory`."""
-    files = {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": _sha256(p)}
-             for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    paths = [p for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST]
+    files = {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": digest}
+             for p, digest in zip(paths, _sha256_all(paths))}
     (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
 
 
@@ -144,21 +147,36 @@ def verify_checkpoint(directory: Path) -> str | None:
     """What is wrong with the checkpoint in `directory` (a missing, truncated or altered file), or None. One
     written before manifests is checked only for its trainer_state.json."""
     if not (directory / MANIFEST).is_file():
-        return None if (directory / "trainer_state.json").is_file() else f"{MANIFEST} missing"
+        try:
+            written_with_manifest = json.loads((directory / "trainer_state.json").read_text()).get("format", 1) >= 2
+        except (OSError, ValueError, AttributeError) as error:
+            return f"{MANIFEST} missing and trainer_state.json unreadable ({error})"
+        return f"{directory / MANIFEST} is missing" if written_with_manifest else None
     try:
         files = read_manifest(directory)
-    except (ValueError, KeyError) as error:
-        return f"{directory / MANIFEST} is unreadable ({error})"
-    for name, expected in files.items():
-        path = directory / name
-        if not path.is_file():
-            return f"{path} is missing"
-        size = path.stat().st_size
-        if size != expected["size"]:
-            return f"{path} has {size} bytes, {expected['size']} were written"
-        if _sha256(path) != expected["sha256"]:
-            return f"{path} does not match the checksum written with it"
+        for name, expected in files.items():
+            path = directory / name
+            if not path.is_file():
+                return f"{path} is missing"
+            size = path.stat().st_size
+            if size != expected["size"]:
+                return f"{path} has {size} bytes, {expected['size']} were written"
+        paths = [directory / name for name in files]
+        for path, digest in zip(paths, _sha256_all(paths)):
+            if digest != files[str(path.relative_to(directory))]["sha256"]:
+                return f"{path} does not match the checksum written with it"
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"{directory} could not be checked ({type(error).__name__}: {error})"
     return None
+
+
+def _sha256_all(paths: list[Path]) -> list[str]:
+    """SHA-256 of each file, several at a time (hashlib releases the GIL on large blocks): a sharded checkpoint
+    is many files, and rank 0 hashes all of them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(paths)))) as pool:
+        return list(pool.map(_sha256, paths))
 
 
 def _sha256(path: Path) -> str:
@@ -191,8 +209,9 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     keep_last: int,
 ) -> Checkpoint:
-    """Write checkpoint `step` atomically (every worker into its role's folder, then the RNG and trainer state),
-    then delete all but the `keep_last` newest."""
+    """Write checkpoint `step` atomically (every worker into its role's folder, then the RNG and trainer state,
+    then the manifest), then delete all but the `keep_last` newest. A write the file system refuses removes the
+    staging folder and raises RunError on every rank."""
     from posttrain.distributed.env import barrier, broadcast_object, is_main
     from posttrain.rundir import remove_dead_staging
 
@@ -201,6 +220,7 @@ def save_checkpoint(
     # every rank has finished writing.
     staging = root / f".tmp-step_{step}-{broadcast_object(os.getpid())}"
     target = root / f"step_{step}"
+    problem = None
     try:
         if is_main():
             root.mkdir(parents=True, exist_ok=True)
@@ -211,20 +231,26 @@ def save_checkpoint(
         barrier()
         if is_main():
             torch.save(capture_rng_state(), staging / "rng_state.pt")
-            (staging / "trainer_state.json").write_text(json.dumps({**trainer_state, "step": step}, indent=2) + "\n")
+            state = {**trainer_state, "step": step, "format": CHECKPOINT_FORMAT}
+            (staging / "trainer_state.json").write_text(json.dumps(state, indent=2) + "\n")
             # The manifest is what marks a checkpoint complete and checkable: written last, flushed, renamed.
             write_manifest(staging)
             _fsync_tree(staging)
-    except (OSError, RuntimeError) as error:
+    except BaseException as error:  # noqa: BLE001 - classified below; anything else is re-raised unchanged
         reason = describe_write_failure(error, root)
-        shutil.rmtree(staging, ignore_errors=True)
         if reason is None:
             raise
+        problem = (error, reason)
+    # Rank 0's own writes fail on rank 0 alone: every rank learns of it here, so none waits in a collective.
+    failed = broadcast_object(None if problem is None else problem[1])
+    if failed is not None:
+        if is_main():
+            shutil.rmtree(staging, ignore_errors=True)
         previous = latest_checkpoint(output_dir)
-        raise RunError(f"could not write checkpoint step {step} into {staging}: {reason}. The partial checkpoint "
+        raise RunError(f"could not write checkpoint step {step} into {staging}: {failed}. The partial checkpoint "
                        f"was removed; {f'{previous.path} is intact' if previous else 'there is no earlier checkpoint'}"
                        ". Free space (or fix the permissions) and run the same command again to resume"
-                       f"{f' from step {previous.step}' if previous else ''}") from error
+                       f"{f' from step {previous.step}' if previous else ''}") from (problem[0] if problem else None)
     if is_main():
         if target.exists():  # the same step saved again (a resumed run that re-reached it): replace it
             shutil.rmtree(target)
@@ -236,17 +262,36 @@ def save_checkpoint(
     return Checkpoint(target, step)
 
 
+_FILE_SYSTEM_ERRORS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
+                       errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+                       errno.EPERM: "permission denied"}
+_OS_ERROR_TEXT = re.compile(r"os error (\d+)|\[Errno (\d+)\]")
+
+
 def describe_write_failure(error: BaseException, where: Path) -> str | None:
     """Why writing below `where` failed, in words, when it is the file system's doing (disk full, quota,
-    read-only, permissions); None for other errors. torch.save reports a full disk as a RuntimeError
-    ("unexpected pos", "failed writing file"), so a RuntimeError counts when the disk has no room left."""
-    codes = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
-             errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
-             errno.EPERM: "permission denied"}
-    if isinstance(error, OSError) and error.errno in codes:
-        return f"{codes[error.errno]} ({error.filename or where})"
-    if isinstance(error, RuntimeError) and _nearly_full(where):
-        return f"no space left on the device ({error})"
+    read-only, permissions); None for other errors. The writers report it in several shapes: an OSError;
+    safetensors' own error type, whose text carries "os error 28"; torch.save's RuntimeError ("unexpected pos",
+    "failed writing file", counted when the disk has no room left); and torch.distributed.checkpoint's
+    CheckpointException, which holds each rank's error."""
+    if isinstance(error, OSError) and error.errno in _FILE_SYSTEM_ERRORS:
+        return f"{_FILE_SYSTEM_ERRORS[error.errno]} ({error.filename or where})"
+    failures = getattr(error, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+    if isinstance(failures, Mapping):
+        for failure in failures.values():
+            cause = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(cause, BaseException):
+                reason = describe_write_failure(cause, where)
+                if reason is not None:
+                    return reason
+    if not isinstance(error, Exception) or isinstance(error, (KeyboardInterrupt, MemoryError)):
+        return None
+    match = _OS_ERROR_TEXT.search(str(error))
+    if match and int(match.group(1) or match.group(2)) in _FILE_SYSTEM_ERRORS:
+        return f"{_FILE_SYSTEM_ERRORS[int(match.group(1) or match.group(2))]} ({where}: {error})"
+    if isinstance(error, RuntimeError) or type(error).__name__ == "SafetensorError":
+        if _nearly_full(where):
+            return f"no space left on the device ({error})"
     return None
 
 
@@ -335,7 +380,7 @@ def export_final(output_dir: str | Path, model: PreTrainedModel, tokenizer: PreT
         tokenizer.save_pretrained(staging)
         write_manifest(staging)
         _fsync_tree(staging)
-    except (OSError, RuntimeError) as error:
+    except BaseException as error:  # noqa: BLE001 - classified below; anything else is re-raised unchanged
         reason = describe_write_failure(error, staging)
         shutil.rmtree(staging, ignore_errors=True)
         if reason is None:

@@ -218,15 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"posttrain {recipe.name}: {err}", file=sys.stderr)
         return 1
     except OSError as err:
-        from pathlib import Path
+        import errno
 
-        from posttrain.checkpoint import describe_write_failure
-
-        reason = describe_write_failure(err, Path(err.filename or "."))
-        if reason is None:
+        # Only what the file system refuses to store (checkpoints and exports say so themselves, as RunError).
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
             raise
-        print(f"posttrain {recipe.name}: could not write: {reason}; nothing written before it was lost, and the "
-              "run resumes from its newest checkpoint once this is fixed", file=sys.stderr)
+        print(f"posttrain {recipe.name}: could not write {err.filename or 'a file'}: {os.strerror(err.errno)}; "
+              "the run resumes from its newest checkpoint once this is fixed", file=sys.stderr)
         return 1
 
 

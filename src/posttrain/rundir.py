@@ -29,11 +29,13 @@ LOCK_FILE = ".lock"
 _STAGING = re.compile(r"^\.tmp-.+-(\d+)$")
 _EXPORT_FILES = re.compile(
     r"^(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
-    r"|pytorch_model.*\.bin|tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json"
-    r"|vocab\.(json|txt)|merges\.txt|chat_template\.(jinja|json)|adapter_config\.json|adapter_model\.safetensors"
-    r"|README\.md|manifest\.json)$"
+    r"|pytorch_model.*\.bin(\.index\.json)?|tokenizer(_config)?\.json|[\w.-]*\.model|[\w.-]*\.tiktoken"
+    r"|special_tokens_map\.json|added_tokens\.json|preprocessor_config\.json|processor_config\.json"
+    r"|vocab\.(json|txt)|merges\.txt|chat_template\.(jinja|json)|adapter_config\.json"
+    r"|adapter_model\.(safetensors|bin)|README\.md|manifest\.json|\.gitattributes|\.cache/.*)$"
 )
-"""What save_pretrained of a model, an adapter or a tokenizer writes (an export from before manifests)."""
+"""What save_pretrained of a model, an adapter, a tokenizer or a processor writes, and what a hub upload
+leaves beside it (an export from before manifests)."""
 
 R = TypeVar("R")
 
@@ -92,6 +94,7 @@ def _acquire(out: Path):
     handle.seek(0)
     previous = handle.read().strip()
     if previous and previous != str(os.getpid()):
+        # The lock was free, so its last holder exited without releasing it in the usual way (it was killed).
         print(f"posttrain: {path}: taking over the lock of PID {previous}, which is no longer running")
     handle.seek(0)
     handle.truncate(0)

@@ -393,8 +393,9 @@ class RolloutSection(Section):
     prompts_per_step: int = Field(16, gt=0)
     """Prompts drawn per RL step (groups in the rollout batch)."""
 
-    num_generations_per_prompt: int = Field(8, gt=0)
-    """Completions sampled per prompt: the group that group-relative advantages compare."""
+    num_generations_per_prompt: int = Field(8, gt=0, le=4096)
+    """Completions sampled per prompt: the group that group-relative advantages compare (at most 4096: every
+    sample of a step is held in memory, so a larger group is a mistyped number, not a recipe)."""
 
     max_new_tokens: int = Field(256, gt=0)
     """Completion budget in tokens per turn; a completion that reaches it is truncated."""
@@ -636,12 +637,6 @@ class GRPOConfig(RecipeConfig):
         if self.advantage.estimator in ("grpo", "rloo", "gdpo") and self.rollout.num_generations_per_prompt < 2:
             raise ValueError(f"advantage.estimator={self.advantage.estimator!r} compares samples of a group: "
                              "rollout.num_generations_per_prompt must be at least 2")
-        if self.rollout.backend == "transformers" and \
-                self.rollout.num_generations_per_prompt > self.rollout.generation_batch_size:
-            raise ValueError(f"rollout.num_generations_per_prompt={self.rollout.num_generations_per_prompt} is more "
-                             f"than rollout.generation_batch_size={self.rollout.generation_batch_size}: the "
-                             "transformers backend samples a prompt's whole group in one batch; raise "
-                             "generation_batch_size or lower num_generations_per_prompt")
         if self.rollout.overlong_buffer_length >= self.rollout.max_new_tokens:
             raise ValueError("rollout.overlong_buffer_length must be smaller than rollout.max_new_tokens")
         try:

@@ -10,6 +10,11 @@ import torch
 from posttrain.config.schema import TrainerConfig
 from posttrain.errors import RunError
 
+MAX_PASSES_PER_STEP = 64
+"""The most times one optimizer step may go over the whole training set. A step larger than the data only
+weights its examples (a 5-row file with micro_batch_size 8 trains fine); one that would go over it more than
+this many times is a mistyped knob (micro_batch_size=1000000000), refused before anything is built for it."""
+
 
 def check_step_fits(trainer: TrainerConfig, num_examples: int, what: str = "training examples") -> None:
     """`check_draw_fits` for the recipes whose step is micro_batch_size × gradient_accumulation_steps examples
@@ -19,24 +24,24 @@ def check_step_fits(trainer: TrainerConfig, num_examples: int, what: str = "trai
 
 
 def check_draw_fits(knobs: Mapping[str, int], num_examples: int, what: str) -> None:
-    """Refuse a step that would draw more examples than the data holds, before any model loads.
+    """Refuse a step that would go over the data more than MAX_PASSES_PER_STEP times, before any model loads.
 
     knobs: the config keys whose product is the number of examples one step draws, with their values, e.g.
         {"trainer.micro_batch_size": 8, "trainer.gradient_accumulation_steps": 4}.
     what: what the examples are, for the message ("training examples", "training prompts").
 
-    A step larger than the data would hold some examples twice, which only weights them, and every drawn index,
-    example and batch is held in memory: a mistyped knob (micro_batch_size=1000000000) would otherwise fill it
-    for minutes before anything is printed. Raises RunError naming the knobs and the data size.
+    Every drawn index, example and batch of a step is held in memory, so a mistyped knob
+    (micro_batch_size=1000000000) would otherwise fill it for minutes before anything is printed. Raises
+    RunError naming the knobs and the data size.
     """
     per_step = math.prod(knobs.values())
-    if per_step <= num_examples:
+    if per_step <= MAX_PASSES_PER_STEP * num_examples:
         return
     settings = " × ".join(f"{key}={value}" for key, value in knobs.items())
     product = f" = {per_step}" if len(knobs) > 1 else ""
-    raise RunError(f"{settings}{product} {what} per step, but data.train_files hold only {num_examples}; one "
-                   f"step would draw some of them twice. Lower {' or '.join(knobs)} so that a step draws at most "
-                   f"{num_examples}, or give more data")
+    raise RunError(f"{settings}{product} {what} per step, but data.train_files hold only {num_examples}: one "
+                   f"step would go over them {per_step // num_examples} times (at most {MAX_PASSES_PER_STEP} is "
+                   f"allowed). Lower {' or '.join(knobs)}, or give more data")
 
 
 class EpochSampler:
@@ -64,9 +69,10 @@ class EpochSampler:
 
     def next_indices(self, count: int) -> list[int]:
         """The next `count` indices, continuing into the next epoch's order when this one runs out. count is at
-        most num_examples (recipes check it with `check_draw_fits` before any model loads)."""
-        if count > self.num_examples:
-            raise ValueError(f"cannot draw {count} indices at once from {self.num_examples} examples")
+        at most MAX_PASSES_PER_STEP × num_examples (recipes check it with `check_draw_fits` before any model loads)."""
+        if count > MAX_PASSES_PER_STEP * self.num_examples:
+            raise ValueError(f"cannot draw {count} indices at once from {self.num_examples} examples (at most "
+                             f"{MAX_PASSES_PER_STEP} passes over them)")
         out: list[int] = []
         while len(out) < count:
             if self.position == self.num_examples:

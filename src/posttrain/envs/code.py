@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from posttrain.errors import RunError
 from posttrain.envs import sandbox
 from posttrain.envs.base import (
     EnvStep,
@@ -63,7 +64,7 @@ def normalize_output(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
 
 
-class UnisolatedSandboxError(RuntimeError):
+class UnisolatedSandboxError(RunError):
     """The sandbox would run without namespace isolation, and the user did not allow that."""
 
 

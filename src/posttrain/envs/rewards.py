@@ -79,11 +79,13 @@ DEFAULT_WORKER_MEMORY_MB = 4096
 """Address-space limit of a reward worker (config: environment.worker_memory_mb)."""
 OUTPUT_TAIL_BYTES = 1024
 """How much of a failed call's stdout and stderr (its last bytes) its error shows."""
-SUPERVISOR_GRACE_S = 5.0
-"""How long past a call's deadline the pool waits for the supervisor's word before killing it itself."""
+SUPERVISOR_GRACE_S = 15.0
+"""How long past a call's deadline the pool waits for the supervisor's word before killing it itself: longer
+than the supervisor's own tree kill may take (reward_worker.KILL_TREE_TIMEOUT_S, 5 s), so the pool never cuts
+that cleanup short."""
 SUPERVISOR_EXIT_WAIT_S = 5.0
 """How long a supervisor may take to kill its worker's tree and exit once the pool lets it go."""
-WORKER_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+WORKER_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS")
 """Set to 1 in workers unless already set (see `_worker_environment`)."""
 
 
@@ -451,6 +453,11 @@ class RewardWorkerPool:
         of each worker and of what it starts (RLIMIT_AS); 0 for none."""
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
+        if not sys.platform.startswith("linux"):
+            # The supervisor's guarantees rest on Linux alone (prctl's subreaper and parent-death signal, /proc).
+            raise RewardError(f"reward worker processes need Linux, and this is {sys.platform}; set "
+                              "environment.options.num_workers=0 to score in the training process (without the "
+                              "workers' memory limit, output capture and time limits)")
         if memory_limit_mb < 0:
             raise ValueError(f"memory_limit_mb must be 0 (no limit) or more, got {memory_limit_mb}")
         self.num_workers = num_workers
@@ -484,11 +491,12 @@ class RewardWorkerPool:
         try:
             kind, message, output = worker.inbox.recv()
         except (EOFError, OSError):
-            raise RuntimeError(
+            raise RewardError(
                 f"a reward worker failed to start ({worker.exit_description()}); its stderr above says why"
             ) from None
         if kind != "ready":  # "startup_error" (the scorer did not import) or "died"
-            raise RuntimeError(f"a reward worker failed to start: {message}{_output_note(output)}")
+            raise RewardError(f"a reward worker failed to start: {message}{_output_note(output)} (an import that "
+                              "needs more address space than environment.worker_memory_mb fails here too)")
         worker.ready = True
 
     def run(self, tasks: Sequence[Task]) -> list[CallOutcome]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from posttrain.checkpoint import (
+    check_finite_weights,
     export_final,
     is_sharded,
     load_optimizer_state,
@@ -123,7 +124,7 @@ class LocalPolicyWorker(_LocalModel):
                                                    max_norm if max_norm is not None else float("inf"))
         if hasattr(grad_norm, "full_tensor"):  # sharded gradients (FSDP2): the norm over every rank's shard
             grad_norm = grad_norm.full_tensor()
-        grad_norm = float("nan") if self._nonfinite_loss else float(grad_norm)
+        grad_norm = float("nan") if self._any_rank_nonfinite_loss() else float(grad_norm)
         # Never apply a non-finite update: the weights stay those of the last good step, whatever the recipe's
         # trainer.on_nonfinite then decides (stop, or skip and go on). The schedule advances either way, so the
         # learning rate stays a function of the step.
@@ -136,6 +137,19 @@ class LocalPolicyWorker(_LocalModel):
         if self.device.type == "cuda":  # the largest of any rank's, under data parallelism
             metrics["peak_memory_gib"] = Metric.max(torch.cuda.max_memory_allocated(self.device) / 2**30)
         return metrics
+
+    def _any_rank_nonfinite_loss(self) -> bool:
+        """Whether a micro-batch loss since the last step was not finite, here or on any data-parallel rank: every
+        rank must make the same skip decision, or their shards of the model would part ways."""
+        from posttrain.distributed.env import is_distributed
+
+        if not is_distributed():
+            return self._nonfinite_loss
+        import torch.distributed as dist
+
+        flag = torch.tensor([float(self._nonfinite_loss)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def named_weights(self, adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         if not self.is_lora:
@@ -242,6 +256,7 @@ def export_model(output_dir: Path, model: torch.nn.Module, tokenizer) -> Exporte
     """OUTPUT/final/ from an unsharded model; a LoRA model first writes its adapter alone to OUTPUT/adapter/ and
     is then merged into its base (in place) for final/."""
     adapter_dir = None
+    check_finite_weights(model, Path(output_dir) / "final")  # before adapter/ too: nothing is written from NaN
     if is_lora_model(model):
         adapter_dir = save_adapter(model, Path(output_dir) / ADAPTER_DIR, tokenizer)
         model = merged_model(model)
