@@ -205,17 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         return recipe.run(cfg, args)
-    except DataError as err:
-        print(f"posttrain {recipe.name}: bad data: {err}", file=sys.stderr)
-        return 1
-    except ModelNotFoundError as err:
-        print(f"posttrain {recipe.name}: {err}", file=sys.stderr)
-        return 1
-    except RewardError as err:
-        print(f"posttrain {recipe.name}: reward failed: {err}", file=sys.stderr)
-        return 1
-    except RunError as err:
-        print(f"posttrain {recipe.name}: {err}", file=sys.stderr)
+    except (DataError, ModelNotFoundError, RewardError, RunError) as err:
+        # What a user can fix, said in one line: bad data, a missing model, a broken reward, a run that cannot go on.
+        kind = "bad data: " if isinstance(err, DataError) else "reward failed: " if isinstance(err, RewardError) else ""
+        print(f"posttrain {recipe.name}: {kind}{err}", file=sys.stderr)
         return 1
     except OSError as err:
         import errno
