@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -249,6 +251,19 @@ def test_grpo_rows_missing_the_environments_column_fail_with_the_data_before_a_m
                                          "rollout.prompts_per_step=1"])
     with pytest.raises(DataError, match=expected):
         grpo.train_grpo(cfg)
+
+
+def test_an_option_value_the_environment_refuses_is_a_message_not_a_traceback(tmp_path, tiny_model_dir):
+    path = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "1+1=", "tests": "assert True"}])
+    result = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "grpo", *QUICK, f"model.name_or_path={tiny_model_dir}",
+         f"data.train_files=[{path}]", f"output_dir={tmp_path / 'run'}", "environment.kind=code",
+         "environment.options={time_limit_s: -1.0}", "rollout.prompts_per_step=1"],
+        capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "environment.options of the code environment: time_limit_s" in result.stderr and "must be positive" \
+        in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("options, expected", [

@@ -249,7 +249,7 @@ def _can_mount_tmpfs() -> str | None:
 
 
 @pytest.mark.skipif(_can_mount_tmpfs() is not None, reason=str(_can_mount_tmpfs()))
-def test_disk_full_during_a_checkpoint_is_named_cleaned_up_and_resumable(tmp_path: Path):
+def test_disk_full_or_read_only_is_named_cleaned_up_and_resumable(tmp_path: Path):
     # In a private mount namespace: a 20 MB tmpfs holds one 13 MB checkpoint of the tiny model, not two.
     mount, small = tmp_path / "disk", tmp_path / "small"
     mount.mkdir()
@@ -258,7 +258,12 @@ def test_disk_full_during_a_checkpoint_is_named_cleaned_up_and_resumable(tmp_pat
     cli = shlex.join(_command(out, "trainer.max_steps=6", "trainer.save_every=2", "logging.plot=true"))
     # 3 MB cannot hold even the 4.3 MB model.safetensors: the weights' own writer (safetensors) fails first.
     tiny_disk = shlex.join(_command(small / "run", "trainer.max_steps=2", "trainer.save_every=2"))
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    on_readonly = shlex.join(_command(readonly / "run", "trainer.max_steps=2"))
     script = textwrap.dedent(f"""
+        mount -t tmpfs -o ro,size=1m tmpfs {readonly}
+        {on_readonly} > {tmp_path}/ro.out 2> {tmp_path}/ro.err; echo $? > {tmp_path}/ro.rc
         mount -t tmpfs -o size=3m tmpfs {small}
         {tiny_disk} > {tmp_path}/small.out 2> {tmp_path}/small.err; echo $? > {tmp_path}/small.rc
         ls -a {small}/run/checkpoints > {tmp_path}/after_small.ls
@@ -284,6 +289,10 @@ def test_disk_full_during_a_checkpoint_is_named_cleaned_up_and_resumable(tmp_pat
     assert "resuming from" in read("second.out") and "(step 2)" in read("second.out")
     assert read("after_second.ls").split() == [".", "..", "step_4", "step_6"]
     assert "model.safetensors" in read("final.ls").split()
+
+    assert read("ro.rc").strip() == "1"
+    assert f"could not write {readonly / 'run'}: Read-only file system" in read("ro.err")
+    assert "Traceback" not in read("ro.err")
 
     assert read("small.rc").strip() == "1"
     small_err = read("small.err")

@@ -28,6 +28,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
+from posttrain.errors import RunError
 from posttrain.envs.arithmetic_env import ArithmeticEnvironment
 from posttrain.envs.base import Environment
 from posttrain.envs.code import CodeEnvironment
@@ -65,7 +66,14 @@ def build_environment(spec: Mapping[str, Any]) -> Environment:
     problems = option_problems(kind, options)
     if problems:
         raise TypeError(f"environment kind {kind!r}: {'; '.join(problems)}")
-    return ENVIRONMENTS[kind](**options)
+    try:
+        return ENVIRONMENTS[kind](**options)
+    except ValueError as error:  # a constructor refusing an option's value (a negative time limit, say)
+        raise EnvironmentOptionError(f"environment.options of the {kind} environment: {error}") from error
+
+
+class EnvironmentOptionError(RunError, ValueError):
+    """An environment's constructor refused the value of one of its options: a message, not a traceback."""
 
 
 def option_problems(kind: str, options: Mapping[str, Any]) -> list[str]:
