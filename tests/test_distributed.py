@@ -211,6 +211,47 @@ def test_lora_on_two_ranks_equals_one_process_and_resumes(tmp_path, tiny_model_d
     shutil.rmtree(resumed / "final")
     _run("sft", resumed, args)  # 2 -> 1
     _assert_same_run(tmp_path / "one", resumed)
+    resumed_on_two = tmp_path / "resumed-on-two"
+    shutil.copytree(tmp_path / "one", resumed_on_two)
+    shutil.rmtree(resumed_on_two / "checkpoints" / "step_6")
+    shutil.rmtree(resumed_on_two / "final")
+    _run("sft", resumed_on_two, args, nproc=2)  # 1 -> 2: a one-process adapter checkpoint on two ranks
+    _assert_same_run(tmp_path / "one", resumed_on_two)
+    _assert_same_weights(tmp_path / "one" / "final", resumed_on_two / "final")
+
+
+def test_lora_merged_weights_on_two_ranks_equal_one_process(tmp_path, tiny_model_dir):
+    """What a data-parallel LoRA policy hands a generator (`named_weights()`, adapters merged) equals a local
+    worker's, restored from the same one-process checkpoint."""
+    from safetensors.torch import load_file
+
+    from posttrain.config.schema import LoraSection, ModelConfig, TrainerConfig
+    from posttrain.models.loading import load_tokenizer
+    from posttrain.workers.local import build_policy
+
+    args = [*COMMON, "lora.enabled=true", "lora.r=4", "lora.alpha=8", "trainer.learning_rate=1e-2",
+            f"data.train_files=[{_sft_rows(tmp_path / 'rows.jsonl')}]", "trainer.max_steps=3", "trainer.save_every=3"]
+    _run("sft", tmp_path / "run", args)
+    policy_dir = tmp_path / "run" / "checkpoints" / "step_3" / "policy"
+    out = tmp_path / "merged.safetensors"
+    process = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              str(Path(__file__).with_name("lora_weights_on_ranks.py")), str(policy_dir), str(out)],
+                             capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert process.returncode == 0, (process.stdout + process.stderr)[-4000:]
+    model = ModelConfig(name_or_path="posttrain/tiny")
+    local = build_policy(model, LoraSection(enabled=True, r=4, alpha=8), TrainerConfig(num_threads=1),
+                         load_tokenizer(model, padding_side="right"), torch.device("cpu"), resume_dir=policy_dir)
+    expected = dict(local.named_weights())
+    gathered = load_file(out)
+    assert gathered.keys() == expected.keys()
+    assert not any("lora_" in name or "base_layer" in name for name in gathered)
+    for name in expected:
+        torch.testing.assert_close(gathered[name], expected[name], atol=1e-6, rtol=0, msg=name)
+    from transformers import AutoModelForCausalLM
+
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    changed = [name for name in expected if not torch.equal(expected[name], start[name])]
+    assert any(name.endswith("q_proj.weight") for name in changed), "the adapters were not merged in"
 
 
 def test_grpo_on_two_ranks_equals_one_process_and_resumes(tmp_path, tiny_model_dir):

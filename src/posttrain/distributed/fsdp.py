@@ -39,7 +39,7 @@ from posttrain.distributed.env import barrier, is_main, rank, world_size
 from posttrain.workers.base import Exported, LossFn
 from posttrain.workers.forward import AnyBatch
 from posttrain.models.lora import ADAPTER_DIR
-from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker, export_model
+from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker, export_model, merged_lora_weights
 from posttrain.workers.metrics import Metric, MetricDict, all_reduce_metrics
 
 def shard_module(model: torch.nn.Module, trainer: TrainerConfig, cpu_offload: bool = False) -> torch.nn.Module:
@@ -76,6 +76,7 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
         """unsharded: builds a plain copy of the starting model (with fresh adapters for LoRA) on the CPU, which
         rank 0 fills with the gathered weights to export a LoRA model (merging needs the peft module whole)."""
         self._unsharded = unsharded
+        self._plain: torch.nn.Module | None = None
         shard_module(model, trainer, cpu_offload)
         super().__init__(model, tokenizer, trainer, schedule, role)
 
@@ -106,8 +107,12 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
         elif adapters_only:
             yield from ((name, tensor) for name, tensor in weights.items() if "lora_" in name)
         else:
-            raise NotImplementedError("the merged weights of a LoRA model sharded over several processes are not "
-                                      "gathered yet; ask for adapters_only=True, or export the model")
+            # Merging needs the peft module whole: each rank fills its own unsharded copy (kept between calls,
+            # like the generator's copy a data-parallel GRPO run keeps) with the gathered weights and merges it.
+            if self._plain is None:
+                self._plain = self._unsharded()
+            load_exactly(self._plain, weights)
+            yield from merged_lora_weights(self._plain)
 
     def save(self, directory: Path) -> None:
         if is_main():
@@ -128,11 +133,12 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
             from safetensors.torch import load_file
 
             if self.is_lora:
-                raise ValueError(f"{directory} is a LoRA adapter checkpoint written by one process; resume it in one "
-                                 "process (a LoRA checkpoint written by several processes resumes on any number)")
-            weights: dict[str, torch.Tensor] = {}
-            for file in sorted(directory.glob("*.safetensors")):
-                weights.update(load_file(file))
+                weights = adapter_weights_by_name(self.model, load_file(directory / "adapter_model.safetensors"),
+                                                  directory)
+            else:
+                weights = {}
+                for file in sorted(directory.glob("*.safetensors")):
+                    weights.update(load_file(file))
             set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
             set_optimizer_state_dict(self.model, self.optimizer, by_name_optimizer_state(
                 self.model, self.optimizer, torch.load(directory / "optimizer.pt", weights_only=True)),
@@ -144,12 +150,8 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
         exported = Exported(Path(output_dir) / "final", Path(output_dir) / ADAPTER_DIR if self.is_lora else None)
         if is_main():
             if self.is_lora:
-                plain = self._unsharded()
-                missing, unexpected = plain.load_state_dict({k: v.detach().cpu() for k, v in weights.items()},
-                                                            strict=False)
-                if missing or unexpected:
-                    raise ValueError(f"gathered LoRA weights do not fit: missing {missing[:5]}, unexpected "
-                                     f"{unexpected[:5]}")
+                plain = self._plain if self._plain is not None else self._unsharded()
+                load_exactly(plain, weights)
                 exported = export_model(output_dir, plain, self.tokenizer)
             else:
                 exported = Exported(export_final(output_dir, unsharded_copy(self.model, weights), self.tokenizer))
@@ -166,6 +168,31 @@ class FSDP2ScoringWorker(LocalScoringWorker):
         model.requires_grad_(False)
         shard_module(model, trainer, cpu_offload)
         super().__init__(model, trainer, role)
+
+
+def load_exactly(plain: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Gathered full weights into an unsharded copy of the same (LoRA) model; every key must fit."""
+    missing, unexpected = plain.load_state_dict({k: v.detach().cpu() for k, v in weights.items()}, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"gathered LoRA weights do not fit: missing {missing[:5]}, unexpected {unexpected[:5]}")
+
+
+def adapter_weights_by_name(model: torch.nn.Module, adapter: dict[str, torch.Tensor],
+                            directory: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a peft adapter file (saved without the adapter's name in its keys) keyed by the names of
+    `model`'s LoRA parameters, as set_model_state_dict reads them; every adapter tensor must have a place and every
+    LoRA parameter a tensor."""
+    places = {}
+    for name, _ in model.named_parameters():
+        if "lora_" in name:
+            adapter_name = name.split("lora_", 1)[1].split(".")[1]  # lora_A.<adapter>.weight
+            places[name.replace(f".{adapter_name}.", ".")] = name
+    unexpected = sorted(set(adapter) - set(places))
+    missing = sorted(set(places) - set(adapter))
+    if unexpected or missing:
+        raise ValueError(f"{directory}: the adapter does not fit this LoRA model: no place for {unexpected[:3]}, "
+                         f"no tensor for {missing[:3]}")
+    return {places[key]: tensor for key, tensor in adapter.items()}
 
 
 def by_name_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> dict:

@@ -161,16 +161,7 @@ class LocalPolicyWorker(_LocalModel):
         if adapters_only:
             yield from get_peft_model_state_dict(self.model).items()
             return
-        # Merge, copy the merged tensors out under the base model's names, unmerge: the adapters keep training.
-        self.model.merge_adapter()
-        try:
-            merged = [(name, tensor.detach().clone()) for name, tensor in self.model.get_base_model().state_dict().items()]
-        finally:
-            self.model.unmerge_adapter()
-        for name, tensor in merged:
-            if "lora_" in name or ".original_module." in name:
-                continue
-            yield name.replace(".base_layer.", ".").replace(".modules_to_save.default.", "."), tensor
+        yield from merged_lora_weights(self.model)
 
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
@@ -261,6 +252,18 @@ def export_model(output_dir: Path, model: torch.nn.Module, tokenizer) -> Exporte
         adapter_dir = save_adapter(model, Path(output_dir) / ADAPTER_DIR, tokenizer)
         model = merged_model(model)
     return Exported(export_final(output_dir, model, tokenizer), adapter_dir)
+
+
+def merged_lora_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A peft LoRA model's weights with the adapters merged in, under the base model's Hugging Face names (what a
+    generator loads). The merge is undone afterwards: the adapters keep training."""
+    model.merge_adapter()
+    try:
+        merged = [(name, tensor.detach().clone()) for name, tensor in model.get_base_model().state_dict().items()]
+    finally:
+        model.unmerge_adapter()
+    return [(name.replace(".base_layer.", ".").replace(".modules_to_save.default.", "."), tensor)
+            for name, tensor in merged if "lora_" not in name and ".original_module." not in name]
 
 
 def load_weights(model: torch.nn.Module, directory: Path) -> None:
