@@ -76,12 +76,57 @@ def test_cross_field_validation():
 
 def test_shipped_configs_validate():
     from posttrain.config import DPOConfig, RMConfig
-    from posttrain.config.schema import GRPOConfig
+    from posttrain.config.schema import GRPOConfig, PPOConfig
 
     root = Path(__file__).resolve().parents[1] / "configs"
     shipped = sorted(root.glob("*.yaml"))
     assert len(shipped) >= 15
-    schemas = {"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig}
+    schemas = {"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig, "ppo": PPOConfig}
     for path in shipped:
         # Every other preset is an online RL one (grpo, dapo, gspo, cispo, rloo, dr_grpo, gdpo).
         load_config(schemas.get(path.name.split("_")[0], GRPOConfig), path)
+
+
+@pytest.mark.parametrize("override", [
+    "loss.ratio_clip_low=true", "loss.kl_clamp=false", "loss.tis_lower_bound=true", "advantage.component_weights={a: true}",
+    "rollout.temperature=true", "rollout.num_generations_per_prompt=true", "trainer.max_steps=true",
+    "trainer.max_grad_norm=false",
+])
+def test_a_boolean_is_not_a_number_in_the_rl_sections(override):
+    # pydantic's lax mode reads true as 1 and false as 0; here it is a config error naming the key.
+    from posttrain.config.schema import GRPOConfig
+
+    key = override.partition("=")[0]
+    with pytest.raises(ConfigError, match=rf"{key}: expected a number.*boolean"):
+        load_config(GRPOConfig, None, ["data.train_files=[x]", override])
+
+
+def test_booleans_and_numbers_still_load_where_they_belong():
+    from posttrain.config.schema import GRPOConfig
+
+    cfg = load_config(GRPOConfig, None, ["data.train_files=[x]", "rollout.dynamic_sampling=true", "loss.ratio_clip_low=1",
+                                         "loss.ratio_clip_c=3", "advantage.component_weights={a: 2}",
+                                         "advantage.normalize_std=false", "trainer.max_grad_norm=null"])
+    assert cfg.rollout.dynamic_sampling is True and cfg.loss.ratio_clip_low == 1.0
+    assert cfg.advantage.component_weights == {"a": 2.0} and cfg.trainer.max_grad_norm is None
+    # SFT's trainer section is the same class: a boolean step count is refused there too.
+    with pytest.raises(ConfigError, match="trainer.max_steps: expected a number"):
+        load_config(SFTConfig, None, ["data.train_files=[x]", "trainer.max_steps=true"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["loss.clip_mode=cispo", "loss.ratio_level=sequence", "loss.aggregation=seq-mean-token-mean"],
+     "clip_mode='cispo' with ratio_level='sequence' is not defined"),
+    (["loss.tis_lower_bound=0.5"], "tis_lower_bound applies to importance_correction 'tis' or 'seq-tis'"),
+    (["loss.importance_correction=seq-tis", "loss.tis_lower_bound=3"], "tis_lower_bound .* below is_threshold_high"),
+    (["loss.kl_output_clamp=0"], "loss.kl_output_clamp"),
+])
+def test_policy_loss_knobs_that_do_not_combine_fail_at_load(overrides, message):
+    from posttrain.config.schema import GRPOConfig
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(GRPOConfig, None, ["data.train_files=[x]", *overrides])
+    cfg = load_config(GRPOConfig, None, ["data.train_files=[x]", "loss.importance_correction=seq-tis",
+                                         "loss.tis_lower_bound=0.5", "loss.kl_output_clamp=10"])
+    loss = cfg.loss.to_loss_config()
+    assert (loss.importance_correction, loss.tis_lower_bound, loss.kl_output_clamp) == ("seq-tis", 0.5, 10.0)

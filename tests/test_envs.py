@@ -288,7 +288,8 @@ def test_build_environment():
     env = build_environment({"kind": "python", "functions": [f"{FNS}:length"], "num_workers": 0})
     assert env.step(logs("abc"), [{}]).rewards == [3.0]
     assert build_environment({"kind": "math", "num_workers": 0, "timeout_s": 2.0}).timeout_s == 2.0
-    with pytest.raises(ValueError, match=r"one of \['arithmetic', 'code', 'math', 'python', 'reward_model'\], got 'chess'"):
+    with pytest.raises(ValueError, match=r"one of \['arithmetic', 'code', 'judge', 'math', 'mixture', 'python', "
+                                         r"'reward_model'\], got 'chess'"):
         build_environment({"kind": "chess"})
     with pytest.raises(TypeError, match="environment kind 'math'.*timeout_seconds.*its options are"):
         build_environment({"kind": "math", "timeout_seconds": 3})

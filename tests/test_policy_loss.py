@@ -324,9 +324,9 @@ def test_importance_weights_ignore_padding_and_do_not_reweight_the_kl():
     mask = torch.tensor([[1, 0]])
     old = t([-1.0, -1.0])
     generator = old - torch.log(t([1.5, 1000.0]))
-    weights, masked = importance_weights(old, generator, mask, cfg)
+    weights, masked, truncated = importance_weights(old, generator, mask, cfg)
     _assert_close(weights, [[1.5, 1.0]], atol=1e-12)
-    assert not masked.any()
+    assert not masked.any() and not truncated.any()
     # A token the correction masks still feels the KL penalty: icepop drops w = 3, loss = beta * k3 only.
     cfg = PolicyLossConfig(importance_correction="icepop", reference_kl_penalty=0.5)
     reference = t([-1.0 + LN2])  # k3 = 1 - ln 2
@@ -334,6 +334,86 @@ def test_importance_weights_ignore_padding_and_do_not_reweight_the_kl():
                             generator_logprobs=t([-1.0 - math.log(3.0)]), reference_logprobs=reference)
     assert metrics["is_masked_fraction"].item() == 1.0
     assert loss.item() == pytest.approx(0.5 * (1 - LN2), abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "correction, lower, weights, truncated_fraction",
+    [
+        # tis, no lower bound (today's): min(w, 2); truncated where w > 2: 3 and 4, 2 of 8 tokens.
+        ("tis", None, [[2.0, 1.5], [2.0, 0.25], [0.25, 0.6], [1.5, 1.5]], 0.25),
+        # tis with lower bound 0.5: also max(w, 0.5): the two 0.25 move up to 0.5; 4 of 8 truncated.
+        ("tis", 0.5, [[2.0, 1.5], [2.0, 0.5], [0.5, 0.6], [1.5, 1.5]], 0.5),
+        # seq-tis: one weight per sequence, the product of its token weights: 3·1.5 = 4.5 -> 2, 4·0.25 = 1,
+        # 0.25·0.6 = 0.15, 1.5·1.5 = 2.25 -> 2. Rows 0 and 3 truncated: 4 of 8 tokens.
+        ("seq-tis", None, [[2.0, 2.0], [1.0, 1.0], [0.15, 0.15], [2.0, 2.0]], 0.5),
+        # ... with lower bound 0.5: 0.15 -> 0.5 too; 6 of 8 tokens truncated.
+        ("seq-tis", 0.5, [[2.0, 2.0], [1.0, 1.0], [0.5, 0.5], [2.0, 2.0]], 0.75),
+    ],
+)
+def test_truncated_importance_weights_with_lower_bounds_and_per_sequence(correction, lower, weights,
+                                                                         truncated_fraction):
+    # On-policy, A = +1, token-mean over 8 tokens: the loss is −Σc/8 and each token's gradient −c/8.
+    cfg = PolicyLossConfig(importance_correction=correction, tis_lower_bound=lower, is_threshold_high=2.0)
+    logprobs = torch.full((4, 2), -2.0, dtype=torch.float64)
+    generator = logprobs - torch.log(MISMATCH)
+    loss, metrics, grad = _run(cfg, logprobs, logprobs.clone(), t(1.0, 1.0, 1.0, 1.0), torch.ones(4, 2),
+                               generator_logprobs=generator)
+    expected = torch.tensor(weights, dtype=torch.float64)
+    assert loss.item() == pytest.approx(-expected.sum().item() / 8, abs=1e-12)
+    _assert_close(grad, -expected / 8)
+    assert metrics["is_truncated_fraction"].item() == truncated_fraction
+    assert metrics["is_masked_fraction"].item() == 0.0
+    # Effective sample size (Σc)² / (n·Σc²) of the applied weights; raw weights span 0.25 .. 4.
+    ess = expected.sum() ** 2 / (8 * expected.square().sum())
+    assert metrics["is_effective_sample_size"].item() == pytest.approx(ess.item(), abs=1e-12)
+    assert metrics["is_raw_weight_min"].item() == pytest.approx(0.25, abs=1e-12)
+    assert metrics["is_raw_weight_max"].item() == pytest.approx(4.0, abs=1e-12)
+
+
+def test_importance_metrics_by_hand_for_icepop():
+    # icepop weights (see test_importance_corrections_by_hand): [[0, 1.5], [0, 0], [0, 0.6], [1.5, 1.5]].
+    # Σc = 5.1, Σc² = 2.25 + 0.36 + 2.25 + 2.25 = 7.11: ESS = 5.1² / (8 · 7.11) = 26.01 / 56.88. Nothing truncated.
+    cfg = PolicyLossConfig(importance_correction="icepop")
+    logprobs = torch.full((4, 2), -2.0, dtype=torch.float64)
+    _, metrics, _ = _run(cfg, logprobs, logprobs.clone(), t(1.0, 1.0, 1.0, 1.0), torch.ones(4, 2),
+                         generator_logprobs=logprobs - torch.log(MISMATCH))
+    assert metrics["is_effective_sample_size"].item() == pytest.approx(26.01 / 56.88, abs=1e-12)
+    assert metrics["is_truncated_fraction"].item() == 0.0 and metrics["is_masked_fraction"].item() == 0.5
+    # Every token masked: ESS 0; no valid token: ESS 1 and raw min/max 1.
+    _, dropped, _ = _run(cfg, t([-2.0]), t([-2.0]), t(1.0), torch.ones(1, 1),
+                         generator_logprobs=t([-2.0 - math.log(3.0)]))
+    assert dropped["is_effective_sample_size"].item() == 0.0
+    _, empty, _ = _run(cfg, t([-2.0]), t([-2.0]), t(1.0), torch.zeros(1, 1), normalizer=1.0,
+                       generator_logprobs=t([-9.0]))
+    assert empty["is_effective_sample_size"].item() == 1.0 and empty["is_raw_weight_max"].item() == 1.0
+
+
+def test_seq_tis_ignores_padding_and_survives_overflow():
+    # Row 0: valid token w = 1.5, a padding token with w = 1000 that must not enter the product: weight 1.5.
+    # Row 1: log-weights summing to 1000 (exp overflows to inf): truncated to 2, never nan.
+    cfg = PolicyLossConfig(importance_correction="seq-tis")
+    old = t([-1.0, -1.0], [-1.0, -1.0])
+    generator = old - t([math.log(1.5), math.log(1000.0)], [500.0, 500.0])
+    weights, masked, truncated = importance_weights(old, generator, torch.tensor([[1, 0], [1, 1]]), cfg)
+    _assert_close(weights, [[1.5, 1.0], [2.0, 2.0]])
+    assert truncated.tolist() == [[False, False], [True, True]] and not masked.any()
+
+
+def test_kl_output_clamp_bounds_the_estimate_and_its_gradient():
+    # k3 with d = 3: e^3 − 4 = 16.09 -> clamped to 5, no gradient; d = 0.5: e^0.5 − 1.5 = 0.1487, kept, gradient
+    # d k3 / d logπ = 1 − e^d = 1 − e^0.5. k1 = −d: d = −7 gives 7 -> 5, d = 7 gives −7 -> −5.
+    logprobs = _leaf(t([-4.0, -1.5]))
+    reference = t([-1.0, -1.0])
+    kl = kl_estimate(logprobs, reference, "k3", clamp=None, output_clamp=5.0)
+    _assert_close(kl.detach(), [[5.0, E(0.5) - 1.5]])
+    kl.sum().backward()
+    _assert_close(logprobs.grad, [[0.0, 1 - E(0.5)]])
+    k1 = kl_estimate(t([6.0, -8.0]), t([-1.0, -1.0]), "k1", clamp=None, output_clamp=5.0)
+    _assert_close(k1, [[5.0, -5.0]])
+    # Through the loss: β·clamped k3 on the one token: loss = 0.1 · 5 (on-policy, A = 0).
+    cfg = PolicyLossConfig(reference_kl_penalty=0.1, kl_output_clamp=5.0)
+    loss, metrics, _ = _run(cfg, t([-4.0]), t([-4.0]), t(0.0), torch.ones(1, 1), reference_logprobs=t([-1.0]))
+    assert loss.item() == pytest.approx(0.5, abs=1e-12) and metrics["kl"].item() == pytest.approx(5.0)
 
 
 # ---- gradient accumulation ------------------------------------------------------------------------------
@@ -345,8 +425,10 @@ def test_importance_weights_ignore_padding_and_do_not_reweight_the_kl():
         PolicyLossConfig(ratio_clip_high=0.28, reference_kl_penalty=0.05),
         PolicyLossConfig(aggregation="seq-mean-token-mean", importance_correction="tis"),
         PolicyLossConfig(ratio_level="sequence", aggregation="seq-mean-token-mean"),
+        PolicyLossConfig(importance_correction="seq-tis", tis_lower_bound=0.5, kl_output_clamp=0.05,
+                         reference_kl_penalty=0.1),
     ],
-    ids=["token-mean", "seq-mean-token-mean", "gspo"],
+    ids=["token-mean", "seq-mean-token-mean", "gspo", "seq-tis"],
 )
 def test_micro_batch_split_gives_the_full_batch_loss_and_gradient(cfg):
     g = torch.Generator().manual_seed(3)
@@ -393,7 +475,8 @@ def test_metrics_are_detached_scalars_and_present_when_their_inputs_are():
                                       generator_logprobs=logprobs.detach(), reference_logprobs=logprobs.detach())
     assert set(metrics) == {
         "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction", "ratio_mean", "ratio_min", "ratio_max",
-        "kl", "is_weight_mean", "is_masked_fraction", "generator_logprob_error",
+        "kl", "is_weight_mean", "is_masked_fraction", "generator_logprob_error", "is_truncated_fraction",
+        "is_effective_sample_size", "is_raw_weight_min", "is_raw_weight_max",
     }
     assert all(m.dim() == 0 and not m.requires_grad for m in metrics.values())
     _, plain = policy_gradient_loss(logprobs, logprobs.detach(), torch.ones(2), torch.ones(2, 3),
@@ -450,6 +533,14 @@ def test_missing_or_misshapen_inputs_name_the_argument():
         ({"reference_kl_penalty": -1.0}, "reference_kl_penalty"),
         ({"kl_estimator": "k4"}, "kl_estimator"),
         ({"aggregation": "seq-mean-token-sum-norm", "aggregation_constant": 0.0}, "aggregation_constant"),
+        ({"clip_mode": "cispo", "ratio_level": "sequence", "aggregation": "seq-mean-token-mean"},
+         "cispo.*ratio_level='sequence' is not defined"),
+        ({"importance_correction": "icepop", "tis_lower_bound": 0.5}, "tis_lower_bound.*'icepop'"),
+        ({"tis_lower_bound": 0.5}, "tis_lower_bound.*'none'"),
+        ({"importance_correction": "tis", "tis_lower_bound": 2.0}, "tis_lower_bound.*below is_threshold_high"),
+        ({"importance_correction": "seq-tis", "tis_lower_bound": -0.1}, "tis_lower_bound.*non-negative"),
+        ({"kl_output_clamp": 0.0}, "kl_output_clamp"),
+        ({"importance_correction": "seq-tiss"}, "importance_correction"),
     ],
 )
 def test_config_rejects_incompatible_knobs_naming_the_fields(kwargs, fields):

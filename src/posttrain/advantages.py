@@ -1,6 +1,8 @@
 """Advantage estimators: the rewards of N sampled completions in, one advantage per completion out.
 
-Every function is pure and returns float32 [N], 0 for invalid samples and never nan.
+Every function is pure and returns float32 [N], 0 for invalid samples and never nan. The exception is the token-level
+family for PPO with a critic (`gae_advantages`, `token_level_rewards`, `whiten`, at the end of the module), which
+works on [N, T] tensors with a validity mask over the tokens; see their docstrings.
 
 Groups are the samples of one prompt and are keyed by an explicit `group_ids` [N] (integer), never by prompt text:
 the same prompt drawn twice in a batch makes two groups (PITFALLS). Groups may have different sizes and their
@@ -157,6 +159,148 @@ def to_token_advantages(advantages: Tensor, mask: Tensor) -> Tensor:
     if advantages.dim() != 1 or mask.dim() != 2 or mask.shape[0] != advantages.shape[0]:
         raise ValueError(f"advantages must be [N] and mask [N, T], got {tuple(advantages.shape)}, {tuple(mask.shape)}")
     return torch.where(mask.bool(), advantages.float()[:, None], 0.0)
+
+
+# ---- token-level advantages: PPO with a critic ----------------------------------------------------------------
+#
+# Shapes: N completions, T token positions. `mask` [N, T] is 1 on the tokens the policy sampled (its actions) and
+# 0 on everything else: prompt, padding, and the tool or user observations appended in the middle of a multi-turn
+# episode. The time index of the recursions below counts the valid tokens only, so an observation of any length
+# between two of the model's tokens is neither a step of discount nor the end of the episode.
+
+
+def token_level_rewards(
+    sequence_rewards: Tensor, mask: Tensor, kl_per_token: Tensor | None = None, kl_coef: float = 0.0
+) -> Tensor:
+    """Per-token rewards of PPO for language models (Ziegler et al. 2019; Ouyang et al. 2022, eq. 2): the
+    sequence's reward on its last valid token, minus kl_coef·KL on every valid token. This is the KL folded into
+    the reward ("kl_in_reward"), which the critic then learns to predict, as opposed to the loss's
+    `reference_kl_penalty`, which is added to the policy loss per token and never reaches the returns.
+
+    sequence_rewards: [N] one scalar per completion.
+    mask: [N, T] 1 on valid response tokens (see the section comment above).
+    kl_per_token: [N, T] a per-token KL estimate, e.g. `losses.policy_gradient.kl_estimate` of the sampled
+        tokens; required when kl_coef != 0, read at valid tokens only (detached).
+    Returns float32 [N, T], 0 at masked positions. A row with no valid token carries no reward (it has no token to
+    put it on), so a failed sample whose row is masked out may hold any reward, nan included; a non-finite reward
+    or KL where it would be used is a ValueError.
+    """
+    valid = _token_mask(mask)
+    if sequence_rewards.shape != valid.shape[:1]:
+        raise ValueError(f"sequence_rewards must be [N] = [{valid.shape[0]}], got shape {tuple(sequence_rewards.shape)}")
+    rows = valid.any(-1)
+    rewards = sequence_rewards.detach().double()
+    if not torch.isfinite(rewards[rows]).all():
+        raise ValueError("sequence_rewards is not finite on a row with valid tokens; mask out the row of a sample "
+                         "whose reward failed")
+    positions = torch.arange(valid.shape[1], device=valid.device)
+    last = torch.where(valid, positions, -1).amax(-1)  # the last valid token of each row (-1: none)
+    out = torch.zeros(valid.shape, dtype=torch.float64, device=valid.device)
+    out[rows, last[rows]] = rewards[rows]
+    if kl_coef != 0:
+        if kl_per_token is None:
+            raise ValueError(f"kl_coef={kl_coef} needs kl_per_token")
+        if kl_per_token.shape != valid.shape:
+            raise ValueError(f"kl_per_token has shape {tuple(kl_per_token.shape)}, mask {tuple(valid.shape)}")
+        kl = torch.where(valid, kl_per_token.detach().double(), 0.0)
+        if not torch.isfinite(kl).all():
+            raise ValueError("kl_per_token is not finite at a valid token")
+        out = out - kl_coef * kl
+    return out.float()
+
+
+def gae_advantages(
+    token_rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    gamma: float,
+    lam: float,
+    value_lam: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016, "High-Dimensional Continuous Control Using
+    Generalized Advantage Estimation", eqs. 11-16) over each row's valid tokens, and the critic's targets.
+
+    token_rewards: [N, T] reward of each token's action (e.g. `token_level_rewards`); read at valid tokens only.
+    values: [N, T] the critic's V(s_t) before each valid token (detached); read at valid tokens only.
+    mask: [N, T] 1 on valid response tokens (see the section comment above).
+    gamma: discount γ in [0, 1]. lam: λ in [0, 1] of the policy's advantages.
+    value_lam: λ of the returns the critic regresses on; None uses `lam` (standard PPO).
+
+    Backward over the valid tokens of each row, with t' the next valid token after t:
+        δ_t = r_t + γ·V_{t'} − V_t        A_t = δ_t + γλ·A_{t'}
+    and V_{t'} = A_{t'} = 0 after the last valid token (the episode ends there: no bootstrap). Masked tokens in
+    between are skipped, not discounted: the recursion jumps from t' straight back to t.
+    λ = 1 gives the Monte-Carlo advantage Σ_{k≥t} γ^(k−t)·r_k − V_t; γ = 0 gives r_t − V_t.
+
+    Returns (advantages, returns), float32 [N, T], 0 at masked positions: advantages = A(lam); returns =
+    A(value_lam) + V. A separate value_lam decouples the two bias/variance trade-offs: VC-PPO (Yuan et al. 2025,
+    "What's Behind PPO's Collapse in Long-CoT? Value Optimization Holds the Secret") and VAPO (Yue et al. 2025)
+    train the critic on unbiased λ = 1 returns, since with a sparse end-of-sequence reward any λ < 1 shrinks
+    the reward's signal geometrically toward the first tokens, while the policy keeps λ < 1 for lower variance.
+    Computed in float64; a non-finite reward or value at a valid token is a ValueError.
+    """
+    valid = _token_mask(mask)
+    for name, tensor in (("token_rewards", token_rewards), ("values", values)):
+        if tensor.shape != valid.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, mask {tuple(valid.shape)}")
+    for name, value in (("gamma", gamma), ("lam", lam), ("value_lam", value_lam)):
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value}")
+    rewards = torch.where(valid, token_rewards.detach().double(), 0.0)
+    baseline = torch.where(valid, values.detach().double(), 0.0)
+    for name, tensor in (("token_rewards", rewards), ("values", baseline)):
+        if not torch.isfinite(tensor).all():
+            raise ValueError(f"{name} is not finite at a valid token")
+    advantages = _gae_recursion(rewards, baseline, valid, gamma, lam)
+    value_advantages = advantages if value_lam is None or value_lam == lam else _gae_recursion(
+        rewards, baseline, valid, gamma, value_lam)
+    returns = torch.where(valid, value_advantages + baseline, 0.0)
+    return advantages.float(), returns.float()
+
+
+def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, epsilon: float = 1e-8) -> Tensor:
+    """(x − mean) / sqrt(var + ε) over the entries where `mask` is 1, e.g. advantages [N, T] over the valid response
+    tokens of a batch; with shift_mean=False the mean is added back (only scaled, as for rewards).
+
+    x, mask: the same shape. The mean and the unbiased (divisor n − 1) variance are over the valid entries, in
+    float64, as TRL's `masked_whiten` computes them. With fewer than two valid entries there is no variance and
+    x is only centered (or returned as is with shift_mean=False). Returns float32, same shape, 0 where mask is 0.
+    The statistics are of this tensor alone; a data-parallel run would all-reduce count, sum and sum of squared
+    deviations first.
+    """
+    if x.shape != mask.shape:
+        raise ValueError(f"x has shape {tuple(x.shape)}, mask {tuple(mask.shape)}")
+    valid = mask.bool()
+    values = torch.where(valid, x.detach().double(), 0.0)
+    count = valid.sum()
+    mean = values.sum() / count.clamp(min=1)
+    out = values - mean
+    if count > 1:
+        variance = torch.where(valid, out, 0.0).square().sum() / (count - 1)
+        out = out * torch.rsqrt(variance + epsilon)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(valid, out, 0.0).float()
+
+
+def _gae_recursion(rewards: Tensor, values: Tensor, valid: Tensor, gamma: float, lam: float) -> Tensor:
+    """A_t of `gae_advantages` for one λ, float64 [N, T], 0 at masked positions."""
+    advantages = torch.zeros_like(rewards)
+    next_value = rewards.new_zeros(rewards.shape[0])  # V and A at each row's next valid token (0 past the last)
+    next_advantage = rewards.new_zeros(rewards.shape[0])
+    for t in reversed(range(rewards.shape[1])):
+        here = valid[:, t]
+        advantage = rewards[:, t] + gamma * next_value - values[:, t] + gamma * lam * next_advantage
+        advantages[:, t] = torch.where(here, advantage, 0.0)
+        next_value = torch.where(here, values[:, t], next_value)
+        next_advantage = torch.where(here, advantage, next_advantage)
+    return advantages
+
+
+def _token_mask(mask: Tensor) -> Tensor:
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be [N, T], got shape {tuple(mask.shape)}")
+    return mask.bool()
 
 
 # ---- helpers ------------------------------------------------------------------------------------------------

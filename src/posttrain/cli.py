@@ -18,6 +18,7 @@ from posttrain.config import (
     ConfigError,
     DPOConfig,
     EvalConfig,
+    GenerateConfig,
     QuickstartConfig,
     RecipeConfig,
     RMConfig,
@@ -26,7 +27,7 @@ from posttrain.config import (
 )
 from posttrain.config.loader import type_name
 from posttrain.config.presets import quickstart_base_config
-from posttrain.config.schema import GRPOConfig, Section
+from posttrain.config.schema import GRPOConfig, PPOConfig, Section
 from posttrain.data.errors import DataError
 from posttrain.envs.rewards import RewardError
 from posttrain.errors import RunError
@@ -59,6 +60,16 @@ def _run_sft(cfg: SFTConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_ppo(cfg: PPOConfig, args: argparse.Namespace) -> int:
+    from posttrain.algorithms.ppo import train_ppo
+
+    result = train_ppo(cfg)
+    shown = {k: round(v, 4) for k, v in result.final_metrics.items()
+             if k.startswith(("val/", "reward/mean", "value/explained"))}
+    print(f"done: {result.steps} steps, {shown}, model in {result.final_dir}")
+    return 0
+
+
 def _run_grpo(cfg: GRPOConfig, args: argparse.Namespace) -> int:
     from posttrain.algorithms.grpo import train_grpo
 
@@ -87,15 +98,35 @@ def _run_rm(cfg: RMConfig, args: argparse.Namespace) -> int:
 
 
 def _run_eval(cfg: EvalConfig, args: argparse.Namespace) -> int:
-    from posttrain.algorithms.evaluate import run_eval
+    from posttrain.algorithms.evaluate import EvalReport, describe_report, run_eval
 
     result = run_eval(cfg)
+    if isinstance(result, EvalReport):  # data.files scored by an environment
+        print(f"data: {result.data_summary}", file=sys.stderr)
+        what = f"{cfg.model.name_or_path} on {', '.join(cfg.data.files)} ({cfg.environment.kind})"
+        print(json.dumps({"model": cfg.model.name_or_path, "environment": cfg.environment.kind, **result.to_json()})
+              if args.json else describe_report(result, what))
+        return 0
     if args.json:
         print(json.dumps(result.to_json()))
     else:
         print(f"{result.task}: exact-match accuracy {result.accuracy:.1%} on {result.num_examples} held-out examples")
         for sample in result.samples:
             print(f"  {sample['prompt']}{sample['completion']!r:8}  (answer {sample['answer']})")
+    return 0
+
+
+def _run_generate(cfg: GenerateConfig, args: argparse.Namespace) -> int:
+    from posttrain.algorithms.generate import generate
+
+    for sample in generate(cfg):
+        if args.json:
+            print(json.dumps(sample.to_json()))
+        else:
+            if sample.sample == 0:
+                print(f"### prompt {sample.prompt_index + 1}\n{sample.prompt}")
+            print(f"### completion {sample.sample + 1} of {cfg.num_samples} ({sample.num_tokens} tokens, "
+                  f"{sample.finish_reason})\n{sample.completion}")
     return 0
 
 
@@ -114,7 +145,12 @@ RECIPES = {
         Recipe("rm", RMConfig, "reward model: scalar head, Bradley-Terry loss on preference pairs", _run_rm),
         Recipe("grpo", GRPOConfig, "online RL with verifiable rewards: GRPO, DAPO, GSPO, CISPO, RLOO, Dr. GRPO, "
                "GDPO, REINFORCE++", _run_grpo),
-        Recipe("eval", EvalConfig, "greedy exact-match accuracy of a model on a built-in task", _run_eval),
+        Recipe("ppo", PPOConfig, "online RL with a learned critic: PPO with GAE, KL in the reward or the loss",
+               _run_ppo),
+        Recipe("eval", EvalConfig, "evaluate a model: prompt files scored by an environment (reward, accuracy, "
+               "pass@k), or a built-in task's greedy exact match", _run_eval),
+        Recipe("generate", GenerateConfig, "sample completions of a few prompts from a model, for a quick look",
+               _run_generate),
         Recipe("quickstart", QuickstartConfig, "build the tiny model, train it on arithmetic, show before/after",
                _run_quickstart, quickstart_base_config),
     )
@@ -157,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Post-training for language models. Run `posttrain RECIPE --help` for a recipe's keys.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="recipes:\n" + "\n".join(f"  {r.name:<12}{r.summary}" for r in RECIPES.values())
+        + f"\n\nother commands:\n  {'report':<12}{REPORT_SUMMARY}"
         + "\n\nkeys every training recipe has:\n" + common
         + "\n\nexample:\n  posttrain sft --config configs/sft_arithmetic.yaml trainer.max_steps=200 output_dir=runs/a",
     )
@@ -176,7 +213,48 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--model", help="shortcut for model.name_or_path=...")
             sub.add_argument("--task", help="shortcut for task=...")
             sub.add_argument("--json", action="store_true", help="print one JSON object (with `accuracy`)")
+            sub.add_argument("--data", action="append", metavar="FILE",
+                             help="prompt file or dataset to evaluate on (repeatable): data.files")
+            sub.add_argument("--environment", metavar="KIND", help="shortcut for environment.kind=...; its options "
+                             "as environment.options.NAME=VALUE")
+            sub.add_argument("--output", metavar="FILE.jsonl", help="write every sample to this file: output=...")
+        if recipe.name == "generate":
+            sub.add_argument("--model", help="shortcut for model.name_or_path=...")
+            sub.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt to complete (repeatable)")
+            sub.add_argument("--data", action="append", metavar="FILE", help="complete the `prompt` column of "
+                             "this file (repeatable): data.files")
+            for flag, kind in (("--temperature", float), ("--top-p", float), ("--top-k", int),
+                               ("--max-new-tokens", int), ("--num-samples", int), ("--seed", int)):
+                sub.add_argument(flag, type=kind, help=f"shortcut for {flag[2:].replace('-', '_')}=...")
+            sub.add_argument("--no-chat-template", action="store_true",
+                             help="send the prompt text as it is, not through the tokenizer's chat template")
+            sub.add_argument("--json", action="store_true", help="print one JSON object per completion")
+    report = subparsers.add_parser("report", help=REPORT_SUMMARY, description=_run_report.__doc__)
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's output directory (OUTPUT/)")
+    report.add_argument("--output", metavar="FILE.html",
+                        help="where to write it (default: RUN_DIR/report.html for one run, ./report.html for several)")
     return parser
+
+
+REPORT_SUMMARY = "write a run's report.html again (curves, config, samples), or one comparing several runs"
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    """Write one self-contained HTML page about a run: its curves, final metrics, time per phase, data summary,
+    samples and config. Several runs: their curves overlaid, one colour per run. Needs no network to view."""
+    from posttrain.logging.report import REPORT_FILENAME, write_report
+
+    if args.output is not None:
+        output = args.output
+    else:
+        output = os.path.join(args.run_dirs[0], REPORT_FILENAME) if len(args.run_dirs) == 1 else REPORT_FILENAME
+    try:
+        path = write_report(args.run_dirs, output)
+    except (OSError, ValueError) as err:  # a folder that is no run (ReportError), a corrupt line, an unwritable file
+        print(f"posttrain report: {err}", file=sys.stderr)
+        return 1
+    print(f"report: {path}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.recipe is None:
         parser.print_help()
         return 2
+    if args.recipe == "report":
+        return _run_report(args)
     recipe = RECIPES[args.recipe]
     nproc = getattr(args, "nproc_per_node", None)
     if nproc is not None:
@@ -198,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     if recipe.name == "eval":
         overrides += [f"model.name_or_path={args.model}"] * bool(args.model) + [f"task={args.task}"] * bool(args.task)
     try:
-        cfg = load_config(recipe.schema, args.config, overrides, base=recipe.base())
+        cfg = load_config(recipe.schema, args.config, overrides, base=recipe.base(), flags=_flag_settings(args))
     except ConfigError as err:
         print(f"posttrain {recipe.name}: invalid config\n{err}", file=sys.stderr)
         return 2
@@ -219,6 +299,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"posttrain {recipe.name}: could not write {err.filename or 'a file'}: {os.strerror(err.errno)}; "
               "the run resumes from its newest checkpoint once this is fixed", file=sys.stderr)
         return 1
+
+
+def _flag_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The config keys that `eval` and `generate` options set, as a tree whose values are taken as given (a prompt
+    or a file name may hold any character, which dotted override text could not)."""
+    flags: dict[str, Any] = {}
+    if args.recipe not in ("eval", "generate"):
+        return flags
+    if args.data:
+        flags["data"] = {"files": args.data}
+    if args.recipe == "eval":
+        flags |= {"environment": {"kind": args.environment}} if args.environment else {}
+        flags |= {"output": args.output} if args.output else {}
+        return flags
+    flags |= {"model": {"name_or_path": args.model}} if args.model else {}
+    flags |= {"prompts": args.prompt} if args.prompt else {}
+    flags |= {"chat_template": False} if args.no_chat_template else {}
+    for name in ("temperature", "top_p", "top_k", "max_new_tokens", "num_samples", "seed"):
+        if vars(args)[name] is not None:
+            flags[name] = vars(args)[name]
+    return flags
 
 
 def _without_option(argv: list[str], option: str) -> list[str]:

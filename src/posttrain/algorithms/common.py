@@ -26,6 +26,7 @@ from posttrain.data.sampler import EpochSampler
 from posttrain.distributed.env import broadcast_object, init_from_env, is_distributed, is_main
 from posttrain.errors import RunError
 from posttrain.logging import RunLogger
+from posttrain.logging.report import write_run_info
 from posttrain.models.lora import ADAPTER_DIR
 from posttrain.models.loading import resolve_model_path
 from posttrain.rundir import check_export_dir, remove_dead_staging
@@ -127,6 +128,8 @@ class SilentRunLogger:
 
     def log(self, step: int, metrics: dict) -> None: ...
 
+    def log_samples(self, step: int, split: str, records: list) -> None: ...
+
     def advance(self, step: int, metrics: dict) -> None: ...
 
 
@@ -137,14 +140,19 @@ def run_logger(output_dir: Path, cfg, **kwargs) -> RunLogger | SilentRunLogger:
 
 def announce_run(run_log: RunLogger, data_summary: str, resume: Checkpoint | None, changed_keys: list[str],
                  policy: PolicyWorker, what: str) -> None:
-    """The lines every recipe prints before its first step."""
+    """The lines every recipe prints before its first step; rank 0 also keeps them in OUTPUT/run_info.json for the
+    run report (a file written, nothing computed)."""
     run_log.message(f"data: {data_summary}")
     if resume is not None:
         run_log.message(f"resuming from {resume.path} (step {resume.step})")
         if changed_keys:
             run_log.message(f"warning: config differs from the run being resumed in: {', '.join(changed_keys)}")
     trainable = policy.num_parameters(trainable_only=True)
-    run_log.message(f"training {trainable / 1e6:.2f}M parameters on {policy.device}, {what}")
+    training = f"training {trainable / 1e6:.2f}M parameters on {policy.device}, {what}"
+    run_log.message(training)
+    if is_main():
+        write_run_info(run_log.output_dir, run_log.recipe, data_summary, training,
+                       resume.step if resume is not None else None)
 
 
 class NonFiniteGuard:
@@ -198,9 +206,9 @@ def is_save_step(step: int, trainer: TrainerConfig) -> bool:
 
 
 def log_step(run_log: RunLogger, step: int, metrics: dict[str, float], trainer: TrainerConfig) -> None:
-    """A metrics.jsonl record every log_every steps, at the end and whenever an evaluation ran (eval_* or val/*
-    metrics); progress otherwise."""
-    evaluated = any(key.startswith(("eval_", "val/")) for key in metrics)
+    """A metrics.jsonl record every log_every steps, at the end and whenever an evaluation ran (eval_*, eval/* or
+    val/* metrics); progress otherwise."""
+    evaluated = any(key.startswith(("eval_", "eval/", "val/")) for key in metrics)
     if step % trainer.log_every == 0 or step == trainer.max_steps or evaluated:
         run_log.log(step, metrics)
     else:

@@ -17,6 +17,7 @@ checkpoint holds only the policy.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from posttrain.algorithms.common import chunks
+from posttrain.algorithms.evaluate import TrainingEvaluation
 from posttrain.algorithms.pairwise import (
     PairBatch,
     PairCollate,
@@ -179,28 +181,31 @@ def train_dpo(cfg: DPOConfig) -> DPOResult:
     run = start_pair_run(cfg)
     check_step_fits(cfg.trainer, len(run.train_examples), "training pairs")
     loss_cfg = PreferenceLossConfig(**cfg.loss.model_dump(exclude={"average_logprobs"}))
-    policy = build_policy(cfg.model, cfg.lora, cfg.trainer, run.tokenizer, run.device,
-                          resume_dir=run.resume.worker_dir(POLICY) if run.resume else None)
-    train_reference, eval_reference = build_references(cfg, run, policy)
+    # Evaluation sets' prompts and environments before the model: their errors, too, come before minutes of loading.
+    evaluation = TrainingEvaluation(cfg.evaluation, run.tokenizer, cfg.trainer.max_steps, cfg.trainer.eval_batch_size)
+    with contextlib.closing(evaluation):
+        policy = build_policy(cfg.model, cfg.lora, cfg.trainer, run.tokenizer, run.device,
+                              resume_dir=run.resume.worker_dir(POLICY) if run.resume else None)
+        train_reference, eval_reference = build_references(cfg, run, policy)
 
-    evaluate = None
-    if run.eval_examples:
-        def evaluate() -> dict[str, float]:
-            return evaluate_pairs(policy, run.eval_examples, preference_objective(eval_reference, cfg, loss_cfg),
-                                  EVAL_METRICS, cfg.trainer.eval_batch_size, run.tokenizer.pad_token_id,
-                                  pair_collate(cfg))
+        evaluate = None
+        if run.eval_examples:
+            def evaluate() -> dict[str, float]:
+                return evaluate_pairs(policy, run.eval_examples, preference_objective(eval_reference, cfg, loss_cfg),
+                                      EVAL_METRICS, cfg.trainer.eval_batch_size, run.tokenizer.pad_token_id,
+                                      pair_collate(cfg))
 
-    if cfg.loss.reference_free:
-        reference_note = "no reference (reference-free loss)"
-    elif policy.is_lora:
-        reference_note = f"reference {cfg.reference}: the base model with the LoRA adapters off"
-    else:
-        reference_note = f"reference {cfg.reference}"
-    layout = "one shared-prompt row per pair" if cfg.shares_prompt else "chosen and rejected rows"
-    metrics, eval_metrics, final_dir = train_on_pairs(
-        run, cfg, policy, "dpo", f"{cfg.loss.type} with {reference_note}, {layout}",
-        preference_objective(train_reference, cfg, loss_cfg), evaluate, pair_collate(cfg),
-    )
+        if cfg.loss.reference_free:
+            reference_note = "no reference (reference-free loss)"
+        elif policy.is_lora:
+            reference_note = f"reference {cfg.reference}: the base model with the LoRA adapters off"
+        else:
+            reference_note = f"reference {cfg.reference}"
+        layout = "one shared-prompt row per pair" if cfg.shares_prompt else "chosen and rejected rows"
+        metrics, eval_metrics, final_dir = train_on_pairs(
+            run, cfg, policy, "dpo", f"{cfg.loss.type} with {reference_note}, {layout}",
+            preference_objective(train_reference, cfg, loss_cfg), evaluate, pair_collate(cfg), evaluation,
+        )
     return DPOResult(
         run.output_dir, final_dir, cfg.trainer.max_steps, metrics.get("loss"), metrics.get("reward_accuracy"),
         eval_metrics.get("eval_loss"), eval_metrics.get("eval_reward_accuracy"),

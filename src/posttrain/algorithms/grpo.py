@@ -46,6 +46,7 @@ from posttrain.algorithms.common import (
     save_if_due,
     seed_everything,
 )
+from posttrain.algorithms.evaluate import TrainingEvaluation, reward_weights, sample_record
 from posttrain.algorithms.rl import build_generator, load_prompts, rollout_metrics, validate
 from posttrain.algorithms.rollout import (
     Episode,
@@ -97,11 +98,14 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
 
     # Data and environment first: a malformed row or reward path should fail before a model loads.
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
-    prompts, data_summary = load_prompts(cfg.data.train_files, cfg, tokenizer)
-    eval_prompts = load_prompts(cfg.data.eval_files, cfg, tokenizer)[0][: cfg.data.max_eval_examples]
+    kind = cfg.environment.kind
+    prompts, data_summary = load_prompts(cfg.data.train_files, cfg.data, cfg.prompt, kind, tokenizer)
+    eval_prompts = load_prompts(cfg.data.eval_files, cfg.data, cfg.prompt, kind, tokenizer)[0]
+    eval_prompts = eval_prompts[: cfg.data.max_eval_examples]
     check_draw_fits({"rollout.prompts_per_step": rollout.prompts_per_step}, len(prompts), "training prompts")
     environment = build_environment(cfg.environment.spec())
-    reward_weights = {**getattr(environment, "reward_weights", {}), **cfg.advantage.component_weights}
+    weights = {**reward_weights(environment), **cfg.advantage.component_weights}
+    evaluation = TrainingEvaluation(cfg.evaluation, tokenizer, trainer.max_steps)
     loss_cfg = cfg.loss.to_loss_config(rollout.max_new_tokens * rollout.max_turns)
 
     resume = checkpoint_to_resume(output_dir)
@@ -111,7 +115,8 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
                           resume_dir=resume.worker_dir(POLICY) if resume else None)
     # The reference is the starting model, also when resuming; loaded only when the KL penalty needs it.
     reference = build_scorer(cfg.model, trainer, device) if loss_cfg.reference_kl_penalty > 0 else None
-    generator = build_generator(cfg, policy, tokenizer)
+    generator = build_generator(cfg.model, rollout.backend, tokenizer, policy, batch_size=rollout.generation_batch_size,
+                                seed=cfg.seed, vllm_gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
     sampler = EpochSampler(len(prompts), seed=cfg.seed, shuffle=cfg.data.shuffle)
     budget = RewardErrorBudget(cfg.environment.max_error_fraction)
     sampling = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
@@ -126,7 +131,7 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
     # closing(): reward worker processes stop with the run, also when it fails.
     with run_logger(output_dir, cfg.logging, recipe="grpo", total_steps=trainer.max_steps, start_step=start_step,
                    run_config=cfg.model_dump(mode="json"), progress_metrics=PROGRESS_METRICS) as run_log, \
-            contextlib.closing(environment):
+            contextlib.closing(environment), contextlib.closing(evaluation):
         announce_run(run_log, data_summary, resume, changed_keys, policy,
                      f"{rollout.prompts_per_step} prompts x {rollout.num_generations_per_prompt} samples per step, "
                      f"{updates_per_step} optimizer step(s) per rollout batch")
@@ -153,7 +158,7 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
                 generated_tokens += times.generated_tokens
                 metrics["reward/errors"] += budget.record([e.error for e in new]).step_errors
                 groups = groups_of(new)
-                kept += [g for g in groups if has_reward_variance(g, reward_weights)] if rollout.dynamic_sampling else groups
+                kept += [g for g in groups if has_reward_variance(g, weights)] if rollout.dynamic_sampling else groups
                 if not rollout.dynamic_sampling or len(kept) >= rollout.prompts_per_step \
                         or rounds == rollout.max_sampling_rounds:
                     break
@@ -162,17 +167,22 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
             if rollout.dynamic_sampling:
                 metrics.update({"sampling/rounds": rounds, "sampling/groups_kept": len(kept),
                                 "sampling/groups_filtered": rounds * rollout.prompts_per_step - len(kept)})
-            metrics.update(rollout_metrics(episodes, reward_weights))
+            metrics.update(rollout_metrics(episodes, weights))
             metrics["reward/errors_total"] = budget.run_errors
+            # The first episodes as they came (no draw), for a look at what the policy writes.
+            run_log.log_samples(step, "train", [sample_record(e, tokenizer, weights).to_json()
+                                                for e in (episodes or new)[: cfg.logging.samples_per_step]])
             if not episodes:
                 run_log.message(f"step {step}: every group of {rounds} sampling round(s) had equal rewards; "
                                 "no update this step")
+                if evaluation.is_due(step):
+                    metrics.update(evaluation.run(step, generator, run_log))
                 log_and_save(run_log, step, metrics, cfg, policy, output_dir, sampler, budget, next_group_id)
                 continue
             penalties = [overlong_penalty(e.last_turn_length, e.truncated, rollout.max_new_tokens,
                                           rollout.overlong_buffer_length, rollout.overlong_penalty_factor)
                          for e in episodes]
-            batch = to_batch(episodes, tokenizer.pad_token_id, reward_weights, rollout.overlong_filtering, penalties)
+            batch = to_batch(episodes, tokenizer.pad_token_id, weights, rollout.overlong_filtering, penalties)
 
             # 3. Advantages, per episode.
             advantages = compute_advantages(cfg, batch)
@@ -212,7 +222,9 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
             })
             if eval_prompts and is_eval_step(step, trainer):
                 metrics.update(validate(eval_prompts, generator, environment, tokenizer, greedy, rollout.max_turns,
-                                        reward_weights))
+                                        weights))
+            if evaluation.is_due(step):
+                metrics.update(evaluation.run(step, generator, run_log))
             log_and_save(run_log, step, metrics, cfg, policy, output_dir, sampler, budget, next_group_id)
 
         final_dir = export_policy(output_dir, policy, run_log)
@@ -254,7 +266,7 @@ def policy_gradient_objective(advantages: torch.Tensor, old_logprobs: torch.Tens
                               temperature: float) -> LossFn:
     """The clipped policy-gradient loss of one micro-batch of episodes (their advantages, π_old and π_ref
     logprobs given, [n] and [n, T]); None for `old_logprobs` means on-policy: π_old is the training pass itself.
-    Metrics are token-weighted means, except the smallest and largest ratio."""
+    Metrics are token-weighted means, except minima and maxima (`*_min`, `*_max`: the ratio, the IS weight)."""
 
     def loss_fn(logits: torch.Tensor, batch: RolloutBatch, normalizer: float) -> tuple[torch.Tensor, MetricDict]:
         device = logits.device
@@ -269,7 +281,7 @@ def policy_gradient_objective(advantages: torch.Tensor, old_logprobs: torch.Tens
         )
         metrics["entropy"] = masked_entropy(logits.detach(), mask)
         tokens = float(mask.sum())
-        return loss, {name: Metric.min(value) if name == "ratio_min" else Metric.max(value) if name == "ratio_max"
+        return loss, {name: Metric.min(value) if name.endswith("_min") else Metric.max(value) if name.endswith("_max")
                       else Metric.mean(float(value), tokens) for name, value in metrics.items()}
 
     return loss_fn

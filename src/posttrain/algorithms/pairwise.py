@@ -44,6 +44,8 @@ from posttrain.workers import LossFn, Metric, MetricDict, PolicyWorker, as_float
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from posttrain.algorithms.evaluate import TrainingEvaluation
+
 PairBatch = SFTBatch | SharedPromptBatch
 PairCollate = Callable[[Sequence[PreferenceExample], int], PairBatch]
 """(pairs, pad token id) -> one batch of them: collate_preference or collate_shared_prompt."""
@@ -127,8 +129,10 @@ def evaluate_pairs(policy: PolicyWorker, examples: Sequence[PreferenceExample], 
 
 def train_on_pairs(run: PairRun, cfg: RecipeConfig, policy: PolicyWorker, recipe: str, what: str,
                    objective: PairObjective, evaluate: Callable[[], dict[str, float]] | None,
-                   collate: PairCollate = collate_preference) -> tuple[dict, dict, Path]:
-    """The optimization loop; returns (last step's metrics, last evaluation's metrics, OUTPUT/final)."""
+                   collate: PairCollate = collate_preference,
+                   evaluation: TrainingEvaluation | None = None) -> tuple[dict, dict, Path]:
+    """The optimization loop; returns (last step's metrics, last evaluation's metrics, OUTPUT/final).
+    `evaluation`: evaluation sets sampled from the policy on their steps (DPO's `evaluation:` section)."""
     trainer = cfg.trainer
     tokenizer = run.tokenizer
     sampler = EpochSampler(len(run.train_examples), seed=cfg.seed, shuffle=cfg.data.shuffle)
@@ -164,6 +168,8 @@ def train_on_pairs(run: PairRun, cfg: RecipeConfig, policy: PolicyWorker, recipe
             if evaluate is not None and is_eval_step(step, trainer):
                 eval_metrics = evaluate()
                 metrics.update(eval_metrics)
+            if evaluation is not None and evaluation.is_due(step):
+                metrics.update(evaluation.run_for_policy(step, policy, cfg.model, run_log))
             log_step(run_log, step, metrics, trainer)
             save_if_due(run.output_dir, step, trainer, {POLICY: policy}, sampler)
 

@@ -1,5 +1,6 @@
-"""Pieces the online RL loops share (GRPO today; PPO and on-policy distillation build on them): loading and
-formatting prompts, building the generator for a policy worker, rollout statistics and greedy validation."""
+"""Pieces the online RL loops share (GRPO today; PPO and on-policy distillation build on them), and evaluation
+(algorithms/evaluate.py) with them: loading and formatting prompts, building the generator for a policy worker or
+a model, rollout statistics and greedy validation."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import statistics
 
 from posttrain.algorithms.rollout import Episode, PromptRow, run_episodes, scalar_reward
-from posttrain.config.schema import GRPOConfig
+from posttrain.config.schema import DataConfig, ModelConfig, PromptSection
 from posttrain.data.dataset import DataStats, check_not_empty, iter_rows, skip_or_raise
 from posttrain.data.errors import DataError
 from posttrain.data.formats import PromptOnlyRow
@@ -15,34 +16,41 @@ from posttrain.data.tokenize import tokenize_prompt
 from posttrain.generation.base import Generator, SamplingParams
 from posttrain.distributed.env import is_distributed
 from posttrain.envs.registry import NEEDED_COLUMNS
-from posttrain.models.loading import load_causal_lm, resolve_model_path
+from posttrain.models.loading import default_device, load_causal_lm, resolve_model_path
 from posttrain.workers import PolicyWorker
 from posttrain.workers.local import LocalPolicyWorker
 
 
-def load_prompts(sources: list[str], cfg: GRPOConfig, tokenizer) -> tuple[list[PromptRow], str]:
-    """Prompt rows (every non-prompt column kept as metadata for the environment), formatted and tokenized once.
+def load_prompts(sources: list[str], data: DataConfig, prompt: PromptSection, environment_kind: str | None,
+                 tokenizer, limit: int | None = None) -> tuple[list[PromptRow], str]:
+    """Prompt rows (every non-prompt column kept as metadata for the environment), formatted and tokenized once;
+    at most `limit` of them (the first ones), and a one-line summary of what was read.
 
-    A row lacking the column the environment scores against (`registry.NEEDED_COLUMNS`: the answer, the tests)
-    is malformed here, with the data, rather than at its first reward after a model has loaded."""
+    `data` gives the column map, the malformed-row policy (data.on_error) and the longest prompt (data.max_length).
+    A row lacking the column the environment `environment_kind` scores against (`registry.NEEDED_COLUMNS`: the
+    answer, the tests) is malformed here, with the data, rather than at its first reward after a model has
+    loaded; None checks no columns (prompts that nothing scores)."""
     if not sources:
         return [], "no data"
-    data_cfg = cfg.data.model_copy(update={"format": "prompt_only"})
+    data_cfg = data.model_copy(update={"format": "prompt_only"})
     stats = DataStats()
     prompts = []
     for location, row in iter_rows(sources, data_cfg, stats):
         assert isinstance(row, PromptOnlyRow)
         try:
-            check_needed_columns(row, cfg.environment.kind, location)
-            prompt = format_prompt(row, cfg, location)
-            prompt_ids = tokenize_prompt(prompt, tokenizer)
-            if len(prompt_ids) > cfg.data.max_length:
+            if environment_kind is not None:
+                check_needed_columns(row, environment_kind, location)
+            text = format_prompt(row, prompt, location)
+            prompt_ids = tokenize_prompt(text, tokenizer)
+            if len(prompt_ids) > data.max_length:
                 raise DataError(location, f"the prompt has {len(prompt_ids)} tokens, more than "
-                                f"data.max_length={cfg.data.max_length}", "prompt")
+                                f"data.max_length={data.max_length}", "prompt")
         except DataError as error:
-            skip_or_raise(error, cfg.data.on_error, stats)
+            skip_or_raise(error, data.on_error, stats)
             continue
-        prompts.append(PromptRow(prompt, prompt_ids, row.extras))
+        prompts.append(PromptRow(text, prompt_ids, row.extras))
+        if limit is not None and len(prompts) == limit:
+            break
     stats.examples = len(prompts)
     check_not_empty(sources, stats)
     return prompts, stats.summary()
@@ -59,46 +67,64 @@ def check_needed_columns(row: PromptOnlyRow, kind: str, location: str) -> None:
                         f"(columns found: {columns}; data.column_map can rename one)", needed[0])
 
 
-def format_prompt(row: PromptOnlyRow, cfg: GRPOConfig, location: str) -> str | list[dict]:
+def format_prompt(row: PromptOnlyRow, prompt: PromptSection, location: str) -> str | list[dict]:
     """The row's prompt after prompt.template, as a string or (chat template, system prompt) as messages."""
-    p = cfg.prompt
-    prompt = row.prompt
-    if isinstance(prompt, str):
+    text = row.prompt
+    if isinstance(text, str):
         try:
-            prompt = p.template.format(prompt=prompt, **row.extras)
+            text = prompt.template.format(prompt=text, **row.extras)
         except (KeyError, IndexError, ValueError) as error:
-            raise DataError(location, f"prompt.template {p.template!r} cannot be filled: {error!r} (columns: "
+            raise DataError(location, f"prompt.template {prompt.template!r} cannot be filled: {error!r} (columns: "
                             f"prompt, {', '.join(sorted(row.extras))})", "prompt") from None
-        if not p.use_chat_template:
-            return prompt
-        prompt = [{"role": "user", "content": prompt}]
-    if p.system_prompt is not None and prompt[0]["role"] != "system":
-        prompt = [{"role": "system", "content": p.system_prompt}, *prompt]
-    return prompt
+        if not prompt.use_chat_template:
+            return text
+        text = [{"role": "user", "content": text}]
+    if prompt.system_prompt is not None and text[0]["role"] != "system":
+        text = [{"role": "system", "content": prompt.system_prompt}, *text]
+    return text
 
 
-def build_generator(cfg: GRPOConfig, policy: PolicyWorker, tokenizer) -> Generator:
-    """The rollout.backend generator for `policy`: vLLM loaded with the policy's current weights (a resumed run's,
-    not the starting model's), or the transformers backend sampling from a local policy's own module (from its
-    own synced copy on each rank of a data-parallel run)."""
-    if cfg.rollout.backend == "vllm":
+def build_generator(model: ModelConfig, backend: str, tokenizer, policy: PolicyWorker | None = None, *,
+                    batch_size: int, seed: int, vllm_gpu_memory_utilization: float = 0.3) -> Generator:
+    """The generator of every recipe and of `posttrain eval` / `generate`.
+
+    With a `policy`: vLLM loaded with the policy's current weights (a resumed run's, not the starting model's),
+    or the transformers backend sampling from a local policy's own module (a LoRA policy through its base model,
+    into whose layers peft put the adapters), or from its own synced copy on each rank of a data-parallel run.
+    Without one: `model` itself, loaded for sampling (vLLM, or transformers on the default device)."""
+    if backend == "vllm":
         from posttrain.generation.vllm_backend import VLLMGenerator
 
-        generator = VLLMGenerator(resolve_model_path(cfg.model.name_or_path), seed=cfg.seed,
-                                  gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization)
-        generator.update_weights(dict(policy.named_weights()))
+        generator = VLLMGenerator(resolve_model_path(model.name_or_path), seed=seed,
+                                  gpu_memory_utilization=vllm_gpu_memory_utilization)
+        if policy is not None:
+            generator.update_weights(dict(policy.named_weights()))
         return generator
     from posttrain.generation.transformers_backend import TransformersGenerator
 
-    batch_size, seed = cfg.rollout.generation_batch_size, cfg.seed
+    if policy is None:
+        return TransformersGenerator(load_causal_lm(model, device=default_device()).eval(), tokenizer,
+                                     batch_size=batch_size, seed=seed)
     if isinstance(policy, LocalPolicyWorker) and not is_distributed():
-        return TransformersGenerator(policy.model, tokenizer, batch_size=batch_size, seed=seed)
+        module = policy.model.get_base_model() if policy.is_lora else policy.model
+        return TransformersGenerator(module, tokenizer, batch_size=batch_size, seed=seed)
     # A sharded policy has no whole module to sample from: each rank keeps an unsharded copy, refreshed from the
     # gathered weights after every update (and now, for a resumed run's weights).
-    generator = TransformersGenerator(load_causal_lm(cfg.model, device=policy.device).eval(), tokenizer,
+    generator = TransformersGenerator(load_causal_lm(model, device=policy.device).eval(), tokenizer,
                                       batch_size=batch_size, seed=seed, owns_weights=True)
     generator.update_weights(dict(policy.named_weights()))
     return generator
+
+
+def sync_generator(generator: Generator, policy: PolicyWorker) -> None:
+    """Give a generator that holds its own copy of the weights (vLLM, a data-parallel rank's copy) the policy's
+    current ones; nothing is gathered for one that samples from the policy's own module (for a LoRA policy that
+    would merge and unmerge the adapters, which rounds the base weights)."""
+    from posttrain.generation.transformers_backend import TransformersGenerator
+
+    if isinstance(generator, TransformersGenerator) and not generator.owns_weights:
+        return
+    generator.update_weights(dict(policy.named_weights()))
 
 
 def rollout_metrics(episodes: list[Episode], weights: dict[str, float]) -> dict[str, float]:

@@ -1,13 +1,15 @@
 """Reward-model training: a scalar head on a language-model backbone, Bradley-Terry loss on preference pairs.
 
-The model is AutoModelForSequenceClassification with num_labels=1 loaded from model.name_or_path: from a causal
-LM checkpoint its backbone weights load and the score head starts fresh; it reads the hidden state of each row's
-last non-pad token (the end of the completion). The loop (algorithms/pairwise.py, shared with DPO): per
-micro-batch, chosen and rejected sequences go through the model in ONE forward pass, giving a reward r_c and r_r
-per pair; the loss is −log σ(r_c − r_r [− margin]) (+ the optional centering term), normalized by the pair count
-of the whole optimizer step. OUTPUT/final/ loads with AutoModelForSequenceClassification and scores text through
-posttrain.workers.reward_model.RewardModel; with lora.enabled the adapter (and the trained score head) is also written
-alone to OUTPUT/adapter/.
+The model is AutoModelForSequenceClassification with num_labels=1 loaded from model.name_or_path (for an
+architecture transformers has no sequence classifier for, such as Granite, the same scalar head over its base
+model: posttrain.models.value_head). From a causal LM checkpoint its backbone weights load and the score head
+starts fresh; it reads the hidden state of each row's last non-pad token (the end of the completion). The loop
+(algorithms/pairwise.py, shared with DPO): per micro-batch, chosen and rejected sequences go through the model in
+ONE forward pass, giving a reward r_c and r_r per pair; the loss is −log σ(r_c − r_r [− margin]) (+ the optional
+centering term), normalized by the pair count of the whole optimizer step. OUTPUT/final/ loads with
+AutoModelForSequenceClassification (where transformers has the class) and scores text through
+posttrain.workers.reward_model.RewardModel (any architecture); with lora.enabled the adapter (and the trained score
+head) is also written alone to OUTPUT/adapter/.
 """
 
 from __future__ import annotations

@@ -6,10 +6,13 @@ gradient_accumulation_steps examples, normalize the loss by the target-token cou
 step, backward each micro-batch, clip, step, log, evaluate, checkpoint. At the end write
 OUTPUT/final/ (a Hugging Face model directory). With lora.enabled only LoRA adapters train; checkpoints hold the
 adapter, and the end writes it alone to OUTPUT/adapter/ and merged into the base model to OUTPUT/final/.
+Evaluation sets (the `evaluation:` section) sample from the policy on their steps and log eval/<name>/<metric>
+(algorithms/evaluate.py); without them nothing of the loop changes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -32,6 +35,7 @@ from posttrain.algorithms.common import (
     save_if_due,
     seed_everything,
 )
+from posttrain.algorithms.evaluate import TrainingEvaluation
 from posttrain.checkpoint import POLICY, checkpoint_to_resume
 from posttrain.config.schema import SFTConfig
 from posttrain.data import load_sft_examples
@@ -105,6 +109,7 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
         eval_examples, _ = load_sft_examples(cfg.data.eval_files, tokenizer, cfg.data)
         eval_examples = eval_examples[: cfg.data.max_eval_examples]
     check_step_fits(trainer, len(train_examples))
+    evaluation = TrainingEvaluation(cfg.evaluation, tokenizer, trainer.max_steps, trainer.eval_batch_size)
 
     check_split(trainer)
     resume = checkpoint_to_resume(output_dir)
@@ -115,7 +120,7 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
 
     examples_per_step = trainer.micro_batch_size * trainer.gradient_accumulation_steps
     with run_logger(output_dir, cfg.logging, recipe="sft", total_steps=trainer.max_steps, start_step=start_step,
-                   run_config=cfg.model_dump(mode="json")) as run_log:
+                   run_config=cfg.model_dump(mode="json")) as run_log, contextlib.closing(evaluation):
         announce_run(run_log, train_stats.summary(), resume, changed_keys, policy,
                      f"{examples_per_step} examples per step ({len(train_examples)} in the training set)")
 
@@ -146,6 +151,8 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
             if eval_examples and is_eval_step(step, trainer):
                 eval_loss = evaluate_loss(policy, eval_examples, cfg, tokenizer.pad_token_id)
                 metrics["eval_loss"] = eval_loss
+            if evaluation.is_due(step):
+                metrics.update(evaluation.run_for_policy(step, policy, cfg.model, run_log))
             log_step(run_log, step, metrics, trainer)
             save_if_due(output_dir, step, trainer, {POLICY: policy}, sampler)
 

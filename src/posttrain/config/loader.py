@@ -28,13 +28,18 @@ class ConfigError(ValueError):
 
 
 def load_config(schema: type[C], path: str | Path | None = None, overrides: list[str] | None = None,
-                base: dict[str, Any] | None = None) -> C:
-    """Validate `base` <- YAML file at `path` <- `overrides` (each "dotted.key=value") against `schema`."""
+                base: dict[str, Any] | None = None, flags: dict[str, Any] | None = None) -> C:
+    """Validate `base` <- YAML file at `path` <- `overrides` (each "dotted.key=value") <- `flags` against `schema`.
+
+    `flags` is a tree of keys set by command-line options (`posttrain eval --data a.jsonl`): their values are taken
+    as given, never parsed as override text, so a prompt or a file name may hold any character."""
     tree: dict[str, Any] = dict(base or {})
     if path is not None:
         tree = deep_merge(tree, read_yaml_with_defaults(Path(path)))
     if overrides:
         tree = deep_merge(tree, parse_overrides(overrides))
+    if flags:
+        tree = deep_merge(tree, flags)
     return validate(schema, tree, source=str(path) if path else "config")
 
 

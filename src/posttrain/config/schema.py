@@ -6,9 +6,9 @@ are rejected (``extra="forbid"``) so a typo never silently falls back to a defau
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -17,6 +17,29 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
                               allow_inf_nan=False)
+
+
+class NumericSection(Section):
+    """A section of thresholds, coefficients and counts, where a boolean given for a number is an error naming the
+    key: pydantic would otherwise read `loss.ratio_clip_low=true` as 1.0 and `trainer.max_steps=true` as 1."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        annotation = cls.model_fields[info.field_name].annotation
+        if get_origin(annotation) is dict and isinstance(value, dict):
+            flagged = [key for key, item in value.items() if _boolean_for_number(get_args(annotation)[1], item)]
+            if flagged:
+                raise ValueError(f"expected a number for {flagged[0]!r}, got the boolean {value[flagged[0]]!r}")
+        elif _boolean_for_number(annotation, value):
+            raise ValueError(f"expected a number, got the boolean {value!r}")
+        return value
+
+
+def _boolean_for_number(annotation: Any, value: Any) -> bool:
+    """True when `value` is a bool where `annotation` expects an int or a float (bool alone is an int to Python)."""
+    args = get_args(annotation)
+    return isinstance(value, bool) and bool({annotation, *args} & {int, float}) and bool not in args
 
 
 def _run_folder(value: str) -> str:
@@ -80,7 +103,7 @@ class DataConfig(Section):
     """Rename columns as they are read, e.g. {question: prompt, solution: answer}, before the format is detected."""
 
 
-class TrainerConfig(Section):
+class TrainerConfig(NumericSection):
     max_steps: int = Field(100, gt=0)
     """Number of optimizer steps."""
 
@@ -133,7 +156,8 @@ class TrainerConfig(Section):
     """Keep only this many most recent checkpoints."""
 
     eval_batch_size: int = Field(32, gt=0)
-    """Examples per forward pass when computing eval_loss."""
+    """Examples per forward pass when computing eval_loss; sft and dpo: also the sequences sampled together by
+    the evaluation sets."""
 
     num_threads: int | None = Field(None, gt=0)
     """torch intra-op CPU threads (default: torch's choice)."""
@@ -174,6 +198,14 @@ class LoggingConfig(Section):
 
     plot: bool = True
     """Write OUTPUT/training_curves.png at the end of the run."""
+
+    report: bool = True
+    """Write OUTPUT/report.html at the end of the run (also when it fails): curves, config, data summary, timings,
+    samples, in one self-contained page; `posttrain report OUTPUT` rewrites it (see docs/report.md)."""
+
+    samples_per_step: int = Field(4, ge=0)
+    """grpo: the first this-many episodes of each step (prompt, completion, reward, error) are appended to
+    OUTPUT/samples.jsonl with split "train"; 0 writes none. Evaluation sets write theirs there too."""
 
 
 class LoraSection(Section):
@@ -234,35 +266,18 @@ class SFTConfig(RecipeConfig):
     output_dir: str = "runs/sft"
     """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/. Re-running with the same directory resumes."""
 
+    evaluation: list[EvaluationSet] = Field(default_factory=list)
+    """Evaluation sets sampled from the policy during training (see docs/evaluation.md), each logged as
+    eval/<name>/<metric>; none by default."""
+
     @model_validator(mode="after")
     def _check(self) -> SFTConfig:
+        check_evaluation_names(self.evaluation)
         if not self.data.train_files:
             raise ValueError("data.train_files is empty: give at least one training file or dataset name")
         if self.data.format in ("preference", "prompt_only"):
             raise ValueError(f"data.format={self.data.format!r} has no SFT target; use text, prompt_completion or messages")
         return self
-
-
-class EvalConfig(Section):
-    """Greedy exact-match evaluation of a model on a built-in task."""
-
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    """The model to evaluate (model.name_or_path; `--model` is a shortcut)."""
-
-    task: Literal["arithmetic"] = "arithmetic"
-    """Built-in task whose held-out split is scored."""
-
-    num_examples: int = Field(200, gt=0)
-    """Held-out examples to score."""
-
-    batch_size: int = Field(200, gt=0)
-    """Prompts generated together."""
-
-    max_new_tokens: int = Field(8, gt=0)
-    """Generation budget per answer."""
-
-    seed: int = 0
-    """Seed of the task's held-out split."""
 
 
 class PreferenceLossSection(Section):
@@ -333,8 +348,13 @@ class DPOConfig(RecipeConfig):
     reference. Needs sdpa or eager attention. null (default): on unless model.attn_implementation is
     flash_attention_2 (which takes no such mask); false: two rows per pair, chosen and rejected."""
 
+    evaluation: list[EvaluationSet] = Field(default_factory=list)
+    """Evaluation sets sampled from the policy during training (see docs/evaluation.md), each logged as
+    eval/<name>/<metric>; none by default."""
+
     @model_validator(mode="after")
     def _check(self) -> DPOConfig:
+        check_evaluation_names(self.evaluation)
         check_pair_data(self.data, "DPO")
         if self.share_prompt and self.model.attn_implementation == "flash_attention_2":
             raise ValueError("share_prompt=true needs an attention mask that flash_attention_2 cannot take; set "
@@ -362,8 +382,9 @@ class RewardLossSection(Section):
 
 class RMConfig(RecipeConfig):
     """Reward model training: a scalar head on a language-model backbone, Bradley-Terry loss on
-    prompt/chosen/rejected pairs. OUTPUT/final/ loads with AutoModelForSequenceClassification and scores text
-    through posttrain.models.RewardModel."""
+    prompt/chosen/rejected pairs. OUTPUT/final/ loads with AutoModelForSequenceClassification (for architectures
+    transformers has a sequence classifier for; posttrain.models.value_head otherwise) and scores text through
+    posttrain.models.RewardModel."""
 
     output_dir: str = "runs/rm"
     """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/. Re-running with the same directory resumes."""
@@ -387,7 +408,7 @@ def check_pair_data(data: DataConfig, recipe: str) -> None:
         raise ValueError(f"data.packing=true is not supported by {recipe} (pairs are padded); set data.packing=false")
 
 
-class RolloutSection(Section):
+class RolloutSection(NumericSection):
     """How completions are sampled each step."""
 
     prompts_per_step: int = Field(16, gt=0)
@@ -445,10 +466,12 @@ class RolloutSection(Section):
 class EnvironmentSection(Section):
     """What scores the completions."""
 
-    kind: Literal["arithmetic", "math", "code", "python", "reward_model"] = "arithmetic"
+    kind: Literal["arithmetic", "math", "code", "python", "reward_model", "judge", "mixture"] = "arithmetic"
     """arithmetic (exact match of the sum), math (math-verify on the final or boxed answer against the row's
     `answer`), code (the program run against the row's `tests` in a sandbox), python (your reward functions),
-    reward_model (a trained reward model's score; options {path: runs/rm/final})."""
+    reward_model (a trained reward model's score; options {path: runs/rm/final}), judge (an LLM's score; options
+    {path: a local model} or {base_url: http://host:8000, model: NAME}), mixture (several of these, each a named,
+    weighted reward component; options {components: [{name, kind, weight, options}, ...]}); see docs/rl.md."""
 
     options: dict[str, Any] = Field(default_factory=dict)
     """Keyword options of the environment, e.g. {timeout_s: 5, num_workers: 2}; python takes
@@ -495,7 +518,7 @@ class EnvironmentSection(Section):
         return self
 
 
-class AdvantageSection(Section):
+class AdvantageSection(NumericSection):
     """How rewards become advantages (posttrain.advantages)."""
 
     estimator: Literal["grpo", "rloo", "gdpo", "reinforce++", "raw"] = "grpo"
@@ -512,7 +535,7 @@ class AdvantageSection(Section):
     """gdpo: weight of each named reward component (missing components weigh 1)."""
 
 
-class PolicyLossSection(Section):
+class PolicyLossSection(NumericSection):
     """The clipped policy-gradient loss (posttrain.losses.policy_gradient.PolicyLossConfig); see docs/rl.md."""
 
     ratio_level: Literal["token", "sequence", "none"] = "token"
@@ -539,15 +562,22 @@ class PolicyLossSection(Section):
     kl_clamp: float | None = Field(10.0, gt=0)
     """Clamp the log-ratio to ±kl_clamp before the estimator; null: no clamp."""
 
-    importance_correction: Literal["none", "tis", "icepop", "seq-mask-tis"] = "none"
+    kl_output_clamp: float | None = Field(None, gt=0)
+    """Clamp the KL estimate itself to ±kl_output_clamp per token (no KL gradient where it binds); null: no clamp."""
+
+    importance_correction: Literal["none", "tis", "icepop", "seq-mask-tis", "seq-tis"] = "none"
     """Correct the generator/trainer logprob mismatch: tis (truncated weight), icepop (mask tokens outside the
-    band), seq-mask-tis (mask whole sequences outside the band, truncate the rest); none."""
+    band), seq-mask-tis (mask whole sequences outside the band, truncate the rest), seq-tis (one truncated
+    weight per sequence, the product of its token weights); none."""
 
     is_threshold_low: float = Field(0.5, ge=0)
     """Lower bound of the accepted mismatch weight (icepop, seq-mask-tis)."""
 
     is_threshold_high: float = Field(2.0, gt=0)
-    """Upper bound of the mismatch weight and truncation value (tis, seq-mask-tis)."""
+    """Upper bound of the mismatch weight and truncation value (tis, seq-tis, seq-mask-tis)."""
+
+    tis_lower_bound: float | None = Field(None, ge=0)
+    """tis and seq-tis: also truncate the weight from below at this value; null: no lower bound."""
 
     aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
     """token-mean (over the step's valid tokens), seq-mean-token-mean, seq-mean-token-sum, or seq-mean-token-sum-norm
@@ -591,6 +621,265 @@ class PromptSection(Section):
     """A system message put before the user message (with use_chat_template, or for conversational prompts)."""
 
 
+class EvalDataSection(Section):
+    """The prompts an evaluation scores: rows with a `prompt` column (a string or a list of messages); every other
+    column (answer, tests, ...) goes to the environment, as in GRPO."""
+
+    files: list[str] = Field(default_factory=list)
+    """Local .jsonl/.json/.parquet/.csv files or `datasets` hub names (name or name:split), as data.train_files."""
+
+    column_map: dict[str, str] = Field(default_factory=dict)
+    """Rename columns as they are read, e.g. {question: prompt, solution: answer}."""
+
+    on_error: Literal["raise", "skip"] = "raise"
+    """What a malformed row does: raise (stop, naming file, line and field) or skip (drop it and count it)."""
+
+    max_length: int = Field(1024, gt=0)
+    """Longest prompt in tokens; a longer one is a malformed row."""
+
+    def data_config(self) -> DataConfig:
+        """The DataConfig the shared row reader takes (prompt rows, this section's column map and error mode)."""
+        return DataConfig(format="prompt_only", column_map=self.column_map, on_error=self.on_error,
+                          max_length=self.max_length)
+
+
+class EvaluationSettings(Section):
+    """What an evaluation runs: the prompts, their formatting, the environment that scores the completions, and
+    how many completions are sampled how. Shared by `posttrain eval` and the training recipes' evaluation sets."""
+
+    data: EvalDataSection = Field(default_factory=EvalDataSection)
+    """The prompts."""
+
+    prompt: PromptSection = Field(default_factory=PromptSection)
+    """Prompt formatting (template, chat template, system prompt), as GRPO's prompt section."""
+
+    environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
+    """What scores the completions (kind and options), as GRPO's environment section. A failed reward is masked
+    and counted in reward/errors; max_error_fraction does not stop an evaluation."""
+
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature; 0 is greedy."""
+
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling (1: off)."""
+
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0: off)."""
+
+    max_new_tokens: int = Field(256, gt=0)
+    """Completion budget in tokens per turn; a completion that reaches it counts in truncation_rate."""
+
+    stop_strings: list[str] = Field(default_factory=list)
+    """Stop a completion once its text contains one of these (the completion keeps the stop string)."""
+
+    num_samples: int = Field(1, gt=0, le=4096)
+    """Completions sampled per prompt (n of pass@k)."""
+
+    pass_k: list[int] = Field(default_factory=list)
+    """Report pass@k for each of these k (each at most num_samples), with the unbiased estimator of Chen et al.
+    2021 averaged over prompts."""
+
+    num_examples: int | None = Field(None, gt=0)
+    """Score only the first this-many prompts (null: all)."""
+
+    max_turns: int = Field(1, gt=0)
+    """Assistant turns per episode (multi-turn environments)."""
+
+    correct_threshold: float | None = None
+    """For environments that report no correctness of their own (python, reward_model, judge): a sample counts as
+    correct when its reward is at least this, for accuracy and pass@k. null: such samples have none."""
+
+    seed: int = 0
+    """Seed of the sampling (with temperature > 0 a re-run gives the same samples)."""
+
+    @field_validator("pass_k")
+    @classmethod
+    def _positive_k(cls, values: list[int]) -> list[int]:
+        if any(k < 1 for k in values):
+            raise ValueError(f"every k of pass_k must be at least 1, got {values}")
+        return sorted(set(values))
+
+    def check_sampling(self) -> None:
+        """ValueError (naming the keys) for pass_k above num_samples, several greedy samples, or pass_k without a
+        notion of correct."""
+        from posttrain.envs.registry import REWARD_ONLY
+
+        too_large = [k for k in self.pass_k if k > self.num_samples]
+        if too_large:
+            raise ValueError(f"pass_k={self.pass_k}: k={too_large[0]} is more than num_samples={self.num_samples}; "
+                             "pass@k needs at least k samples per prompt (raise num_samples or drop that k)")
+        if self.num_samples > 1 and self.temperature == 0:
+            raise ValueError(f"num_samples={self.num_samples} with temperature=0 (greedy) samples the same "
+                             "completion each time; set temperature > 0 or num_samples=1")
+        if self.pass_k and self.environment.kind in REWARD_ONLY and self.correct_threshold is None:
+            raise ValueError(f"pass_k needs to know which samples are correct, and the {self.environment.kind} "
+                             "environment does not say; set correct_threshold (a sample is correct when its reward "
+                             "is at least that) or drop pass_k")
+
+    def sampling_params(self, max_new_tokens: int | None = None):
+        """The generator's SamplingParams, seeded with `seed`."""
+        from posttrain.generation.base import SamplingParams
+
+        return SamplingParams(max_new_tokens=max_new_tokens or self.max_new_tokens, temperature=self.temperature,
+                              top_p=self.top_p, top_k=self.top_k, stop_strings=tuple(self.stop_strings),
+                              seed=self.seed)
+
+
+class EvaluationSet(EvaluationSettings):
+    """One evaluation set of a training run: sampled from the current policy every `every` steps and at the end,
+    its metrics logged as eval/<name>/<metric> and its first samples written to OUTPUT/samples.jsonl."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    """The set's name in metric keys (eval/<name>/accuracy): letters, digits, _ . and -."""
+
+    every: int = Field(0, ge=0)
+    """Evaluate every this many steps (0: only at the end); always at the last step."""
+
+    samples_logged: int = Field(16, ge=0)
+    """Per evaluation, the first this-many samples are written to OUTPUT/samples.jsonl (split eval/<name>)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> EvaluationSet:
+        if not self.data.files:
+            raise ValueError(f"evaluation set {self.name!r}: data.files is empty; give the files of its prompts")
+        self.check_sampling()
+        return self
+
+
+def check_evaluation_names(sets: list[EvaluationSet]) -> None:
+    names = [s.name for s in sets]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"evaluation: the set name {repeated[0]!r} is used twice; every set needs its own name "
+                         "(it keys the set's metrics)")
+
+
+class ArithmeticEvalSection(Section):
+    """Greedy exact match on the arithmetic task's held-out split (the quickstart's measurement)."""
+
+    num_examples: int = Field(200, gt=0)
+    """Held-out examples to score."""
+
+    batch_size: int = Field(200, gt=0)
+    """Prompts generated together."""
+
+    max_new_tokens: int = Field(8, gt=0)
+    """Generation budget per answer."""
+
+    seed: int = 0
+    """Seed of the task's held-out split."""
+
+
+class EvalConfig(EvaluationSettings):
+    """Evaluate a model: on prompt files scored by an environment (`--data FILES --environment KIND`: mean
+    reward, accuracy, pass@k, lengths, truncation, reward errors), or on a built-in task's held-out split
+    (`--task arithmetic`, greedy exact match; the default when no data.files are given)."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The model to evaluate (model.name_or_path; `--model` is a shortcut)."""
+
+    task: Literal["arithmetic"] | None = None
+    """Built-in task whose held-out split is scored by greedy exact match; used when data.files is empty (then
+    arithmetic when not given). Not combined with data.files."""
+
+    num_examples: int | None = Field(None, gt=0)
+    """Score only the first this-many prompts of data.files (null: all), or this many held-out problems of the
+    task (null: 200)."""
+
+    max_new_tokens: int | None = Field(None, gt=0)
+    """Completion budget in tokens per turn (null: 256 with data.files, 8 for the task)."""
+
+    batch_size: int = Field(200, gt=0)
+    """Sequences generated together (transformers backend)."""
+
+    seed: int = 0
+    """Seed of the sampling with data.files (temperature > 0 repeats exactly); of the held-out split for the task."""
+
+    output: str | None = None
+    """With data.files: write one JSON line per sample (prompt, completion, reward, components, correct, error)
+    to this .jsonl file."""
+
+    backend: Literal["transformers", "vllm"] = "transformers"
+    """Generator: transformers (CPU or GPU) or vllm (GPU extra)."""
+
+    vllm_gpu_memory_utilization: float = Field(0.9, gt=0, lt=1)
+    """Fraction of GPU memory vLLM may take (vllm backend)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if not self.data.files:
+            task_keys = {"model", "task", "num_examples", "max_new_tokens", "batch_size", "seed"}
+            extra = sorted(self.model_fields_set - task_keys)
+            if extra:
+                raise ValueError(f"{', '.join(extra)}: set for an evaluation on data.files, but data.files is empty "
+                                 "(the built-in task takes only num_examples, batch_size, max_new_tokens and seed); "
+                                 "give --data FILES or drop them")
+            return self
+        if self.task is not None:
+            raise ValueError(f"task={self.task!r} and data.files are two different evaluations; give one")
+        self.check_sampling()
+        return self
+
+    @property
+    def task_examples(self) -> int:
+        return self.num_examples or 200
+
+
+class GenerateConfig(Section):
+    """Sample completions from a model for a quick look at a checkpoint: prompts from the command line
+    (`--prompt TEXT`, repeatable) or the `prompt` column of files (`--data FILE`), sent through the tokenizer's chat
+    template when it has one."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The model (model.name_or_path; `--model` is a shortcut)."""
+
+    prompts: list[str] = Field(default_factory=list)
+    """Prompts to complete (`--prompt TEXT`, repeatable)."""
+
+    data: EvalDataSection = Field(default_factory=EvalDataSection)
+    """Or: files whose rows' `prompt` column is completed (`--data FILE`)."""
+
+    num_examples: int | None = Field(None, gt=0)
+    """Complete only the first this-many prompts of data.files (null: all)."""
+
+    chat_template: bool = True
+    """Send each string prompt as a user message through the tokenizer's chat template, when the tokenizer has one
+    (`--no-chat-template`: the prompt text as it is)."""
+
+    system_prompt: str | None = None
+    """A system message put before each prompt (with the chat template)."""
+
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature; 0 is greedy."""
+
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling (1: off)."""
+
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0: off)."""
+
+    max_new_tokens: int = Field(128, gt=0)
+    """Completion budget in tokens."""
+
+    num_samples: int = Field(1, gt=0, le=4096)
+    """Completions per prompt."""
+
+    seed: int = 0
+    """Seed of the sampling (with temperature > 0 a re-run prints the same completions)."""
+
+    batch_size: int = Field(64, gt=0)
+    """Sequences generated together."""
+
+    @model_validator(mode="after")
+    def _check(self) -> GenerateConfig:
+        if bool(self.prompts) == bool(self.data.files):
+            raise ValueError("give prompts (--prompt TEXT) or data.files (--data FILE), one of the two")
+        if self.num_samples > 1 and self.temperature == 0:
+            raise ValueError(f"num_samples={self.num_samples} with temperature=0 (greedy) samples the same "
+                             "completion each time; set temperature > 0 or num_samples=1")
+        return self
+
+
 class GRPOConfig(RecipeConfig):
     """Online RL with verifiable rewards: sample groups of completions, score them, compute group-relative
     advantages, and update with the clipped policy-gradient loss (GRPO, DAPO, GSPO, CISPO, RLOO, Dr. GRPO, GDPO)."""
@@ -616,8 +905,13 @@ class GRPOConfig(RecipeConfig):
     update: PolicyUpdateSection = Field(default_factory=PolicyUpdateSection)
     """Optimizer steps per rollout batch."""
 
+    evaluation: list[EvaluationSet] = Field(default_factory=list)
+    """Evaluation sets sampled with the rollout generator during training (see docs/evaluation.md), each logged
+    as eval/<name>/<metric>; none by default."""
+
     @model_validator(mode="after")
     def _check(self) -> GRPOConfig:
+        check_evaluation_names(self.evaluation)
         if not self.data.train_files:
             raise ValueError("data.train_files is empty: give at least one file or dataset of prompts")
         if self.data.format not in ("auto", "prompt_only"):
@@ -646,6 +940,77 @@ class GRPOConfig(RecipeConfig):
         return self
 
 
+class CriticSection(NumericSection):
+    """PPO's learned value model (posttrain.workers.value): a scalar head on its own backbone."""
+
+    init_from: str = "policy"
+    """policy: the policy's starting model (its backbone, a fresh head); or a model directory / hub id, e.g. a
+    `posttrain rm` reward model (backbone and head)."""
+
+    learning_rate: float = Field(1.0e-5, gt=0)
+    """The critic's own learning rate (AdamW; the rest of trainer.* applies to it too)."""
+
+    value_clip: float | None = Field(0.2, gt=0)
+    """ε of the clipped value loss: the new value may move at most ε from the one that computed the advantages
+    before its error stops counting; null: plain squared error."""
+
+    warmup_steps: int = Field(0, ge=0)
+    """RL steps at the start during which only the critic trains (critic_warmup_steps): the policy waits for
+    values worth a baseline."""
+
+
+class GAESection(NumericSection):
+    """Generalized advantage estimation (posttrain.advantages.gae_advantages) and the per-token rewards it reads."""
+
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount per token."""
+
+    lam: float = Field(0.95, ge=0, le=1)
+    """λ of the policy's advantages."""
+
+    value_lam: float | None = Field(None, ge=0, le=1)
+    """λ of the critic's return targets; null: the same as lam (1.0 trains the critic on Monte-Carlo returns)."""
+
+    kl_coef: float = Field(0.0, ge=0)
+    """KL-in-reward: kl_coef·KL(π_old‖π_ref) per token subtracted from the rewards (InstructGPT's penalty); > 0 loads
+    a frozen reference. loss.reference_kl_penalty is the loss-side alternative."""
+
+    whiten_advantages: bool = True
+    """Whiten the advantages over the batch's valid tokens (mean 0, std 1)."""
+
+
+class PPOConfig(GRPOConfig):
+    """Online RL with a learned critic: sample completions, score them, compute token-level advantages with GAE
+    from the critic's values, and update the policy with the clipped policy-gradient loss and the critic with
+    the clipped value loss (PPO, Schulman et al. 2017; for language models Ziegler et al. 2019, Ouyang et al. 2022).
+    The rollout, environment, loss and update sections are GRPO's."""
+
+    output_dir: str = "runs/ppo"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/ (policy/ and critic/), final/ (the policy)."""
+
+    critic: CriticSection = Field(default_factory=CriticSection)
+    """The value model."""
+
+    gae: GAESection = Field(default_factory=GAESection)
+    """Advantages."""
+
+    advantage: AdvantageSection = Field(default_factory=lambda: AdvantageSection(estimator="raw"))
+    """Not used by PPO (its advantages are GAE's); kept so that GRPO's checks read one shape of config."""
+
+    @model_validator(mode="after")
+    def _check_ppo(self) -> PPOConfig:
+        if self.advantage != AdvantageSection(estimator="raw"):
+            raise ValueError("advantage.* does not apply to PPO: its advantages come from the critic through GAE "
+                             "(set gae.gamma, gae.lam, gae.whiten_advantages)")
+        if self.rollout.dynamic_sampling:
+            raise ValueError("rollout.dynamic_sampling filters groups with equal rewards, a GRPO device; PPO's "
+                             "baseline is the critic, so leave it off")
+        if self.critic.warmup_steps >= self.trainer.max_steps:
+            raise ValueError(f"critic.warmup_steps={self.critic.warmup_steps} leaves no step of "
+                             f"trainer.max_steps={self.trainer.max_steps} for the policy")
+        return self
+
+
 class QuickstartConfig(Section):
     """RL from verifiable rewards on two CPU cores: the tiny model learns addition from a small labelled pool with
     SFT, then improves with GRPO on unlabelled prompts scored by a verifier; a control continues SFT instead."""
@@ -668,6 +1033,11 @@ class QuickstartConfig(Section):
     """The control: this many more SFT steps on the same labelled pool, from the SFT stage's model (default: as many
     optimizer steps as the GRPO stage takes; 0: skip)."""
 
-    eval: EvalConfig = Field(default_factory=lambda: EvalConfig(num_examples=800))
+    eval: ArithmeticEvalSection = Field(default_factory=lambda: ArithmeticEvalSection(num_examples=800))
     """Held-out evaluation before and after each stage (800 problems: a stage's accuracy has a standard error
     of at most 1.8 points)."""
+
+
+# SFTConfig and DPOConfig, defined before the evaluation sections, name them in their annotations.
+SFTConfig.model_rebuild()
+DPOConfig.model_rebuild()

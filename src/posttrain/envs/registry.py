@@ -7,6 +7,8 @@
 - "python": `PythonRewardEnvironment(functions, timeout_s, num_workers, samples_per_call, reward_components)`
 - "code": `CodeEnvironment(time_limit_s, memory_limit_mb, output_limit_bytes, num_workers, all_or_nothing)`
 - "reward_model": `RewardModelEnvironment(path, conversational, batch_size, max_length, device)` (a `posttrain rm` model)
+- "judge": `JudgeEnvironment(path | base_url + model, template, score_pattern, min_score, max_score, ...)` (an LLM judge)
+- "mixture": `MixtureEnvironment(components, worker_memory_mb)`: several of the above, one named reward component each
 
 How many failed samples a step tolerates (`max_error_fraction`) belongs to the training loop
 (`rewards.RewardErrorBudget`), not to the environment.
@@ -32,6 +34,8 @@ from posttrain.errors import RunError
 from posttrain.envs.arithmetic_env import ArithmeticEnvironment
 from posttrain.envs.base import Environment
 from posttrain.envs.code import CodeEnvironment
+from posttrain.envs.judge import JudgeEnvironment
+from posttrain.envs.mixture import MixtureEnvironment, mixture_option_problems
 from posttrain.envs.math import MathEnvironment
 from posttrain.envs.python_reward import PythonRewardEnvironment
 from posttrain.envs.reward_model_env import RewardModelEnvironment
@@ -42,6 +46,8 @@ ENVIRONMENTS: dict[str, type] = {
     "python": PythonRewardEnvironment,
     "code": CodeEnvironment,
     "reward_model": RewardModelEnvironment,
+    "judge": JudgeEnvironment,
+    "mixture": MixtureEnvironment,
 }
 
 
@@ -52,6 +58,10 @@ NEEDED_COLUMNS: dict[str, tuple[str, ...]] = {
 }
 """The data columns each environment scores a reply against: every row needs at least one of them. python
 functions take the columns they name (a missing one is None) and a reward model needs none."""
+
+REWARD_ONLY = frozenset({"python", "reward_model", "judge"})
+"""The environments that give a reward and never say whether a reply is correct; the verifiers (arithmetic, math,
+code) put `correct` in each episode's metadata, for accuracy and pass@k, and so does a mixture with a verifier."""
 
 
 def build_environment(spec: Mapping[str, Any]) -> Environment:
@@ -101,4 +111,6 @@ def option_problems(kind: str, options: Mapping[str, Any]) -> list[str]:
     for name, parameter in parameters.items():
         if parameter.default is inspect.Parameter.empty and name not in options:
             problems.append(f"options.{name}: required by the {kind} environment (its options are {accepted})")
+    if kind == "mixture" and not problems:  # its components are environments with options of their own
+        problems += mixture_option_problems(options)
     return problems

@@ -28,15 +28,17 @@ from posttrain.logging.loggers import ExperimentLogger, create_experiment_logger
 from posttrain.logging.metrics import MetricsFile, read_metrics, truncate_metrics
 from posttrain.logging.plots import plot_training_curves
 from posttrain.logging.progress import DEFAULT_KEY_METRICS, ProgressReporter, create_progress
+from posttrain.logging.report import REPORT_FILENAME, write_report
+from posttrain.logging.samples import SAMPLES_FILENAME, SamplesFile, read_samples
 
 METRICS_FILENAME = "metrics.jsonl"
 PLOT_FILENAME = "training_curves.png"
 
 
 class RunLogger:
-    """Writes metrics.jsonl, forwards to the enabled trackers and drives the progress display.
+    """Writes metrics.jsonl (and samples.jsonl), forwards to the enabled trackers and drives the progress display.
 
-    On resume (``start_step`` > 0, the checkpoint's step) metrics.jsonl keeps only records with
+    On resume (``start_step`` > 0, the checkpoint's step) metrics.jsonl and samples.jsonl keep only records with
     ``step <= start_step`` before appending, and the progress starts at ``start_step``. A run
     restarted without a checkpoint (``start_step`` 0) likewise drops the stale records.
     """
@@ -54,9 +56,11 @@ class RunLogger:
     ) -> None:
         self.output_dir = Path(output_dir)
         self.cfg = cfg
+        self.recipe = recipe
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.output_dir / METRICS_FILENAME
         self.plot_path: Path | None = None
+        self.report_path: Path | None = None
         self._closed = False
 
         run_name = cfg.run_name or self.output_dir.resolve().name
@@ -72,6 +76,10 @@ class RunLogger:
         if self.metrics_path.exists():
             truncate_metrics(self.metrics_path, start_step)
         self._metrics_file = MetricsFile(self.metrics_path)
+        self.samples_path = self.output_dir / SAMPLES_FILENAME
+        if self.samples_path.exists():
+            truncate_metrics(self.samples_path, start_step)
+        self._samples_file = SamplesFile(self.samples_path)
         self._progress: ProgressReporter = create_progress(
             cfg.progress,
             recipe=recipe,
@@ -87,6 +95,10 @@ class RunLogger:
             experiment_logger.log(step, metrics)
         self._progress.update(step, metrics)
 
+    def log_samples(self, step: int, split: str, records: Sequence[Mapping[str, Any]]) -> None:
+        """Append ``records`` (prompt, completion, reward, components, correct, error) to samples.jsonl."""
+        self._samples_file.write(step, split, records)
+
     def advance(self, step: int, metrics: Mapping[str, float] | None = None) -> None:
         """Update the progress display only (for steps that are not logged)."""
         self._progress.update(step, metrics)
@@ -96,7 +108,8 @@ class RunLogger:
         self._progress.message(text)
 
     def close(self, failed: bool = False) -> None:
-        """Stop the progress display, close the trackers and write the curves plot (logging.plot).
+        """Stop the progress display, close the trackers, write the run report (logging.report) and the curves plot
+        (logging.plot).
 
         ``failed`` marks the tracker runs as failed (the context manager sets it on an exception).
         Safe to call twice.
@@ -108,6 +121,15 @@ class RunLogger:
         for experiment_logger in self._experiment_loggers:
             experiment_logger.close(failed=failed)
         self._metrics_file.close()
+        self._samples_file.close()
+        if self.cfg.report:
+            try:
+                self.report_path = write_report([self.output_dir], self.output_dir / REPORT_FILENAME)
+            except (OSError, ValueError) as error:
+                if not failed:
+                    raise
+                # As for the plot below: a failing run's own error is the one to see.
+                print(f"posttrain: could not write the run report: {error}", file=sys.stderr)
         if not self.cfg.plot:
             return
         try:
@@ -135,9 +157,13 @@ class RunLogger:
 __all__ = [
     "METRICS_FILENAME",
     "PLOT_FILENAME",
+    "REPORT_FILENAME",
+    "SAMPLES_FILENAME",
     "MetricsFile",
     "RunLogger",
     "plot_training_curves",
     "read_metrics",
+    "read_samples",
     "truncate_metrics",
+    "write_report",
 ]

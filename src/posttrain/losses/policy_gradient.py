@@ -27,12 +27,18 @@ Departures from the papers and choices the papers leave open:
   like REINFORCE's −A·logπ, is a surrogate whose gradient is the estimator; its value is not an objective.
 - For CISPO the clip fractions count tokens whose IS weight is clipped, whatever the sign of A (each such token
   still has a gradient, only a smaller weight); for PPO they count tokens where the clip binds (zero gradient).
-- The generator/trainer correction (TIS, IcePop, seq-mask-tis) multiplies the policy-gradient term only. The KL
-  penalty is a regularizer evaluated on the same tokens and is not reweighted or masked, so a masked token is
-  still pulled toward the reference.
+- The generator/trainer correction (TIS, IcePop, seq-mask-tis, seq-tis) multiplies the policy-gradient term only.
+  The KL penalty is a regularizer evaluated on the same tokens and is not reweighted or masked, so a masked token
+  is still pulled toward the reference.
+- seq-tis weighs a whole sequence by the product of its token weights, the sequence-level likelihood ratio of
+  Truncated IS at sequence level (verl's rollout_corr "sequence" mode), truncated from above at is_threshold_high
+  (and optionally from below at tis_lower_bound).
+- CISPO with GSPO's sequence ratio is rejected: CISPO's point is a per-token clipped weight that keeps every
+  token's gradient, and no paper defines the sequence-ratio variant.
 - The KL penalty is added to the loss per token (GRPO, Shao et al. 2024, eq. 3, with k3), not folded into the
   reward; a reward-side KL goes through `posttrain.advantages.reinforce_plus_plus_advantages`.
-- `kl_clamp` clamps the log-ratio before exponentiating, which also zeroes the KL gradient of clamped tokens.
+- `kl_clamp` clamps the log-ratio before exponentiating, which also zeroes the KL gradient of clamped tokens;
+  `kl_output_clamp` (off by default) clamps the estimate itself, as verl clamps its k3 to ±10.
 - With ratio_level "none" (REINFORCE, RLOO) there is no clipping; the ratio metrics still report the token
   ratio exp(logπ − logπ_old), as a measure of how far off-policy the batch is.
 
@@ -60,7 +66,7 @@ from torch import Tensor
 RatioLevel = Literal["token", "sequence", "none"]
 ClipMode = Literal["ppo", "cispo"]
 KLEstimator = Literal["k1", "k2", "k3"]
-ImportanceCorrection = Literal["none", "tis", "icepop", "seq-mask-tis"]
+ImportanceCorrection = Literal["none", "tis", "icepop", "seq-mask-tis", "seq-tis"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 
@@ -86,13 +92,18 @@ class PolicyLossConfig:
     """Estimator of the KL penalty, with d = logπ_ref − logπ: k1 = −d, k2 = d²/2, k3 = exp(d) − 1 − d."""
     kl_clamp: float | None = 10.0
     """The log-ratio d is clamped to [−kl_clamp, kl_clamp] before the estimator. None: no clamp."""
+    kl_output_clamp: float | None = None
+    """The estimate itself is clamped to [−kl_output_clamp, kl_output_clamp] per token (zero gradient where it
+    binds). None: no clamp."""
     importance_correction: ImportanceCorrection = "none"
-    """Correction for the generator/trainer mismatch w = exp(logπ_old − logπ_gen), detached: tis, icepop or
-    seq-mask-tis (see `importance_weights`). none: no correction."""
+    """Correction for the generator/trainer mismatch w = exp(logπ_old − logπ_gen), detached: tis, icepop,
+    seq-mask-tis or seq-tis (see `importance_weights`). none: no correction."""
     is_threshold_low: float = 0.5
     """Lower bound of the accepted mismatch weight (icepop per token, seq-mask-tis per sequence)."""
     is_threshold_high: float = 2.0
-    """Upper bound of the accepted mismatch weight, and the truncation of tis and seq-mask-tis."""
+    """Upper bound of the accepted mismatch weight, and the truncation of tis, seq-tis and seq-mask-tis."""
+    tis_lower_bound: float | None = None
+    """tis and seq-tis only: truncate the weight below at this value too, max(w, bound). None: no lower bound."""
     aggregation: Aggregation = "token-mean"
     """token-mean: mean over the step's tokens; seq-mean-token-mean / -token-sum / -token-sum-norm: mean over the
     step's sequences of each sequence's token mean / token sum / token sum divided by aggregation_constant."""
@@ -119,6 +130,13 @@ class PolicyLossConfig:
             raise ValueError("clip_mode='cispo' does not combine with ratio_clip_c (dual clip): set ratio_clip_c=None")
         if self.ratio_level == "none" and self.clip_mode == "cispo":
             raise ValueError("clip_mode='cispo' needs a ratio: ratio_level='none' has none")
+        if self.ratio_level == "sequence" and self.clip_mode == "cispo":
+            raise ValueError(
+                "clip_mode='cispo' with ratio_level='sequence' is not defined: CISPO clips each token's own IS "
+                "weight and keeps that token's gradient; with GSPO's sequence ratio every token of a sequence would "
+                "get the same detached clipped weight, a combination neither paper defines. Use ratio_level='token' "
+                "for CISPO, or clip_mode='ppo' for GSPO"
+            )
         if self.ratio_level == "none" and self.ratio_clip_c is not None:
             raise ValueError("ratio_clip_c (dual clip) needs a ratio: ratio_level='none' has none")
         if self.ratio_level == "sequence" and self.aggregation == "token-mean":
@@ -136,6 +154,15 @@ class PolicyLossConfig:
             )
         if self.kl_clamp is not None and self.kl_clamp <= 0:
             raise ValueError(f"kl_clamp must be positive or None, got {self.kl_clamp}")
+        if self.kl_output_clamp is not None and self.kl_output_clamp <= 0:
+            raise ValueError(f"kl_output_clamp must be positive or None, got {self.kl_output_clamp}")
+        if self.tis_lower_bound is not None:
+            if self.importance_correction not in ("tis", "seq-tis"):
+                raise ValueError(f"tis_lower_bound applies to importance_correction 'tis' or 'seq-tis', not "
+                                 f"{self.importance_correction!r}: set tis_lower_bound=None")
+            if not 0 <= self.tis_lower_bound < self.is_threshold_high:
+                raise ValueError(f"tis_lower_bound ({self.tis_lower_bound}) must be non-negative and below "
+                                 f"is_threshold_high ({self.is_threshold_high})")
 
 
 # ---- KL estimators ------------------------------------------------------------------------------------------
@@ -148,40 +175,72 @@ _KL_ESTIMATORS: dict[str, Callable[[Tensor], Tensor]] = {
 
 
 def kl_estimate(
-    logprobs: Tensor, reference_logprobs: Tensor, estimator: KLEstimator = "k3", clamp: float | None = 10.0
+    logprobs: Tensor,
+    reference_logprobs: Tensor,
+    estimator: KLEstimator = "k3",
+    clamp: float | None = 10.0,
+    output_clamp: float | None = None,
 ) -> Tensor:
     """Per-token estimate of KL(π‖π_ref) from the sampled tokens' log-probabilities (Schulman 2020).
 
     logprobs, reference_logprobs: [B, T] (any matching shape) log π(y_t) and log π_ref(y_t).
     estimator: k1 = −d, k2 = d²/2 or k3 = exp(d) − 1 − d, with d = logπ_ref − logπ clamped to [−clamp, clamp]
         (no clamp when None). See the module docstring for which are unbiased in value and in gradient.
+    output_clamp: the estimate is then clamped to [−output_clamp, output_clamp] (None: not clamped), as verl
+        bounds its low-variance KL; a clamped token has no KL gradient.
     Returns the estimate per token, same shape, differentiable through both inputs.
     """
     d = reference_logprobs - logprobs
     if clamp is not None:
         d = d.clamp(-clamp, clamp)
-    return _KL_ESTIMATORS[estimator](d)
+    estimate = _KL_ESTIMATORS[estimator](d)
+    if output_clamp is not None:
+        estimate = estimate.clamp(-output_clamp, output_clamp)
+    return estimate
 
 
 # ---- generator/trainer mismatch correction ------------------------------------------------------------------
 
 
 class ImportanceWeights(NamedTuple):
-    """Detached per-token weights of the policy-gradient term and which tokens they drop, each [B, T]."""
+    """Detached per-token weights of the policy-gradient term, which tokens they drop and which they truncate,
+    each [B, T]."""
 
     weights: Tensor
     masked: Tensor
     """bool, True where the correction set the weight to 0."""
+    truncated: Tensor
+    """bool, True where truncation moved the weight to a bound (tis, seq-tis, and seq-mask-tis's kept tokens)."""
 
 
 def _no_correction(log_w: Tensor, valid: Tensor, cfg: PolicyLossConfig) -> ImportanceWeights:
-    return ImportanceWeights(torch.ones_like(log_w), torch.zeros_like(valid))
+    never = torch.zeros_like(valid)
+    return ImportanceWeights(torch.ones_like(log_w), never, never)
 
 
 def _tis(log_w: Tensor, valid: Tensor, cfg: PolicyLossConfig) -> ImportanceWeights:
     """Truncated IS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"):
-    min(w, high) per token; no token is dropped."""
-    return ImportanceWeights(log_w.exp().clamp(max=cfg.is_threshold_high), torch.zeros_like(valid))
+    min(w, high) per token, and max(·, tis_lower_bound) when that is set; no token is dropped."""
+    w = log_w.exp()
+    truncated = _outside(w, cfg.tis_lower_bound, cfg.is_threshold_high)
+    return ImportanceWeights(w.clamp(min=cfg.tis_lower_bound, max=cfg.is_threshold_high), torch.zeros_like(valid),
+                             truncated)
+
+
+def _seq_tis(log_w: Tensor, valid: Tensor, cfg: PolicyLossConfig) -> ImportanceWeights:
+    """Sequence-level truncated IS: one weight per sequence, the product of its valid tokens' weights, computed
+    in log space as exp(Σ_t log w_t), truncated to [tis_lower_bound, high] and applied to every token of the
+    sequence. Unlike the geometric mean of seq-mask-tis, the product is the exact sequence likelihood ratio
+    π_old(y)/π_gen(y), so it drifts far from 1 on long sequences; the truncation bounds its variance."""
+    sequence_w = log_w.sum(-1, keepdim=True).exp()  # log_w is 0 off the valid tokens; inf beyond float range
+    truncated = _outside(sequence_w, cfg.tis_lower_bound, cfg.is_threshold_high)
+    weights = sequence_w.clamp(min=cfg.tis_lower_bound, max=cfg.is_threshold_high)
+    return ImportanceWeights(weights.expand_as(log_w), torch.zeros_like(valid), truncated.expand_as(log_w))
+
+
+def _outside(w: Tensor, low: float | None, high: float) -> Tensor:
+    """bool, True where w lies above high or below low (no lower bound when low is None)."""
+    return (w > high) if low is None else (w > high) | (w < low)
 
 
 def _icepop(log_w: Tensor, valid: Tensor, cfg: PolicyLossConfig) -> ImportanceWeights:
@@ -191,7 +250,7 @@ def _icepop(log_w: Tensor, valid: Tensor, cfg: PolicyLossConfig) -> ImportanceWe
     """
     w = log_w.exp()
     outside = (w < cfg.is_threshold_low) | (w > cfg.is_threshold_high)
-    return ImportanceWeights(torch.where(outside, 0.0, w), outside)
+    return ImportanceWeights(torch.where(outside, 0.0, w), outside, torch.zeros_like(valid))
 
 
 def _seq_mask_tis(log_w: Tensor, valid: Tensor, cfg: PolicyLossConfig) -> ImportanceWeights:
@@ -204,7 +263,8 @@ def _seq_mask_tis(log_w: Tensor, valid: Tensor, cfg: PolicyLossConfig) -> Import
     sequence_w = _sequence_mean(log_w, valid).exp()
     outside = (sequence_w < cfg.is_threshold_low) | (sequence_w > cfg.is_threshold_high)
     weights = torch.where(outside, 0.0, log_w.exp().clamp(max=cfg.is_threshold_high))
-    return ImportanceWeights(weights, outside.expand_as(log_w))
+    truncated = ~outside & (log_w.exp() > cfg.is_threshold_high)
+    return ImportanceWeights(weights, outside.expand_as(log_w), truncated)
 
 
 _CORRECTIONS: dict[str, Callable[[Tensor, Tensor, PolicyLossConfig], ImportanceWeights]] = {
@@ -212,6 +272,7 @@ _CORRECTIONS: dict[str, Callable[[Tensor, Tensor, PolicyLossConfig], ImportanceW
     "tis": _tis,
     "icepop": _icepop,
     "seq-mask-tis": _seq_mask_tis,
+    "seq-tis": _seq_tis,
 }
 
 
@@ -222,18 +283,20 @@ def importance_weights(
 
     old_logprobs, generator_logprobs, mask: [B, T]. w = exp(logπ_old − logπ_gen) per token; low/high are
     cfg.is_threshold_low/high, bounds inclusive:
-    - tis: weight min(w, high).
+    - tis: weight min(w, high), and max(·, cfg.tis_lower_bound) when set.
     - icepop: weight w where low <= w <= high, else 0 (token masked).
     - seq-mask-tis: a sequence whose geometric-mean weight exp(mean over its valid tokens of log w) is outside
       [low, high] is masked entirely (weight 0); tokens of the other sequences get min(w, high).
+    - seq-tis: every token of a sequence gets the sequence's product weight exp(Σ over its valid tokens of
+      log w), truncated like tis: min(·, high), and max(·, cfg.tis_lower_bound) when set.
     - none: weight 1.
-    Masked positions of `mask` get weight 1 and are never reported as dropped; they carry no loss anyway.
+    Masked positions of `mask` get weight 1 and are never reported as dropped or truncated; they carry no loss.
     """
     valid = mask.bool()
     with torch.no_grad():
         log_w = torch.where(valid, old_logprobs - generator_logprobs, 0.0)
-        weights, masked = _CORRECTIONS[cfg.importance_correction](log_w, valid, cfg)
-        return ImportanceWeights(torch.where(valid, weights, 1.0), masked & valid)
+        weights, masked, truncated = _CORRECTIONS[cfg.importance_correction](log_w, valid, cfg)
+        return ImportanceWeights(torch.where(valid, weights, 1.0), masked & valid, truncated & valid)
 
 
 # ---- policy terms -------------------------------------------------------------------------------------------
@@ -356,8 +419,13 @@ def policy_gradient_loss(
     Returns (loss, metrics): detached 0-dim tensors, means over this micro-batch's valid tokens (0 when there are
     none; ratio_min/max 1): clip_fraction_low (A < 0, r < 1 − low), clip_fraction_high (A > 0, r > 1 + high),
     dual_clip_fraction (A < 0, r > c), ratio_mean, ratio_min, ratio_max; kl (the estimator's mean) when
-    reference_logprobs is given; is_weight_mean and is_masked_fraction when the correction is on;
-    generator_logprob_error (mean |logπ_old − logπ_gen|) when generator_logprobs is given.
+    reference_logprobs is given; generator_logprob_error (mean |logπ_old − logπ_gen|) when generator_logprobs is
+    given; and when the correction is on (importance_correction not "none"), of the applied weights c_t:
+    is_weight_mean, is_masked_fraction (c_t set to 0), is_truncated_fraction (c_t moved to a truncation bound),
+    is_effective_sample_size (Σc)²/(n·Σc²) over the n valid tokens (1 with no valid token, 0 when every c_t is
+    0), and of the raw token weights w = exp(logπ_old − logπ_gen): is_raw_weight_min, is_raw_weight_max (1 with
+    no valid token). Each is of this micro-batch: a minimum, maximum or effective sample size over a whole step
+    needs the reduction that fits it, not a token-weighted mean.
     """
     valid = _check_inputs(cfg, logprobs, old_logprobs, advantages, mask, normalizer, generator_logprobs,
                           reference_logprobs)
@@ -380,12 +448,11 @@ def policy_gradient_loss(
         with torch.no_grad():
             metrics["generator_logprob_error"] = _masked_mean((old_logprobs - generator_logprobs).abs(), valid)
             if cfg.importance_correction != "none":
-                metrics["is_weight_mean"] = _masked_mean(correction.weights, valid)
-                metrics["is_masked_fraction"] = _masked_mean(correction.masked, valid)
+                metrics.update(_importance_metrics(correction, old_logprobs - generator_logprobs, valid))
 
     if reference_logprobs is not None:
         reference_logprobs = torch.where(valid, reference_logprobs.detach().to(dtype), 0.0)
-        kl = kl_estimate(logprobs, reference_logprobs, cfg.kl_estimator, cfg.kl_clamp)
+        kl = kl_estimate(logprobs, reference_logprobs, cfg.kl_estimator, cfg.kl_clamp, cfg.kl_output_clamp)
         if cfg.reference_kl_penalty > 0:
             per_token = per_token + cfg.reference_kl_penalty * kl
         metrics["kl"] = _masked_mean(kl.detach(), valid)
@@ -406,6 +473,26 @@ def policy_gradient_loss(
             ratio_max=ratio[valid].max() if any_valid else ratio.new_tensor(1.0),
         )
     return loss, metrics
+
+
+def _importance_metrics(correction: ImportanceWeights, log_w: Tensor, valid: Tensor) -> dict[str, Tensor]:
+    """Statistics of the applied weights over this micro-batch's valid tokens (see `policy_gradient_loss`)."""
+    weights = torch.where(valid, correction.weights.double(), 0.0)  # float64 sums: (Σc)² ≤ n·Σc² holds to rounding
+    count, total, squares = valid.sum(), weights.sum(), weights.square().sum()
+    if count == 0:
+        effective = weights.new_tensor(1.0)
+    else:  # (Σw)² / (n·Σw²); 0 when every weight is 0
+        effective = torch.where(squares > 0, total.square() / (count * squares).clamp(min=1e-300), 0.0)
+    effective = effective.to(correction.weights.dtype)
+    raw = log_w[valid].exp()
+    return {
+        "is_weight_mean": _masked_mean(correction.weights, valid),
+        "is_masked_fraction": _masked_mean(correction.masked, valid),
+        "is_truncated_fraction": _masked_mean(correction.truncated, valid),
+        "is_effective_sample_size": effective,
+        "is_raw_weight_min": raw.min() if raw.numel() else weights.new_tensor(1.0),
+        "is_raw_weight_max": raw.max() if raw.numel() else weights.new_tensor(1.0),
+    }
 
 
 def _masked_mean(values: Tensor, valid: Tensor) -> Tensor:

@@ -7,7 +7,6 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -27,6 +26,7 @@ from posttrain.models.trained import (
     ensure_trained_model,
     is_trained_embedded,
 )
+from posttrain.models.value_head import scalar_head_model_class
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -74,13 +74,16 @@ def load_causal_lm(cfg: ModelConfig, path: str | Path | None = None, device: str
 
 def load_reward_backbone(cfg: ModelConfig, pad_token_id: int, path: str | Path | None = None,
                          device: str | torch.device = "cpu") -> PreTrainedModel:
-    """`cfg`'s model (or checkpoint `path`) with a scalar head: AutoModelForSequenceClassification, num_labels=1.
+    """`cfg`'s model (or checkpoint `path`) with a scalar head: AutoModelForSequenceClassification, num_labels=1, or
+    for an architecture transformers has no sequence classifier for, the same construction over its base model
+    (posttrain.models.value_head).
 
     From a causal LM checkpoint the backbone weights load and the score head starts fresh (normal init with the
     model's initializer_range). The head reads the hidden state of each row's last non-pad token, so the config
     gets the tokenizer's pad id.
     """
-    model = _from_pretrained(AutoModelForSequenceClassification, cfg, path, num_labels=1)
+    source = path if path is not None else resolve_model_path(cfg.name_or_path)
+    model = _from_pretrained(scalar_head_model_class(source, cfg.trust_remote_code), cfg, path, num_labels=1)
     model.config.pad_token_id = pad_token_id
     return model.to(device)
 

@@ -52,13 +52,16 @@ class RewardModel:
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None, dtype: str = "float32",
                         batch_size: int = 32, max_length: int | None = None) -> RewardModel:
-        """Load a reward-model directory (or hub id, or embedded name) with AutoModelForSequenceClassification."""
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        """Load a reward-model directory (or hub id, or embedded name) with AutoModelForSequenceClassification, or,
+        for an architecture transformers has no sequence classifier for, with posttrain's scalar head on its base
+        model (posttrain.models.value_head), which is how `posttrain rm` saved it."""
+        from transformers import AutoTokenizer
 
         from posttrain.models.loading import DTYPES, default_device, resolve_model_path
+        from posttrain.models.value_head import scalar_head_model_class
 
         source = resolve_model_path(str(path))
-        model = AutoModelForSequenceClassification.from_pretrained(source, dtype=DTYPES[dtype])
+        model = scalar_head_model_class(source).from_pretrained(source, dtype=DTYPES[dtype])
         tokenizer = AutoTokenizer.from_pretrained(source)
         model.to(device if device is not None else default_device())
         return cls(model, tokenizer, batch_size, max_length)

@@ -1,0 +1,369 @@
+"""An LLM as the judge: the reward of a reply is the score another language model gives it.
+
+The judge is one of two things (give exactly one):
+
+- `path`: a local Hugging Face chat model (a directory, hub id or embedded name), loaded once in this process and
+  run greedily, in batches of `batch_size`, by posttrain's transformers generator (`max_new_tokens` per verdict).
+- `base_url` with `model`: an OpenAI-compatible server (vLLM, SGLang, TGI, a hosted API), one
+  `POST {base_url}/v1/chat/completions` per reply to judge (a base_url that already ends in /v1 is not given a
+  second one), greedy (temperature 0, `max_tokens` = max_new_tokens), `concurrency` requests at a time. Each request
+  may take `timeout_s` (urllib's limit on connecting and on each read); a connection error, a timeout, HTTP 429 or
+  5xx is retried up to `max_retries` times, after retry_backoff_s · 2^k seconds before the k-th retry. Any other
+  HTTP status is final. The API key, if the server needs one, is read from the environment variable named
+  `api_key_env` (so it never appears in config.yaml). Only the standard library (urllib) is used.
+
+What the judge reads: `template` filled with {prompt} (the last user message before the reply), {response} (the
+reply), {min_score}, {max_score}, and every column of the row by name; sent as one user message, after
+`system_prompt` when one is given (the local judge renders it with its chat template when it has one and
+`use_chat_template` is on, else as plain text).
+
+The verdict: `parse_score` finds every match of `score_pattern` (one capture group; by default "Score: N",
+case-insensitive, also "**Score:** N", "score = N"). Exactly one distinct finite number within
+[min_score, max_score] is a score; with `normalize` the reward is (score − min_score) / (max_score − min_score) in
+[0, 1], else the score itself. Everything else masks the sample with an error saying why, and is counted, never
+turned into a zero (which the advantage estimator would learn from):
+
+    no_score        the pattern matches nothing (an empty or off-format reply)
+    several_scores  it matches two or more different numbers ("Score: 3 ... Score: 9"; the same number twice is fine)
+    not_a_number    what it captured is no finite number ("Score: seven", "Score: excellent", "Score: nan")
+    out_of_range    the number lies outside [min_score, max_score]
+    timeout, http_error, connection_error   the request failed after its retries
+    invalid_response                        the server's answer is not a chat completion (bad JSON, no content)
+
+`counts` holds, over the environment's life, how many samples each failure kind masked, `judged` (verdicts
+asked of the judge) and `cache_hits` (samples answered from the cache); the training loop counts the masked
+samples itself too (reward/errors).
+
+Cache: a verdict is kept under the hash of the exact messages the judge reads (so of the prompt, the response and
+every column the template uses) for the environment's lifetime, and a repeated (prompt, response), within a batch
+or across steps, is not judged again. Only the judge's own answers are cached (a score or a parse failure);
+transport failures (timeout, HTTP, connection, invalid response) are asked again next time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import math
+import os
+import re
+import string
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from posttrain.envs.base import EnvStep, Message, check_batch, prompt_of, reply_of, single_turn_step
+
+DEFAULT_TEMPLATE = (
+    "Rate the response to the prompt below from {min_score} (worst) to {max_score} (best).\n\n"
+    "Prompt:\n{prompt}\n\nResponse:\n{response}\n\n"
+    'End your answer with one line of the form "Score: N".'
+)
+DEFAULT_SCORE_PATTERN = r"(?i)\bscore\s*[:=]\s*\**\s*([-+]?\d+(?:\.\d+)?|[^\s*]+)"
+"""'score' then ':' or '=' (markdown bold allowed), capturing a number, or else the word there (to report it)."""
+FIXED_FIELDS = ("prompt", "response", "min_score", "max_score")
+QUOTED_REPLY_CHARS = 200
+RETRIED_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What became of one reply the judge scored."""
+
+    score: float | None
+    """The judge's score in [min_score, max_score]; None when it failed."""
+    failure: str | None
+    """Why it failed, one of the kinds in the module docstring; None for a score."""
+    error: str | None
+    """The failure as a sentence (quoting the judge's reply), or None."""
+
+
+def parse_score(text: str, pattern: str | re.Pattern, min_score: float, max_score: float) -> Verdict:
+    """The score in the judge's reply `text`: every match of `pattern`'s one capture group must read as the same
+    finite number in [min_score, max_score] (see the module docstring for the failures)."""
+    quoted = repr(text[:QUOTED_REPLY_CHARS] + ("..." if len(text) > QUOTED_REPLY_CHARS else ""))
+    regex = re.compile(pattern) if isinstance(pattern, str) else pattern
+    captured = [match.group(1) for match in regex.finditer(text)]
+    if not captured:
+        return Verdict(None, "no_score", f"no score in the judge's reply {quoted}")
+    numbers = []
+    for item in captured:
+        try:
+            number = float(item)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number):
+            return Verdict(None, "not_a_number", f"the judge's score {item!r} is not a number, in {quoted}")
+        numbers.append(number)
+    distinct = sorted(set(numbers))
+    if len(distinct) > 1:
+        listed = ", ".join(f"{n:g}" for n in distinct)
+        return Verdict(None, "several_scores", f"the judge gave several different scores ({listed}) in {quoted}")
+    score = distinct[0]
+    if not min_score <= score <= max_score:
+        return Verdict(None, "out_of_range",
+                       f"the judge's score {score:g} is outside [{min_score:g}, {max_score:g}], in {quoted}")
+    return Verdict(score, None, None)
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """The judge backend's answer to one conversation: its text, or why there is none."""
+
+    text: str | None
+    failure: str | None = None
+    error: str | None = None
+
+
+class JudgeEnvironment:
+    """Single turn. Reward: a judge model's score of the reply (see the module docstring for every option).
+
+    Metadata out: the row's metadata plus `judge_score` (the raw score, None when the verdict failed).
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        base_url: str | None = None,
+        model: str | None = None,
+        api_key_env: str | None = None,
+        template: str = DEFAULT_TEMPLATE,
+        system_prompt: str | None = None,
+        score_pattern: str = DEFAULT_SCORE_PATTERN,
+        min_score: float = 1.0,
+        max_score: float = 10.0,
+        normalize: bool = True,
+        max_new_tokens: int = 64,
+        timeout_s: float = 60.0,
+        max_retries: int = 3,
+        retry_backoff_s: float = 1.0,
+        concurrency: int = 8,
+        batch_size: int = 16,
+        use_chat_template: bool = True,
+        device: str | None = None,
+    ):
+        if (path is None) == (base_url is None):
+            raise ValueError("give the judge as either path (a local model) or base_url (an OpenAI-compatible "
+                             f"server), exactly one of them; got path={path!r}, base_url={base_url!r}")
+        if not min_score < max_score:
+            raise ValueError(f"min_score ({min_score}) must be below max_score ({max_score})")
+        for name, value in (("max_new_tokens", max_new_tokens), ("concurrency", concurrency),
+                            ("batch_size", batch_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        self.pattern = _score_regex(score_pattern)
+        self.template_fields = _template_fields(template)
+        self.template, self.system_prompt = template, system_prompt
+        self.min_score, self.max_score, self.normalize = min_score, max_score, normalize
+        if base_url is not None:
+            if model is None:
+                raise ValueError("base_url needs model, the name the server serves the judge under")
+            self.backend = _HTTPJudge(base_url, model, _api_key(api_key_env), max_new_tokens, timeout_s, max_retries,
+                                      retry_backoff_s, concurrency)
+        else:
+            if model is not None or api_key_env is not None:
+                raise ValueError("model and api_key_env belong to a judge server (base_url), not a local path")
+            self.backend = _LocalJudge(path, max_new_tokens, batch_size, use_chat_template, device)
+        self.cache: dict[str, Verdict] = {}
+        self.counts: Counter[str] = Counter()
+        """Failure kinds, `judged` and `cache_hits`, over the environment's life."""
+
+    def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:
+        check_batch(message_logs, metadata)
+        conversations = [self._judge_messages(log, row, index)
+                         for index, (log, row) in enumerate(zip(message_logs, metadata))]
+        keys = [hashlib.sha256(json.dumps(c, sort_keys=True).encode()).hexdigest() for c in conversations]
+        fresh: dict[str, list[Message]] = {}
+        for key, conversation in zip(keys, conversations):
+            if key in self.cache or key in fresh:
+                self.counts["cache_hits"] += 1
+            else:
+                fresh[key] = conversation
+        transport_failures: dict[str, Verdict] = {}
+        for key, reply in zip(fresh, self.backend.complete(list(fresh.values()))):
+            self.counts["judged"] += 1
+            if reply.text is None:
+                transport_failures[key] = Verdict(None, reply.failure, reply.error)
+            else:
+                self.cache[key] = parse_score(reply.text, self.pattern, self.min_score, self.max_score)
+        rewards, errors, metadata_out = [], [], []
+        for key, row in zip(keys, metadata):
+            verdict = transport_failures.get(key) or self.cache[key]
+            if verdict.failure is not None:
+                self.counts[verdict.failure] += 1
+            rewards.append(None if verdict.score is None else self._reward(verdict.score))
+            errors.append(None if verdict.error is None else f"judge ({verdict.failure}): {verdict.error}")
+            metadata_out.append({**row, "judge_score": verdict.score})
+        return single_turn_step(rewards, errors, metadata_out)
+
+    def close(self) -> None:
+        """Release the local judge model (nothing to release for a server)."""
+        self.backend.close()
+
+    def _reward(self, score: float) -> float:
+        if not self.normalize:
+            return score
+        return (score - self.min_score) / (self.max_score - self.min_score)
+
+    def _judge_messages(self, log: list[Message], row: dict[str, Any], index: int) -> list[Message]:
+        fields = {**row, "prompt": prompt_of(log), "response": reply_of(log), "min_score": f"{self.min_score:g}",
+                  "max_score": f"{self.max_score:g}"}
+        missing = [name for name in self.template_fields if name not in fields]
+        if missing:
+            raise ValueError(f"the judge's template uses {{{missing[0]}}}, but row {index} of the batch has no such "
+                             f"column (it has {', '.join(sorted(fields))})")
+        messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []
+        return [*messages, {"role": "user", "content": self.template.format(**fields)}]
+
+
+def _score_regex(pattern: str) -> re.Pattern:
+    try:
+        regex = re.compile(pattern)
+    except re.error as error:
+        raise ValueError(f"score_pattern {pattern!r} is not a regular expression: {error}") from None
+    if regex.groups != 1:
+        raise ValueError(f"score_pattern {pattern!r} must have exactly one capture group (the score), it has "
+                         f"{regex.groups}")
+    return regex
+
+
+def _template_fields(template: str) -> list[str]:
+    """The top-level names the template's placeholders use; ValueError for a malformed template."""
+    try:
+        parsed = list(string.Formatter().parse(template))
+    except ValueError as error:
+        raise ValueError(f"the judge's template cannot be filled: {error} (write a literal brace as {{{{ or }}}})") \
+            from None
+    names = []
+    for _, field, _, _ in parsed:
+        if field is None:
+            continue
+        name = re.split(r"[.\[]", field, maxsplit=1)[0]
+        if not name or name.isdigit():
+            raise ValueError(f"the judge's template has a positional placeholder {{{field}}}; name a field instead "
+                             f"({', '.join(FIXED_FIELDS)} or a column of the data)")
+        names.append(name)
+    return names
+
+
+def _api_key(variable: str | None) -> str | None:
+    if variable is None:
+        return None
+    key = os.environ.get(variable)
+    if not key:
+        raise ValueError(f"api_key_env={variable!r}: the environment variable {variable} is not set (or empty)")
+    return key
+
+
+class _HTTPJudge:
+    """An OpenAI-compatible chat-completions endpoint, called with urllib from a small thread pool."""
+
+    def __init__(self, base_url: str, model: str, api_key: str | None, max_tokens: int, timeout_s: float,
+                 max_retries: int, retry_backoff_s: float, concurrency: int):
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if max_retries < 0 or retry_backoff_s < 0:
+            raise ValueError(f"max_retries and retry_backoff_s must be non-negative, got {max_retries}, "
+                             f"{retry_backoff_s}")
+        root = base_url.rstrip("/")
+        self.url = root + ("/chat/completions" if root.endswith("/v1") else "/v1/chat/completions")
+        self.model, self.api_key, self.max_tokens = model, api_key, max_tokens
+        self.timeout_s, self.max_retries, self.retry_backoff_s = timeout_s, max_retries, retry_backoff_s
+        self.concurrency = concurrency
+
+    def complete(self, conversations: list[list[Message]]) -> list[_Reply]:
+        if not conversations:
+            return []
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(conversations))) as pool:
+            return list(pool.map(self._ask, conversations))
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+    def _ask(self, messages: list[Message]) -> _Reply:
+        body = json.dumps({"model": self.model, "messages": messages, "temperature": 0.0,
+                           "max_tokens": self.max_tokens}).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        failed = _Reply(None)
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+            request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    payload = response.read()
+            except urllib.error.HTTPError as error:
+                detail = error.read(QUOTED_REPLY_CHARS).decode("utf-8", "replace")
+                failed = _Reply(None, "http_error", f"HTTP {error.code} from {self.url}: {detail!r}")
+                if error.code not in RETRIED_STATUSES:
+                    return failed
+                continue
+            except TimeoutError:
+                failed = _Reply(None, "timeout", f"no answer from {self.url} within timeout_s={self.timeout_s:g} s")
+                continue
+            except urllib.error.URLError as error:
+                if isinstance(error.reason, TimeoutError):
+                    failed = _Reply(None, "timeout",
+                                    f"no answer from {self.url} within timeout_s={self.timeout_s:g} s")
+                else:
+                    failed = _Reply(None, "connection_error", f"cannot reach {self.url}: {error.reason}")
+                continue
+            except (OSError, http.client.HTTPException) as error:  # reset mid-request, a truncated answer
+                failed = _Reply(None, "connection_error", f"the connection to {self.url} failed: {error!r}")
+                continue
+            return _chat_content(payload, self.url)
+        tries = self.max_retries + 1
+        return _Reply(None, failed.failure, f"{failed.error} (after {tries} attempt{'s' if tries > 1 else ''})")
+
+
+def _chat_content(payload: bytes, url: str) -> _Reply:
+    """The assistant message of a chat-completions answer, or an invalid_response failure."""
+    try:
+        content = json.loads(payload)["choices"][0]["message"]["content"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        content = None
+    if not isinstance(content, str):
+        quoted = payload[:QUOTED_REPLY_CHARS].decode("utf-8", "replace")
+        return _Reply(None, "invalid_response", f"{url} answered with no chat completion message: {quoted!r}")
+    return _Reply(content)
+
+
+class _LocalJudge:
+    """A causal LM in this process, generating greedily with posttrain's transformers backend."""
+
+    def __init__(self, path: str, max_new_tokens: int, batch_size: int, use_chat_template: bool,
+                 device: str | None):
+        from posttrain.config.schema import ModelConfig
+        from posttrain.generation.transformers_backend import TransformersGenerator
+        from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer
+
+        model_cfg = ModelConfig(name_or_path=path)
+        self.tokenizer = load_tokenizer(model_cfg, padding_side="left")
+        model = load_causal_lm(model_cfg, device=device if device is not None else default_device()).eval()
+        model.requires_grad_(False)
+        self.generator = TransformersGenerator(model, self.tokenizer, batch_size=batch_size)
+        self.max_new_tokens = max_new_tokens
+        self.use_chat_template = use_chat_template and self.tokenizer.chat_template is not None
+
+    def complete(self, conversations: list[list[Message]]) -> list[_Reply]:
+        from posttrain.data.tokenize import tokenize_prompt
+        from posttrain.generation.base import SamplingParams
+
+        if not conversations:
+            return []
+        prompts = [tokenize_prompt(c if self.use_chat_template else "\n\n".join(m["content"] for m in c),
+                                   self.tokenizer) for c in conversations]
+        output = self.generator.generate(prompts, SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0))
+        return [_Reply(samples[0].text) for samples in output.completions]
+
+    def close(self) -> None:
+        self.generator = None

@@ -1,0 +1,68 @@
+"""The critic of PPO: a scalar value head on its own backbone, trained beside the policy.
+
+    critic = build_critic(cfg.critic, cfg.model, cfg.trainer, tokenizer, device, schedule)
+    old_values = critic.values(batch)                               # [N, T], no graph
+    critic.forward_backward(batch.select(index), value_objective, normalizer)
+    critic.optim_step()
+
+The model is a scalar-head model (`posttrain.models.value_head.scalar_head_model_class`: a transformers sequence
+classifier with num_labels=1, or posttrain's scalar head for architectures without one), so a critic starts from
+the policy's checkpoint (backbone loaded, head fresh) or from a `posttrain rm` reward model (head included), and
+its checkpoints are Hugging Face directories like a reward model's.
+
+Values are aligned with log-probabilities: entry [n, t] is V(s_t), the value of the state *before* token t is
+emitted, read from the head at position t − 1 (0 at t = 0). Then `values[:, t]` and `logprobs[:, t]` describe the
+same action, and `posttrain.advantages.gae_advantages` reads both with the same mask.
+
+`ValueWorker` is a `PolicyWorker` (optimizer, schedule, save/load, non-finite guard) whose model outputs, the
+thing a loss function sees, are these [B, T] values instead of logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from posttrain.config.schema import LoraSection, ModelConfig, TrainerConfig
+from posttrain.data.types import RolloutBatch
+from posttrain.models.loading import load_trainable_model
+from posttrain.models.value_head import token_scores
+from posttrain.workers.forward import autocast, batch_to
+from posttrain.workers.local import LocalPolicyWorker
+
+CRITIC = "critic"
+
+
+class ValueWorker(LocalPolicyWorker):
+    """A critic in this process (see the module docstring)."""
+
+    def values(self, batch: RolloutBatch) -> torch.Tensor:
+        """[N, T] float32 V(s_t) before each token t (0 at t = 0), eval mode, no graph, on CPU."""
+        parts = []
+        with self._frozen_pass():
+            for chunk in self._chunks(batch):
+                parts.append(self._outputs(batch_to(chunk, self.device)).cpu())
+        return torch.cat(parts)
+
+    def _outputs(self, batch: RolloutBatch) -> torch.Tensor:
+        with autocast(self.trainer, self.device):
+            scores = token_scores(self.model, batch.input_ids, batch.attention_mask)[..., 0]
+        # The head at position p has read tokens ≤ p: the value of the state before token p + 1.
+        return F.pad(scores.float()[:, :-1], (1, 0))
+
+    def logprobs(self, batch, temperature: float = 1.0) -> torch.Tensor:
+        raise TypeError("a critic has values, not log-probabilities: call values(batch)")
+
+
+def build_critic(init_from: str, model: ModelConfig, trainer: TrainerConfig, tokenizer, device: torch.device,
+                 schedule: TrainerConfig | None = None, resume_dir=None) -> ValueWorker:
+    """The critic: `init_from` "policy" starts from the policy's starting model (its backbone, a fresh head);
+    any other value is a model directory or hub id, e.g. a `posttrain rm` reward model (backbone and head).
+    `trainer` carries the critic's own learning rate; with `resume_dir` it is restored from a checkpoint folder."""
+    source = model if init_from == "policy" else model.model_copy(update={"name_or_path": init_from})
+    module = load_trainable_model(source, LoraSection(), None, device, task="reward",
+                                  pad_token_id=tokenizer.pad_token_id)
+    worker = ValueWorker(module, tokenizer, trainer, schedule, role=CRITIC)
+    if resume_dir is not None:
+        worker.load(resume_dir)
+    return worker

@@ -1,0 +1,405 @@
+"""OUTPUT/report.html: one self-contained page per run (or comparing runs), written at the end of every run and by
+`posttrain report`."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+import subprocess
+import time
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from posttrain.config.schema import LoggingConfig
+from posttrain.logging import RunLogger
+from posttrain.logging.metrics import MetricsFile
+from posttrain.logging.report import (
+    MAX_POINTS_PER_SERIES,
+    ReportError,
+    downsample,
+    read_run_info,
+    write_report,
+    write_run_info,
+)
+
+HOSTILE = '</script><script>alert("pwned")</script><img src=x onerror=alert(1)> & <b>bold</b>'
+# Anything that could make a viewer fetch something: a scheme, a protocol-relative address, a src/href attribute,
+# a stylesheet link or import, a CSS url().
+EXTERNAL = re.compile(r"https?:|//cdn|\bsrc\s*=|\bhref\s*=\s*(?![\"']?#)|<link\b|@import|url\(", re.IGNORECASE)
+
+
+class _Tags(HTMLParser):
+    """The page's elements and text, as a browser's tokenizer sees them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tags: list[tuple[str, dict[str, str | None]]] = []
+        self.scripts: list[str] = []
+        self._in_script = False
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+        self._in_script = tag == "script"
+        if self._in_script:
+            self.scripts.append("")
+
+    def handle_endtag(self, tag):
+        if tag == "script":
+            self._in_script = False
+
+    def handle_data(self, data):
+        if self._in_script:
+            self.scripts[-1] += data
+
+
+def _parse(page: str) -> _Tags:
+    parser = _Tags()
+    parser.feed(page)
+    return parser
+
+
+def _write_run(run_dir: Path, records: list[dict], samples: list[dict] | None = None,
+               config: str = "output_dir: runs/x\ntrainer:\n  max_steps: 3\n") -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with MetricsFile(run_dir / "metrics.jsonl") as metrics_file:
+        for record in records:
+            metrics_file.write(record["step"], {k: v for k, v in record.items() if k != "step"})
+    (run_dir / "config.yaml").write_text(config)
+    if samples is not None:
+        (run_dir / "samples.jsonl").write_text("".join(json.dumps(sample) + "\n" for sample in samples))
+    return run_dir
+
+
+def _sample(step: int, completion: str, split: str = "train", reward: float | None = 1.0) -> dict:
+    return {"step": step, "split": split, "prompt": f"{step}+1=", "completion": completion, "reward": reward,
+            "components": {"correct": reward} if reward is not None else None,
+            "correct": None if reward is None else reward > 0.5, "error": None if reward is not None else "timeout"}
+
+
+def _series_points(page: str) -> dict[str, list[int]]:
+    """data-label -> drawn point counts of every series in the page's charts."""
+    found: dict[str, list[int]] = {}
+    for tag, attrs in _parse(page).tags:
+        if tag == "g" and attrs.get("class") == "series":
+            found.setdefault(attrs["data-label"], []).append(int(attrs["data-points"]))
+    return found
+
+
+def _figures(page: str) -> list[str]:
+    return re.findall(r'<figure class="figure".*?</figure>', page, flags=re.DOTALL)
+
+
+SHORT = [{"step": s, "loss": 3.0 / s, "learning_rate": 1e-4 * s, "grad_norm": 0.5 + s, "tokens_per_second": 900.0,
+          "time/generate": 0.2, "time/train": 0.6, "time/step": 1.0} | ({"eval_loss": 2.0} if s == 3 else {})
+         for s in (1, 2, 3)]
+
+
+# ---- the page --------------------------------------------------------------------------------------------
+
+
+def test_report_is_self_contained_and_holds_curves_config_and_samples(tmp_path: Path) -> None:
+    run = _write_run(tmp_path / "my_run", SHORT, [_sample(1, "4"), _sample(3, "the answer is 42", "eval/math")],
+                     config="output_dir: runs/my_run\ntrainer:\n  learning_rate: 0.000123\n")
+    write_run_info(run, "grpo", "12 rows read: 12 examples, 3 skipped as malformed", "training 1.08M parameters", None)
+    page = write_report([run], run / "report.html").read_text()
+
+    assert EXTERNAL.search(page) is None, EXTERNAL.search(page)
+    parsed = _parse(page)
+    assert [tag for tag, _ in parsed.tags if tag in ("img", "link", "iframe", "object", "embed")] == []
+    assert all("src" not in attrs for _, attrs in parsed.tags)
+    assert re.search(r"<title>my_run — posttrain grpo report</title>", page)
+    assert "<h1>my_run: grpo run</h1>" in page
+
+    figures = _figures(page)
+    captions = [re.search(r"<figcaption>(.*?)</figcaption>", figure).group(1) for figure in figures]
+    assert captions[:4] == ["loss / eval_loss", "learning_rate", "grad_norm", "tokens_per_second"]
+    assert {"time/generate", "time/train", "time/step"} <= set(captions)
+    for figure in figures:  # every chart is an SVG with axes, ticks and at least one drawn series
+        assert figure.count('<svg class="chart"') == 1
+        assert '<text class="xl"' in figure and '<text class="yt"' in figure
+        assert re.search(r'<polyline points="[\d.]+,[\d.]+ [\d.]+,', figure) or "<circle" in figure
+    assert _series_points(page)["loss"] == [3] and _series_points(page)["eval_loss"] == [1]
+
+    assert "learning_rate: 0.000123" in page  # the config, verbatim
+    assert "3 skipped as malformed" in page  # the data summary from run_info.json
+    assert "the answer is 42" in page and "eval/math" in page  # a sample, also on the page without the script
+    assert re.search(r"<td>time/generate</td><td class=\"num\">0\.2 s <span class=\"at\">20%</span>", page)
+    payload = json.loads(parsed.scripts[0])
+    assert [row[4] for row in payload["rows"]] == ["4", "the answer is 42"]
+
+
+def test_text_from_the_files_is_escaped(tmp_path: Path) -> None:
+    run = _write_run(tmp_path / "run", SHORT, [_sample(1, HOSTILE)] + [_sample(2, "x") for _ in range(30)],
+                     config=f"prompt:\n  system_prompt: '{HOSTILE}'\n")
+    write_run_info(run, "sft", f"data with {HOSTILE}", "training", None)
+    page = write_report([run], tmp_path / "report.html").read_text()
+
+    parsed = _parse(page)
+    # Only the page's own two scripts (the samples' JSON and the table's code); no element the files brought.
+    assert [tag for tag, _ in parsed.tags].count("script") == 2
+    assert [tag for tag, _ in parsed.tags if tag in ("img", "b")] == []
+    assert "alert(" not in "".join(parsed.scripts[1:])
+    assert "<script>alert" not in page and "<img" not in page and "<b>bold" not in page
+    assert "&lt;/script&gt;&lt;script&gt;alert(&quot;pwned&quot;)" in page  # config, data summary, first page
+    # The JSON the script reads holds no "<", so it cannot close its element, and decodes to the text as written.
+    assert "<" not in parsed.scripts[0]
+    assert json.loads(parsed.scripts[0])["rows"][0][4] == HOSTILE
+
+
+def test_ten_thousand_steps_render_in_seconds_to_a_bounded_file(tmp_path: Path) -> None:
+    names = ["loss", "learning_rate", "grad_norm", "tokens_per_second", "reward/mean", "accuracy", "kl", "entropy",
+             "response_length/mean", "time/generate", "time/score", "time/train", "time/step"]
+    names += [f"extra/metric_{i}" for i in range(30 - len(names) - 4)]
+    records = []
+    for step in range(1, 10_001):
+        record = {"step": step} | {name: math.sin(step / 300 + i) + 2 + (i % 3) * 1e-3 * step
+                                   for i, name in enumerate(names)}
+        if step == 6_543:
+            record["loss"] = 50.0  # one spike among 10,000 points
+        if step % 250 == 0:
+            record |= {"eval_loss": 1.0 + 100 / step, "val/accuracy": step / 10_000,
+                       "eval/math/accuracy": step / 20_000, "eval/math/reward_mean": step / 30_000}
+        records.append(record)
+    run = _write_run(tmp_path / "long_run", records,
+                     [_sample(step, f"completion {step}") for step in range(1, 10_001) for _ in range(4)])
+
+    started = time.perf_counter()
+    path = write_report([run], run / "report.html")
+    seconds = time.perf_counter() - started
+    size = path.stat().st_size
+    print(f"10,000 steps x 30 metrics, 40,000 samples: {size / 1e6:.2f} MB in {seconds:.2f} s")
+    assert seconds < 5  # about 0.5 s on a loaded 2-core machine
+    assert size < 1_500_000  # about 0.9 MB: 30 series of at most 1,000 points, 1,000 samples
+
+    page = path.read_text()
+    points = _series_points(page)
+    assert len(points) == 30 and all(n <= MAX_POINTS_PER_SERIES for (n,) in points.values())
+    assert points["loss"] == [MAX_POINTS_PER_SERIES] and points["eval_loss"] == [40]
+    assert "loss: 10,000 points, 1,000 drawn" in page
+    assert "<h3>eval/math</h3>" in page  # evaluation sets get their own group of charts
+    # The spike survives: the loss axis reaches 50 (its ticks go past it).
+    loss_figure = next(f for f in _figures(page) if "<figcaption>loss / eval_loss" in f)
+    assert max(float(t) for t in re.findall(r'<text class="yt"[^>]*>([\d.]+)</text>', loss_figure)) >= 50
+    assert "1,000 of 40,000 samples shown" in page
+
+
+def test_downsampling_keeps_first_last_and_every_extreme() -> None:
+    steps = list(range(100_000))
+    values = [0.0] * 100_000
+    values[31_337], values[77_777] = 9.0, -4.0
+    kept_steps, kept_values = downsample(steps, values, 1000)
+    assert len(kept_steps) <= 1000 and kept_steps == sorted(kept_steps)
+    assert kept_steps[0] == 0 and kept_steps[-1] == 99_999
+    assert (31_337, 9.0) in zip(kept_steps, kept_values) and (77_777, -4.0) in zip(kept_steps, kept_values)
+    assert downsample([1, 2, 3], [1.0, 2.0, 3.0], 1000) == ([1, 2, 3], [1.0, 2.0, 3.0])
+
+
+def test_non_finite_values_are_skipped_and_named(tmp_path: Path) -> None:
+    records = [{"step": 1, "loss": 2.0, "grad_norm": float("nan")},
+               {"step": 2, "loss": float("inf"), "grad_norm": float("nan")},
+               {"step": 3, "loss": 1.0, "grad_norm": float("nan")},
+               {"step": 4, "loss": float("nan"), "grad_norm": float("-inf")}]
+    run = _write_run(tmp_path / "diverged", records)
+    page = write_report([run], run / "report.html").read_text()
+
+    assert "loss: 2 non-finite value(s) not drawn, the first at step 2" in page
+    assert "no finite values to draw" in page  # grad_norm
+    assert _series_points(page) == {"loss": [2]}
+    assert not re.search(r"points=\"[^\"]*(nan|inf)", page, re.IGNORECASE)
+    assert '<td>loss</td><td class="num">NaN</td><td class="num">4</td>' in page  # the final value, as it was
+
+
+def test_missing_samples_run_info_and_config_are_said_not_fatal(tmp_path: Path) -> None:
+    run = _write_run(tmp_path / "sft_run", SHORT)
+    (run / "config.yaml").unlink()
+    page = write_report([run], run / "report.html").read_text()
+    assert "no samples.jsonl in this run directory" in page
+    assert "No run_info.json in this run directory" in page
+    assert "(no config.yaml in this run directory)" in page
+    assert "<title>sft_run — posttrain report</title>" in page
+    assert 'id="samples-data"' not in page
+
+    empty = tmp_path / "not_started"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    assert "No metrics logged yet." in write_report([empty], empty / "report.html").read_text()
+
+
+def test_an_unreadable_samples_line_is_counted(tmp_path: Path) -> None:
+    run = _write_run(tmp_path / "run", SHORT, [_sample(1, "fine")])
+    with (run / "samples.jsonl").open("a") as samples:
+        samples.write('{"step": 2, "split": "tra')  # cut by a kill
+    page = write_report([run], run / "report.html").read_text()
+    assert "1 line(s) of samples.jsonl were not readable" in page and "fine" in page
+
+
+def test_several_runs_are_overlaid_one_colour_each_with_their_config_differences(tmp_path: Path) -> None:
+    first = _write_run(tmp_path / "lr_low", SHORT, [_sample(1, "from the first")],
+                       config="trainer:\n  learning_rate: 0.0001\n  max_steps: 3\n")
+    second = _write_run(tmp_path / "lr_high", [r | {"loss": r["loss"] * 2} for r in SHORT],
+                        config="trainer:\n  learning_rate: 0.001\n  max_steps: 3\n")
+    page = write_report([first, second], tmp_path / "compare.html").read_text()
+
+    assert "<h1>2 runs compared: lr_low, lr_high</h1>" in page
+    points = _series_points(page)
+    assert points["lr_low · loss"] == [3] and points["lr_high · loss"] == [3]  # shared axes, one series each
+    assert points["lr_low"] == points["lr_high"] == [3] * 6  # the six single-metric charts name the run
+    loss_figure = _figures(page)[0]
+    colours = set(re.findall(r'<polyline points="[^"]*" stroke="(#[0-9a-f]{6})"', loss_figure))
+    assert len(colours) == 2  # one colour per run; loss and eval_loss differ by dash
+    assert re.search(r"<td>trainer\.learning_rate</td><td>0\.0001</td><td>0\.001</td>", page)
+    assert "trainer.max_steps" not in page.split("Keys that differ")[1].split("</table>")[0]
+    assert "from the first" in page and "lr_high: no samples.jsonl" in page
+
+    same_name = [_write_run(tmp_path / name / "run", SHORT) for name in ("a", "b")]
+    page = write_report(same_name, tmp_path / "same.html").read_text()
+    assert str(same_name[0]) in page and str(same_name[1]) in page  # labels fall back to the paths
+
+
+def test_a_directory_without_metrics_is_named(tmp_path: Path) -> None:
+    good = _write_run(tmp_path / "good", SHORT)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReportError, match=re.escape(f"{tmp_path / 'empty'}: no metrics.jsonl there")):
+        write_report([good, tmp_path / "empty"], tmp_path / "out.html")
+    with pytest.raises(ReportError, match="no such directory"):
+        write_report([tmp_path / "missing"], tmp_path / "out.html")
+    assert not (tmp_path / "out.html").exists()
+
+
+def test_run_info_records_each_start_and_a_fresh_start_replaces_them(tmp_path: Path) -> None:
+    write_run_info(tmp_path, "grpo", "16 prompts", "training 1M parameters", None)
+    write_run_info(tmp_path, "grpo", "16 prompts", "training 1M parameters", 250)
+    info = read_run_info(tmp_path)
+    assert info["recipe"] == "grpo" and [start["resumed_from_step"] for start in info["starts"]] == [None, 250]
+    assert set(info["starts"][0]["versions"]) == {"posttrain", "torch", "transformers"}
+    write_run_info(tmp_path, "sft", "8 rows", "training", None)
+    assert [start["data"] for start in read_run_info(tmp_path)["starts"]] == ["8 rows"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run_info.json"]
+
+
+# ---- written by every run, and by `posttrain report` -----------------------------------------------------
+
+
+def test_run_logger_writes_the_report_at_the_end_also_when_the_run_fails(tmp_path: Path) -> None:
+    with RunLogger(tmp_path / "ok", LoggingConfig(progress="none"), recipe="sft", total_steps=2) as run_logger:
+        run_logger.log(1, {"loss": 1.0})
+    assert run_logger.report_path == tmp_path / "ok" / "report.html"
+    assert "<figcaption>loss</figcaption>" in run_logger.report_path.read_text()
+
+    with pytest.raises(RuntimeError, match="boom"), \
+            RunLogger(tmp_path / "crashed", LoggingConfig(progress="none"), recipe="sft", total_steps=9):
+        raise RuntimeError("boom")
+    assert (tmp_path / "crashed" / "report.html").is_file()
+
+    off = LoggingConfig(progress="none", report=False)
+    with RunLogger(tmp_path / "off", off, recipe="sft", total_steps=1) as run_logger:
+        run_logger.log(1, {"loss": 1.0})
+    assert not (tmp_path / "off" / "report.html").exists() and run_logger.report_path is None
+
+
+def test_a_report_that_cannot_be_written_never_hides_the_runs_error(tmp_path: Path, monkeypatch, capsys) -> None:
+    import posttrain.logging
+
+    def full_disk(run_dirs, output):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(posttrain.logging, "write_report", full_disk)
+    quiet = LoggingConfig(progress="none", plot=False)
+    with pytest.raises(RuntimeError, match="the run's own error"), \
+            RunLogger(tmp_path / "run", quiet, recipe="sft", total_steps=9):
+        raise RuntimeError("the run's own error")
+    assert "posttrain: could not write the run report: [Errno 28] No space left on device" in capsys.readouterr().err
+    with pytest.raises(OSError, match="No space left"), \
+            RunLogger(tmp_path / "run2", quiet, recipe="sft", total_steps=1):
+        pass  # a run that succeeded reports the error, as it does the plot's
+
+
+def test_cli_report_writes_next_to_the_run_or_compares_into_the_current_directory(tmp_path, monkeypatch,
+                                                                                     capsys) -> None:
+    from posttrain.cli import build_parser, main
+
+    assert "report" in build_parser().format_help()
+    first, second = _write_run(tmp_path / "a", SHORT), _write_run(tmp_path / "b", SHORT)
+    assert main(["report", str(first)]) == 0
+    assert (first / "report.html").is_file() and f"report: {first / 'report.html'}" in capsys.readouterr().out
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", str(first), str(second)]) == 0
+    assert "2 runs compared: a, b" in (tmp_path / "report.html").read_text()
+    assert main(["report", str(first), str(second), "--output", str(tmp_path / "cmp" / "x.html")]) == 0
+    assert (tmp_path / "cmp" / "x.html").is_file()
+
+    (tmp_path / "not_a_run").mkdir()
+    assert main(["report", str(first), str(tmp_path / "not_a_run")]) == 1
+    assert f"posttrain report: {tmp_path / 'not_a_run'}: no metrics.jsonl there" in capsys.readouterr().err
+
+
+def test_a_short_sft_run_leaves_its_report(tmp_path: Path, tiny_model_dir) -> None:
+    from posttrain.algorithms.sft import train_sft
+    from posttrain.config import SFTConfig, load_config
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n" for i in range(40)))
+    out = tmp_path / "sft_run"
+    cfg = load_config(SFTConfig, None, [f"model.name_or_path={tiny_model_dir}", f"data.train_files=[{data}]",
+                                        f"output_dir={out}", "trainer.max_steps=3", "trainer.micro_batch_size=8",
+                                        "trainer.save_every=0", "logging.progress=none", "logging.plot=false",
+                                        "data.max_length=32"])
+    train_sft(cfg)
+
+    page = (out / "report.html").read_text()
+    assert EXTERNAL.search(page) is None
+    assert "<title>sft_run — posttrain sft report</title>" in page
+    assert "40 rows read: 40 examples" in page and "0 skipped as malformed" in page  # the data summary
+    assert "training 1.08M parameters on cpu, 8 examples per step" in page
+    assert _series_points(page)["loss"] == [3]
+    assert f"output_dir: {out}" in page
+    info = read_run_info(out)
+    assert info["recipe"] == "sft" and info["starts"][0]["resumed_from_step"] is None
+
+
+# ---- rendered by a browser -------------------------------------------------------------------------------
+
+
+def _chromium() -> str | None:
+    return next((path for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+                 if (path := shutil.which(name))), None)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_chromium() is None, reason="needs headless Chromium: `apt-get install -y chromium` (Debian; "
+                    "`bash scripts/test.sh --slow` installs it when run as root)")
+def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
+    samples = [_sample(step, f"completion number {step}", reward=float(step % 2)) for step in range(1, 61)]
+    samples[0]["completion"] = HOSTILE
+    run = _write_run(tmp_path / "rendered_run", SHORT, samples)
+    write_run_info(run, "grpo", "60 prompts", "training", None)
+    path = write_report([run], run / "report.html")
+    browser = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+               "--virtual-time-budget=5000", "--user-data-dir=" + str(tmp_path / "profile")]
+
+    dom = subprocess.run([*browser, "--dump-dom", path.as_uri()], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    assert "<title>rendered_run — posttrain grpo report</title>" in dom
+    assert len(re.findall(r'<svg class="chart"', dom)) == len(_figures(path.read_text())) >= 6
+    assert re.search(r'<polyline points="[\d.]+,[\d.]+ [\d.]+,[\d.]+', dom)
+    # The script ran: it rewrote the table (the page as written says "60 samples") and filled the filters.
+    assert "60 of 60 samples · page 1 of 3" in dom
+    assert re.search(r'<select id="f-step">.*<option value="60">60</option>', dom, re.DOTALL)
+    body = dom.split('<tbody id="samples-body">')[1].split("</tbody>")[0]
+    assert body.count("<tr>") == 20 and "completion number 20" in body
+    assert "&lt;/script&gt;&lt;script&gt;alert" in body and "<img" not in dom  # shown as text, not run
+
+    screenshot = tmp_path / "report.png"
+    subprocess.run([*browser, "--window-size=1200,1600", f"--screenshot={screenshot}", path.as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    from PIL import Image
+
+    with Image.open(screenshot) as image:
+        assert image.size == (1200, 1600)
+        colours = image.convert("RGB").getcolors(maxcolors=1 << 20)
+    assert len(colours) > 50  # text, axes and coloured curves, not a blank page
