@@ -185,6 +185,20 @@ def test_pair_recipes_on_two_ranks_equal_one_process(recipe, tmp_path, tiny_mode
                          AutoModelForSequenceClassification if recipe == "rm" else None)
 
 
+def test_a_one_process_lora_reward_model_checkpoint_resumes_on_two_ranks(tmp_path, tiny_model_dir):
+    """A LoRA reward model's adapter file also holds its trained score head (peft's modules_to_save)."""
+    pairs = _pair_rows(tmp_path / "pairs.jsonl")
+    args = [*COMMON, "lora.enabled=true", "lora.r=4", "lora.alpha=8", "trainer.learning_rate=1e-2",
+            f"data.train_files=[{pairs}]", "trainer.max_steps=4", "trainer.save_every=2"]
+    _run("rm", tmp_path / "one", args)
+    resumed = tmp_path / "resumed-on-two"
+    shutil.copytree(tmp_path / "one", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_4")
+    shutil.rmtree(resumed / "final")
+    _run("rm", resumed, args, nproc=2)
+    _assert_same_run(tmp_path / "one", resumed)
+
+
 def test_a_step_that_does_not_split_over_the_ranks_is_refused(tmp_path, tiny_model_dir):
     args = [*COMMON, f"data.train_files=[{_sft_rows(tmp_path / 'rows.jsonl')}]", "trainer.max_steps=2",
             "trainer.gradient_accumulation_steps=3"]

@@ -66,16 +66,18 @@ def test_the_policy_waits_for_the_critic_warm_up(tmp_path, tiny_model_dir):
     assert (tmp_path / "checkpoints" / "step_2" / "critic" / "model.safetensors").is_file()
 
 
-def test_ppo_raises_a_learnable_reward_and_the_critic_explains_it(tmp_path, tiny_model_dir):
+def test_ppo_raises_a_learnable_reward_and_the_critic_learns_its_returns(tmp_path, tiny_model_dir):
     # The random tiny model writes mostly non-digits; a dense reward for digits is learned in a few dozen steps,
-    # and the critic's values come to predict the returns.
+    # and the critic's values come to predict the returns. Measured over seeds 0-2 x both CPU code paths: mean
+    # reward of the first 5 steps 0.04-0.05, of the last 5 >= 0.998; value loss 0.31-0.36 -> at most 0.00044.
+    # (Explained variance is no criterion here: once every reward is 1 the returns have nothing left to explain.)
     train_ppo(config(tmp_path, "trainer.max_steps=40", "trainer.learning_rate=3e-3", "critic.learning_rate=3e-3"))
     records = read_metrics(tmp_path / "metrics.jsonl")
     rewards = [r["reward/mean"] for r in records]
-    explained = [r["value/explained_variance"] for r in records]
+    value_losses = [r["value/loss"] for r in records]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    assert last > first + 0.3, (first, last)
-    assert sum(explained[-5:]) / 5 > sum(explained[:5]) / 5 + 0.2, explained
+    assert last > first + 0.5, (first, last)
+    assert sum(value_losses[-5:]) < 0.1 * sum(value_losses[:5]), value_losses
 
 
 def test_resume_repeats_the_uninterrupted_run(tmp_path, tiny_model_dir):

@@ -317,6 +317,23 @@ def test_a_report_that_cannot_be_written_never_hides_the_runs_error(tmp_path: Pa
             RunLogger(tmp_path / "run2", quiet, recipe="sft", total_steps=1):
         pass  # a run that succeeded reports the error, as it does the plot's
 
+    def broken(run_dirs, output):
+        raise ValueError("a chart that cannot be drawn")
+
+    monkeypatch.setattr(posttrain.logging, "write_report", broken)
+    with RunLogger(tmp_path / "run3", quiet, recipe="sft", total_steps=1):
+        pass  # ...but a report that cannot be drawn does not fail a finished run
+    assert "could not write the run report: a chart that cannot be drawn" in capsys.readouterr().err
+
+
+def test_a_metric_flat_to_a_few_ulps_gets_an_axis(tmp_path: Path) -> None:
+    from posttrain.logging.report import write_report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 0.1}\n{"step": 2, "loss": 0.10000000000000002}\n')
+    assert "<svg" in write_report([run], run / "report.html").read_text()
+
 
 def test_cli_report_writes_next_to_the_run_or_compares_into_the_current_directory(tmp_path, monkeypatch,
                                                                                      capsys) -> None:

@@ -185,7 +185,10 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
             # The critic's update is guarded like the policy's: a non-finite one was not applied either.
             critic_checked = {"loss": metrics["value/loss"], "grad_norm": metrics["value/grad_norm"]}
             critic_failed = not all(math.isfinite(value) for value in critic_checked.values())
-            guard.check(step, {**metrics, **critic_checked} if critic_failed or not train_policy else metrics)
+            checked = {**metrics, **critic_checked} if critic_failed or not train_policy else metrics
+            guard.check(step, checked)
+            if "nonfinite_skipped_steps" in checked:
+                metrics["nonfinite_skipped_steps"] = checked["nonfinite_skipped_steps"]
             metrics.update({
                 "time/generate": times.generate, "time/score": times.score, "time/logprobs": logprob_seconds,
                 "time/train": train_seconds, "time/step": step_seconds,
@@ -217,7 +220,7 @@ def ppo_advantages(cfg: PPOConfig, batch: RolloutBatch, old_logprobs: torch.Tens
     metrics: dict[str, float] = {}
     if cfg.gae.kl_coef > 0:
         assert reference_logprobs is not None
-        kl = kl_estimate(old_logprobs, reference_logprobs, cfg.loss.kl_estimator, cfg.loss.kl_clamp)
+        kl = kl_estimate(old_logprobs, reference_logprobs, cfg.loss.kl_estimator, cfg.loss.kl_clamp, cfg.loss.kl_output_clamp)
         tokens = float(mask.sum())
         metrics["kl_in_reward"] = float((kl * mask).sum()) / tokens if tokens else 0.0
     rewards = torch.where(batch.valid, batch.rewards, 0.0)

@@ -711,10 +711,13 @@ class EvaluationSettings(Section):
         if self.num_samples > 1 and self.temperature == 0:
             raise ValueError(f"num_samples={self.num_samples} with temperature=0 (greedy) samples the same "
                              "completion each time; set temperature > 0 or num_samples=1")
-        if self.pass_k and self.environment.kind in REWARD_ONLY and self.correct_threshold is None:
-            raise ValueError(f"pass_k needs to know which samples are correct, and the {self.environment.kind} "
-                             "environment does not say; set correct_threshold (a sample is correct when its reward "
-                             "is at least that) or drop pass_k")
+        kind = self.environment.kind
+        reward_only = kind in REWARD_ONLY or (kind == "mixture" and all(
+            isinstance(c, dict) and c.get("kind") in REWARD_ONLY for c in self.environment.options.get("components", [])))
+        if self.pass_k and reward_only and self.correct_threshold is None:
+            raise ValueError(f"pass_k needs to know which samples are correct, and the {kind} environment does not "
+                             "say (a mixture says only through a verifier component: arithmetic, math or code); set "
+                             "correct_threshold (a sample is correct when its reward is at least that) or drop pass_k")
 
     def sampling_params(self, max_new_tokens: int | None = None):
         """The generator's SamplingParams, seeded with `seed`."""

@@ -109,8 +109,9 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
         else:
             # Merging needs the peft module whole: each rank fills its own unsharded copy (kept between calls,
             # like the generator's copy a data-parallel GRPO run keeps) with the gathered weights and merges it.
-            if self._plain is None:
-                self._plain = self._unsharded()
+            if self._plain is None:  # building it initialises fresh adapters: not from the run's random stream
+                with torch.random.fork_rng(devices=[]):
+                    self._plain = self._unsharded()
             load_exactly(self._plain, weights)
             yield from merged_lora_weights(self._plain)
 
@@ -181,12 +182,15 @@ def adapter_weights_by_name(model: torch.nn.Module, adapter: dict[str, torch.Ten
                             directory: Path) -> dict[str, torch.Tensor]:
     """The tensors of a peft adapter file (saved without the adapter's name in its keys) keyed by the names of
     `model`'s LoRA parameters, as set_model_state_dict reads them; every adapter tensor must have a place and every
-    LoRA parameter a tensor."""
+    LoRA parameter (and trained whole module, `modules_to_save`) a tensor."""
     places = {}
     for name, _ in model.named_parameters():
         if "lora_" in name:
             adapter_name = name.split("lora_", 1)[1].split(".")[1]  # lora_A.<adapter>.weight
             places[name.replace(f".{adapter_name}.", ".")] = name
+        elif ".modules_to_save." in name:  # a trained whole module (a reward model's score head)
+            adapter_name = name.split(".modules_to_save.", 1)[1].split(".")[0]
+            places[name.replace(f".modules_to_save.{adapter_name}.", ".")] = name
     unexpected = sorted(set(adapter) - set(places))
     missing = sorted(set(places) - set(adapter))
     if unexpected or missing:

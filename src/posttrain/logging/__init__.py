@@ -125,11 +125,13 @@ class RunLogger:
         if self.cfg.report:
             try:
                 self.report_path = write_report([self.output_dir], self.output_dir / REPORT_FILENAME)
-            except (OSError, ValueError) as error:
-                if not failed:
-                    raise
-                # As for the plot below: a failing run's own error is the one to see.
-                print(f"posttrain: could not write the run report: {error}", file=sys.stderr)
+            except Exception as error:  # noqa: BLE001 - the report is a view of the run, never its outcome
+                if isinstance(error, OSError) and not failed:
+                    raise  # a full or read-only disk after a finished run is news, as for the plot below
+                # A report that cannot be drawn does not undo a finished run (its metrics, checkpoints and final/
+                # are written), and a failing run's own error is the one to see; `posttrain report` redoes it.
+                print(f"posttrain: could not write the run report: {error} (posttrain report "
+                      f"{self.output_dir} retries)", file=sys.stderr)
         if not self.cfg.plot:
             return
         try:

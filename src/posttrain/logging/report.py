@@ -259,8 +259,8 @@ def downsample(steps: Sequence[int], values: Sequence[float], max_points: int = 
 
 def _nice_ticks(low: float, high: float, count: int = 5, integer: bool = False) -> tuple[float, float, list[float]]:
     """An axis range covering [low, high] that starts and ends on round ticks, and those ticks."""
-    if not high > low:
-        pad = abs(low) * 0.05 or 1.0
+    if not high - low > 1e-9 * max(abs(low), abs(high)):  # flat (or flat to a few ulps): pad to a visible range
+        pad = max(abs(low), abs(high)) * 0.05 or 1.0
         low, high = low - pad, high + pad
     raw = (high - low) / count
     magnitude = 10 ** math.floor(math.log10(raw))
