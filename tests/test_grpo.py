@@ -223,3 +223,29 @@ def test_grpo_raises_held_out_arithmetic_accuracy(tmp_path):
     result = train_grpo(cfg)
     before, after = accuracy("posttrain/tiny-arithmetic-sft-small"), accuracy(result.final_dir)
     assert after >= before + 0.06, (before, after)
+
+
+def test_lora_grpo_checkpoints_the_adapter_resumes_exactly_and_exports_a_merged_model(tmp_path, tiny_model_dir):
+    """LoRA for online RL: the adapters train, the KL reference is the policy with its adapters off (no second
+    copy), the sampler reads the adapted model, checkpoints hold the adapter only, final/ is the merged model."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    lora = ["lora.enabled=true", "lora.r=4", "lora.alpha=8", "trainer.learning_rate=1e-2",
+            "loss.reference_kl_penalty=0.1", "trainer.save_every=2"]
+    keys = ("reward/mean", "loss", "grad_norm", "kl", "response_length/mean")
+    train_grpo(config(tmp_path / "full", "trainer.max_steps=4", *lora))
+    full = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    assert full[0]["kl"] == 0.0 and full[-1]["kl"] > 0  # the reference is the base: 0 before the first update
+    train_grpo(config(tmp_path / "resumed", "trainer.max_steps=2", *lora))
+    train_grpo(config(tmp_path / "resumed", "trainer.max_steps=4", *lora))
+    resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    assert [{k: r[k] for k in keys} for r in full] == [{k: r[k] for k in keys} for r in resumed]
+
+    policy_dir = tmp_path / "full" / "checkpoints" / "step_4" / "policy"
+    assert (policy_dir / "adapter_model.safetensors").is_file() and not (policy_dir / "model.safetensors").exists()
+    assert (tmp_path / "full" / "adapter" / "adapter_model.safetensors").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "final").state_dict()
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert merged.keys() == start.keys()
+    assert any(not torch.equal(merged[name], start[name]) for name in start if name.endswith("q_proj.weight"))

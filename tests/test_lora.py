@@ -14,7 +14,7 @@ from posttrain.algorithms.dpo import train_dpo
 from posttrain.algorithms.rm import train_rm
 from posttrain.algorithms.sft import train_sft
 from posttrain.config import ConfigError, DPOConfig, RMConfig, SFTConfig, load_config
-from posttrain.config.schema import GRPOConfig, LoraSection, ModelConfig
+from posttrain.config.schema import LoraSection, ModelConfig
 from posttrain.logging import read_metrics
 from posttrain.models.loading import load_causal_lm, load_trainable_model
 
@@ -135,7 +135,6 @@ def test_lora_reward_model_trains_adapters_and_head_only(tmp_path, tiny_model_di
 
 
 @pytest.mark.parametrize("schema, overrides, message", [
-    (GRPOConfig, ["data.train_files=['posttrain/arithmetic[:8]']", "lora.enabled=true"], "not supported by grpo"),
     (SFTConfig, ["data.train_files=['posttrain/arithmetic[:8]']", "lora.r=0"], "lora.r"),
     (SFTConfig, ["data.train_files=['posttrain/arithmetic[:8]']", "lora.dropout=1.5"], "lora.dropout"),
 ])

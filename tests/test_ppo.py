@@ -92,6 +92,18 @@ def test_resume_repeats_the_uninterrupted_run(tmp_path, tiny_model_dir):
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
 
 
+def test_lora_ppo_trains_the_policy_adapter_beside_a_full_critic(tmp_path, tiny_model_dir):
+    train_ppo(config(tmp_path, "trainer.max_steps=3", "trainer.save_every=3", "lora.enabled=true", "lora.r=4",
+                     "gae.kl_coef=0.1"))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert records[0]["kl_in_reward"] == 0.0  # the reference is the policy with its adapters off
+    step = tmp_path / "checkpoints" / "step_3"
+    assert (step / "policy" / "adapter_model.safetensors").is_file()
+    assert not (step / "policy" / "model.safetensors").exists()
+    assert (step / "critic" / "model.safetensors").is_file()
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("override, message", [
     ("advantage.estimator=rloo", "advantage.* does not apply to PPO"),
     ("rollout.dynamic_sampling=true", "rollout.dynamic_sampling"),

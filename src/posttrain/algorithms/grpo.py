@@ -47,7 +47,7 @@ from posttrain.algorithms.common import (
     seed_everything,
 )
 from posttrain.algorithms.evaluate import TrainingEvaluation, reward_weights, sample_record
-from posttrain.algorithms.rl import build_generator, load_prompts, rollout_metrics, validate
+from posttrain.algorithms.rl import build_generator, load_prompts, rollout_metrics, sync_generator, validate
 from posttrain.algorithms.rollout import (
     Episode,
     groups_of,
@@ -75,7 +75,8 @@ from posttrain.losses.policy_gradient import (
     policy_gradient_loss,
 )
 from posttrain.models.loading import default_device, load_tokenizer
-from posttrain.workers import LossFn, Metric, MetricDict, PolicyWorker, as_floats, reduce_metrics
+from posttrain.workers import LossFn, Metric, MetricDict, PolicyWorker, ScoringWorker, as_floats, reduce_metrics
+from posttrain.workers.local import base_model_scorer
 
 PROGRESS_METRICS = ("reward/mean", "accuracy", "val/accuracy", "kl", "response_length/mean")
 
@@ -113,8 +114,9 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
     policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, device,
                           schedule=_per_update_schedule(trainer, updates_per_step),
                           resume_dir=resume.worker_dir(POLICY) if resume else None)
-    # The reference is the starting model, also when resuming; loaded only when the KL penalty needs it.
-    reference = build_scorer(cfg.model, trainer, device) if loss_cfg.reference_kl_penalty > 0 else None
+    # The reference is the starting model, also when resuming; loaded only when the KL penalty needs it. With LoRA
+    # it is the policy itself with its adapters switched off (no second copy).
+    reference = reference_worker(policy, cfg, device) if loss_cfg.reference_kl_penalty > 0 else None
     generator = build_generator(cfg.model, rollout.backend, tokenizer, policy, batch_size=rollout.generation_batch_size,
                                 seed=cfg.seed, vllm_gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
     sampler = EpochSampler(len(prompts), seed=cfg.seed, shuffle=cfg.data.shuffle)
@@ -207,7 +209,7 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
             train_seconds = time.perf_counter() - started
 
             # 6. Weight sync: a no-op for the transformers backend, which samples from the policy's own module.
-            generator.update_weights(dict(policy.named_weights()))
+            sync_generator(generator, policy)
 
             # 7. Metrics, validation, checkpoint.
             step_seconds = time.perf_counter() - step_started
@@ -238,6 +240,11 @@ def _per_update_schedule(trainer: TrainerConfig, updates_per_step: int) -> Train
     """The learning-rate schedule counts optimizer steps; trainer.max_steps and warmup_steps count RL steps."""
     return trainer.model_copy(update={"max_steps": trainer.max_steps * updates_per_step,
                                       "warmup_steps": trainer.warmup_steps * updates_per_step})
+
+
+def reference_worker(policy: PolicyWorker, cfg: GRPOConfig, device: torch.device) -> ScoringWorker:
+    """π_ref, the starting model: a frozen copy, or for a LoRA policy the policy with its adapters switched off."""
+    return base_model_scorer(policy) if policy.is_lora else build_scorer(cfg.model, cfg.trainer, device)
 
 
 def compute_advantages(cfg: GRPOConfig, batch: RolloutBatch) -> torch.Tensor:

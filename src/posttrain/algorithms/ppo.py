@@ -40,14 +40,19 @@ from posttrain.algorithms.common import (
     seed_everything,
 )
 from posttrain.algorithms.evaluate import TrainingEvaluation, reward_weights, sample_record
-from posttrain.algorithms.grpo import _per_update_schedule, accumulate_policy_gradients, mean_over_updates
-from posttrain.algorithms.rl import build_generator, load_prompts, rollout_metrics, validate
+from posttrain.algorithms.grpo import (
+    _per_update_schedule,
+    accumulate_policy_gradients,
+    mean_over_updates,
+    reference_worker,
+)
+from posttrain.algorithms.rl import build_generator, load_prompts, rollout_metrics, sync_generator, validate
 from posttrain.algorithms.rollout import overlong_penalty, run_episodes, to_batch
 from posttrain.checkpoint import POLICY, checkpoint_to_resume
 from posttrain.config.schema import PPOConfig
 from posttrain.data.sampler import EpochSampler, check_draw_fits
 from posttrain.data.types import RolloutBatch
-from posttrain.distributed import build_policy, build_scorer
+from posttrain.distributed import build_policy
 from posttrain.distributed.env import is_distributed
 from posttrain.envs.registry import build_environment
 from posttrain.envs.rewards import RewardErrorBudget
@@ -106,7 +111,7 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
                           resume_dir=resume.worker_dir(CRITIC) if resume else None)
     # The reference is the starting model, also when resuming; loaded only when a KL term needs it.
     needs_reference = loss_cfg.reference_kl_penalty > 0 or cfg.gae.kl_coef > 0
-    reference = build_scorer(cfg.model, trainer, device) if needs_reference else None
+    reference = reference_worker(policy, cfg, device) if needs_reference else None
     generator = build_generator(cfg.model, rollout.backend, tokenizer, policy, batch_size=rollout.generation_batch_size,
                                 seed=cfg.seed, vllm_gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
     sampler = EpochSampler(len(prompts), seed=cfg.seed, shuffle=cfg.data.shuffle)
@@ -179,7 +184,7 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
 
             # 6. Weight sync (a no-op for the transformers backend), metrics, validation, checkpoint.
             if train_policy:
-                generator.update_weights(dict(policy.named_weights()))
+                sync_generator(generator, policy)
             step_seconds = time.perf_counter() - step_started
             metrics.update(mean_over_updates(update_metrics))
             # The critic's update is guarded like the policy's: a non-finite one was not applied either.

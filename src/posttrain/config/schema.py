@@ -920,9 +920,6 @@ class GRPOConfig(RecipeConfig):
         if self.data.format not in ("auto", "prompt_only"):
             raise ValueError(f"data.format={self.data.format!r}: GRPO reads prompts; use auto or prompt_only "
                              "(every column other than prompt is passed to the environment)")
-        if self.lora.enabled:
-            raise ValueError("lora.enabled=true is not supported by grpo yet (sft, dpo and rm support it); "
-                             "set lora.enabled=false")
         if self.trainer.gradient_accumulation_steps != 1:
             raise ValueError("trainer.gradient_accumulation_steps does not apply to GRPO: each minibatch "
                              "(rollout batch / update.num_minibatches) is split into micro-batches of "
