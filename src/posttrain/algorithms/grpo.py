@@ -47,7 +47,15 @@ from posttrain.algorithms.common import (
     seed_everything,
 )
 from posttrain.algorithms.evaluate import TrainingEvaluation, reward_weights, sample_record
-from posttrain.algorithms.rl import build_generator, load_prompts, rollout_metrics, sync_generator, validate
+from posttrain.algorithms.rl import (
+    load_rl_data,
+    policy_generator,
+    restore_rl_state,
+    rollout_metrics,
+    rollout_sampling,
+    sync_generator,
+    validate,
+)
 from posttrain.algorithms.rollout import (
     Episode,
     groups_of,
@@ -58,11 +66,9 @@ from posttrain.algorithms.rollout import (
 )
 from posttrain.checkpoint import POLICY, checkpoint_to_resume
 from posttrain.config.schema import GRPOConfig, TrainerConfig
-from posttrain.data.sampler import EpochSampler, check_draw_fits
+from posttrain.data.sampler import EpochSampler
 from posttrain.data.types import RolloutBatch
-from posttrain.envs.registry import build_environment
 from posttrain.envs.rewards import RewardErrorBudget
-from posttrain.generation.base import SamplingParams
 from posttrain.distributed import build_policy, build_scorer
 from posttrain.distributed.env import world_size
 from posttrain.logging import RunLogger
@@ -74,7 +80,7 @@ from posttrain.losses.policy_gradient import (
     masked_entropy,
     policy_gradient_loss,
 )
-from posttrain.models.loading import default_device, load_tokenizer
+from posttrain.models.loading import default_device
 from posttrain.workers import LossFn, Metric, MetricDict, PolicyWorker, ScoringWorker, as_floats, reduce_metrics
 from posttrain.workers.local import base_model_scorer
 
@@ -98,13 +104,8 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
     trainer, rollout = cfg.trainer, cfg.rollout
 
     # Data and environment first: a malformed row or reward path should fail before a model loads.
-    tokenizer = load_tokenizer(cfg.model, padding_side="right")
-    kind = cfg.environment.kind
-    prompts, data_summary = load_prompts(cfg.data.train_files, cfg.data, cfg.prompt, kind, tokenizer)
-    eval_prompts = load_prompts(cfg.data.eval_files, cfg.data, cfg.prompt, kind, tokenizer)[0]
-    eval_prompts = eval_prompts[: cfg.data.max_eval_examples]
-    check_draw_fits({"rollout.prompts_per_step": rollout.prompts_per_step}, len(prompts), "training prompts")
-    environment = build_environment(cfg.environment.spec())
+    data = load_rl_data(cfg)
+    tokenizer, prompts, eval_prompts, environment = data.tokenizer, data.prompts, data.eval_prompts, data.environment
     weights = {**reward_weights(environment), **cfg.advantage.component_weights}
     evaluation = TrainingEvaluation(cfg.evaluation, tokenizer, trainer.max_steps)
     loss_cfg = cfg.loss.to_loss_config(rollout.max_new_tokens * rollout.max_turns)
@@ -117,24 +118,18 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
     # The reference is the starting model, also when resuming; loaded only when the KL penalty needs it. With LoRA
     # it is the policy itself with its adapters switched off (no second copy).
     reference = reference_worker(policy, cfg, device) if loss_cfg.reference_kl_penalty > 0 else None
-    generator = build_generator(cfg.model, rollout.backend, tokenizer, policy, batch_size=rollout.generation_batch_size,
-                                seed=cfg.seed, vllm_gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
+    generator = policy_generator(cfg, tokenizer, policy)
     sampler = EpochSampler(len(prompts), seed=cfg.seed, shuffle=cfg.data.shuffle)
     budget = RewardErrorBudget(cfg.environment.max_error_fraction)
-    sampling = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
-                              top_p=rollout.top_p, top_k=rollout.top_k, stop_strings=tuple(rollout.stop_strings))
-    greedy = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=0.0,
-                            stop_strings=tuple(rollout.stop_strings))
+    sampling, greedy = rollout_sampling(rollout)
     start_step, state = resume_trainer_state(resume, sampler)
-    next_group_id = state.get("next_group_id", 0)
-    if state:
-        budget.load_state_dict(state["reward_errors"])
+    next_group_id = restore_rl_state(state, budget)
 
     # closing(): reward worker processes stop with the run, also when it fails.
     with run_logger(output_dir, cfg.logging, recipe="grpo", total_steps=trainer.max_steps, start_step=start_step,
                    run_config=cfg.model_dump(mode="json"), progress_metrics=PROGRESS_METRICS) as run_log, \
             contextlib.closing(environment), contextlib.closing(evaluation):
-        announce_run(run_log, data_summary, resume, changed_keys, policy,
+        announce_run(run_log, data.data_summary, resume, changed_keys, policy,
                      f"{rollout.prompts_per_step} prompts x {rollout.num_generations_per_prompt} samples per step, "
                      f"{updates_per_step} optimizer step(s) per rollout batch")
         metrics: dict[str, float] = {}

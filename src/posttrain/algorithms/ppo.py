@@ -46,21 +46,27 @@ from posttrain.algorithms.grpo import (
     mean_over_updates,
     reference_worker,
 )
-from posttrain.algorithms.rl import build_generator, load_prompts, rollout_metrics, sync_generator, validate
+from posttrain.algorithms.rl import (
+    load_rl_data,
+    policy_generator,
+    restore_rl_state,
+    rollout_metrics,
+    rollout_sampling,
+    sync_generator,
+    validate,
+)
 from posttrain.algorithms.rollout import overlong_penalty, run_episodes, to_batch
 from posttrain.checkpoint import POLICY, checkpoint_to_resume
 from posttrain.config.schema import PPOConfig
-from posttrain.data.sampler import EpochSampler, check_draw_fits
+from posttrain.data.sampler import EpochSampler
 from posttrain.data.types import RolloutBatch
 from posttrain.distributed import build_policy
 from posttrain.distributed.env import is_distributed
-from posttrain.envs.registry import build_environment
 from posttrain.envs.rewards import RewardErrorBudget
 from posttrain.errors import RunError
-from posttrain.generation.base import SamplingParams
 from posttrain.losses.policy_gradient import kl_estimate
 from posttrain.losses.value import explained_variance, value_loss, value_loss_normalizer
-from posttrain.models.loading import default_device, load_tokenizer
+from posttrain.models.loading import default_device
 from posttrain.rundir import one_run_per_output_dir
 from posttrain.workers import LossFn, Metric, MetricDict, reduce_metrics
 from posttrain.workers.value import CRITIC, ValueWorker, build_critic
@@ -88,13 +94,8 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
     trainer, rollout = cfg.trainer, cfg.rollout
 
     # Data and environment first: a malformed row or reward path should fail before a model loads.
-    tokenizer = load_tokenizer(cfg.model, padding_side="right")
-    kind = cfg.environment.kind
-    prompts, data_summary = load_prompts(cfg.data.train_files, cfg.data, cfg.prompt, kind, tokenizer)
-    eval_prompts = load_prompts(cfg.data.eval_files, cfg.data, cfg.prompt, kind, tokenizer)[0]
-    eval_prompts = eval_prompts[: cfg.data.max_eval_examples]
-    check_draw_fits({"rollout.prompts_per_step": rollout.prompts_per_step}, len(prompts), "training prompts")
-    environment = build_environment(cfg.environment.spec())
+    data = load_rl_data(cfg)
+    tokenizer, prompts, eval_prompts, environment = data.tokenizer, data.prompts, data.eval_prompts, data.environment
     weights = reward_weights(environment)
     evaluation = TrainingEvaluation(cfg.evaluation, tokenizer, trainer.max_steps)
     loss_cfg = cfg.loss.to_loss_config(rollout.max_new_tokens * rollout.max_turns)
@@ -112,23 +113,17 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
     # The reference is the starting model, also when resuming; loaded only when a KL term needs it.
     needs_reference = loss_cfg.reference_kl_penalty > 0 or cfg.gae.kl_coef > 0
     reference = reference_worker(policy, cfg, device) if needs_reference else None
-    generator = build_generator(cfg.model, rollout.backend, tokenizer, policy, batch_size=rollout.generation_batch_size,
-                                seed=cfg.seed, vllm_gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
+    generator = policy_generator(cfg, tokenizer, policy)
     sampler = EpochSampler(len(prompts), seed=cfg.seed, shuffle=cfg.data.shuffle)
     budget = RewardErrorBudget(cfg.environment.max_error_fraction)
-    sampling = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
-                              top_p=rollout.top_p, top_k=rollout.top_k, stop_strings=tuple(rollout.stop_strings))
-    greedy = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=0.0,
-                            stop_strings=tuple(rollout.stop_strings))
+    sampling, greedy = rollout_sampling(rollout)
     start_step, state = resume_trainer_state(resume, sampler)
-    next_group_id = state.get("next_group_id", 0)
-    if state:
-        budget.load_state_dict(state["reward_errors"])
+    next_group_id = restore_rl_state(state, budget)
 
     with run_logger(output_dir, cfg.logging, recipe="ppo", total_steps=trainer.max_steps, start_step=start_step,
                     run_config=cfg.model_dump(mode="json"), progress_metrics=PROGRESS_METRICS) as run_log, \
             contextlib.closing(environment), contextlib.closing(evaluation):
-        announce_run(run_log, data_summary, resume, changed_keys, policy,
+        announce_run(run_log, data.data_summary, resume, changed_keys, policy,
                      f"a critic of {critic.num_parameters() / 1e6:.2f}M parameters, {rollout.prompts_per_step} "
                      f"prompts x {rollout.num_generations_per_prompt} samples per step, {updates_per_step} "
                      f"optimizer step(s) each per rollout batch")

@@ -6,17 +6,22 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass
+from typing import Any
 
 from posttrain.algorithms.rollout import Episode, PromptRow, run_episodes, scalar_reward
-from posttrain.config.schema import DataConfig, ModelConfig, PromptSection
+from posttrain.config.schema import DataConfig, GRPOConfig, ModelConfig, PromptSection, RolloutSection
 from posttrain.data.dataset import DataStats, check_not_empty, iter_rows, skip_or_raise
 from posttrain.data.errors import DataError
 from posttrain.data.formats import PromptOnlyRow
+from posttrain.data.sampler import check_draw_fits
 from posttrain.data.tokenize import tokenize_prompt
-from posttrain.generation.base import Generator, SamplingParams
 from posttrain.distributed.env import is_distributed
-from posttrain.envs.registry import NEEDED_COLUMNS
-from posttrain.models.loading import default_device, load_causal_lm, resolve_model_path
+from posttrain.envs.base import Environment
+from posttrain.envs.registry import NEEDED_COLUMNS, build_environment
+from posttrain.envs.rewards import RewardErrorBudget
+from posttrain.generation.base import Generator, SamplingParams
+from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer, resolve_model_path
 from posttrain.workers import PolicyWorker
 from posttrain.workers.local import LocalPolicyWorker
 
@@ -162,3 +167,55 @@ def validate(prompts: list[PromptRow], generator, environment, tokenizer, params
     if "accuracy" in metrics:
         out["val/accuracy"] = metrics["accuracy"]
     return out
+
+
+# ---- the set-up GRPO and PPO share ---------------------------------------------------------------------------
+
+
+@dataclass
+class RLData:
+    """What an online RL loop reads before any model loads, so that a malformed row or reward path fails first."""
+
+    tokenizer: Any
+    prompts: list[PromptRow]
+    """Training prompts, formatted and tokenized."""
+    eval_prompts: list[PromptRow]
+    """At most data.max_eval_examples validation prompts (greedy, every trainer.eval_every steps)."""
+    data_summary: str
+    environment: Environment
+
+
+def load_rl_data(cfg: GRPOConfig) -> RLData:
+    """The tokenizer, the training and validation prompts (checked against the environment's columns and against
+    rollout.prompts_per_step) and the environment of an RL config (GRPO, PPO)."""
+    tokenizer = load_tokenizer(cfg.model, padding_side="right")
+    kind = cfg.environment.kind
+    prompts, data_summary = load_prompts(cfg.data.train_files, cfg.data, cfg.prompt, kind, tokenizer)
+    eval_prompts = load_prompts(cfg.data.eval_files, cfg.data, cfg.prompt, kind, tokenizer)[0]
+    check_draw_fits({"rollout.prompts_per_step": cfg.rollout.prompts_per_step}, len(prompts), "training prompts")
+    environment = build_environment(cfg.environment.spec())
+    return RLData(tokenizer, prompts, eval_prompts[: cfg.data.max_eval_examples], data_summary, environment)
+
+
+def rollout_sampling(rollout: RolloutSection) -> tuple[SamplingParams, SamplingParams]:
+    """(training sampling, greedy validation) parameters of the rollout section."""
+    sampling = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
+                              top_p=rollout.top_p, top_k=rollout.top_k, stop_strings=tuple(rollout.stop_strings))
+    greedy = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=0.0,
+                            stop_strings=tuple(rollout.stop_strings))
+    return sampling, greedy
+
+
+def policy_generator(cfg: GRPOConfig, tokenizer, policy: PolicyWorker) -> Generator:
+    """The rollout.backend generator sampling from `policy` (see build_generator)."""
+    rollout = cfg.rollout
+    return build_generator(cfg.model, rollout.backend, tokenizer, policy, batch_size=rollout.generation_batch_size,
+                           seed=cfg.seed, vllm_gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
+
+
+def restore_rl_state(state: dict, budget: RewardErrorBudget) -> int:
+    """The group counter (which seeds sampling) from a resumed trainer state, the reward-error counts restored
+    into `budget`; 0 for a fresh run."""
+    if state:
+        budget.load_state_dict(state["reward_errors"])
+    return state.get("next_group_id", 0)
