@@ -38,7 +38,6 @@ from posttrain.algorithms.common import (
     announce_run,
     configure_torch,
     export_policy,
-    is_eval_step,
     log_step,
     prepare_output_dir,
     resume_trainer_state,
@@ -48,13 +47,13 @@ from posttrain.algorithms.common import (
 )
 from posttrain.algorithms.evaluate import TrainingEvaluation, reward_weights, sample_record
 from posttrain.algorithms.rl import (
+    due_evaluations,
     load_rl_data,
     policy_generator,
     restore_rl_state,
     rollout_metrics,
     rollout_sampling,
     sync_generator,
-    validate,
 )
 from posttrain.algorithms.rollout import (
     Episode,
@@ -105,7 +104,7 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
 
     # Data and environment first: a malformed row or reward path should fail before a model loads.
     data = load_rl_data(cfg)
-    tokenizer, prompts, eval_prompts, environment = data.tokenizer, data.prompts, data.eval_prompts, data.environment
+    tokenizer, prompts, environment = data.tokenizer, data.prompts, data.environment
     weights = {**reward_weights(environment), **cfg.advantage.component_weights}
     evaluation = TrainingEvaluation(cfg.evaluation, tokenizer, trainer.max_steps)
     loss_cfg = cfg.loss.to_loss_config(rollout.max_new_tokens * rollout.max_turns)
@@ -217,11 +216,7 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
                 "generation/tokens_per_second": generated_tokens / max(generate_seconds, 1e-9),
                 "epoch": sampler.epochs_completed,
             })
-            if eval_prompts and is_eval_step(step, trainer):
-                metrics.update(validate(eval_prompts, generator, environment, tokenizer, greedy, rollout.max_turns,
-                                        weights))
-            if evaluation.is_due(step):
-                metrics.update(evaluation.run(step, generator, run_log))
+            metrics.update(due_evaluations(step, cfg, data, generator, greedy, weights, evaluation, run_log))
             log_and_save(run_log, step, metrics, cfg, policy, output_dir, sampler, budget, next_group_id)
 
         final_dir = export_policy(output_dir, policy, run_log)

@@ -31,7 +31,6 @@ from posttrain.algorithms.common import (
     announce_run,
     configure_torch,
     export_policy,
-    is_eval_step,
     log_step,
     prepare_output_dir,
     resume_trainer_state,
@@ -47,13 +46,13 @@ from posttrain.algorithms.grpo import (
     reference_worker,
 )
 from posttrain.algorithms.rl import (
+    due_evaluations,
     load_rl_data,
     policy_generator,
     restore_rl_state,
     rollout_metrics,
     rollout_sampling,
     sync_generator,
-    validate,
 )
 from posttrain.algorithms.rollout import overlong_penalty, run_episodes, to_batch
 from posttrain.checkpoint import POLICY, checkpoint_to_resume
@@ -95,7 +94,7 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
 
     # Data and environment first: a malformed row or reward path should fail before a model loads.
     data = load_rl_data(cfg)
-    tokenizer, prompts, eval_prompts, environment = data.tokenizer, data.prompts, data.eval_prompts, data.environment
+    tokenizer, prompts, environment = data.tokenizer, data.prompts, data.environment
     weights = reward_weights(environment)
     evaluation = TrainingEvaluation(cfg.evaluation, tokenizer, trainer.max_steps)
     loss_cfg = cfg.loss.to_loss_config(rollout.max_new_tokens * rollout.max_turns)
@@ -195,11 +194,7 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
                 "tokens_per_second": float(batch.attention_mask.sum()) / step_seconds,
                 "epoch": sampler.epochs_completed,
             })
-            if eval_prompts and is_eval_step(step, trainer):
-                metrics.update(validate(eval_prompts, generator, environment, tokenizer, greedy, rollout.max_turns,
-                                        weights))
-            if evaluation.is_due(step):
-                metrics.update(evaluation.run(step, generator, run_log))
+            metrics.update(due_evaluations(step, cfg, data, generator, greedy, weights, evaluation, run_log))
             log_step(run_log, step, metrics, trainer)
             save_if_due(output_dir, step, trainer, {POLICY: policy, CRITIC: critic}, sampler,
                         {"reward_errors": budget.state_dict(), "next_group_id": next_group_id})

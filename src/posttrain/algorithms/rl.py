@@ -219,3 +219,18 @@ def restore_rl_state(state: dict, budget: RewardErrorBudget) -> int:
     if state:
         budget.load_state_dict(state["reward_errors"])
     return state.get("next_group_id", 0)
+
+
+def due_evaluations(step: int, cfg: GRPOConfig, data: RLData, generator: Generator, greedy: SamplingParams,
+                    weights: dict[str, float], evaluation, run_log) -> dict[str, float]:
+    """The step's scheduled evaluations with the rollout generator: greedy validation on data.eval_files every
+    trainer.eval_every steps (val/...), and the `evaluation:` sets that are due (eval/<name>/...)."""
+    from posttrain.algorithms.common import is_eval_step
+
+    metrics: dict[str, float] = {}
+    if data.eval_prompts and is_eval_step(step, cfg.trainer):
+        metrics.update(validate(data.eval_prompts, generator, data.environment, data.tokenizer, greedy,
+                                cfg.rollout.max_turns, weights))
+    if evaluation.is_due(step):
+        metrics.update(evaluation.run(step, generator, run_log))
+    return metrics
