@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -47,12 +47,16 @@ from posttrain.algorithms.common import (
 )
 from posttrain.algorithms.evaluate import TrainingEvaluation, reward_weights, sample_record
 from posttrain.algorithms.rl import (
+    RLResult,
     due_evaluations,
     load_rl_data,
+    mean_over_updates,
+    per_update_schedule,
     policy_generator,
     restore_rl_state,
     rollout_metrics,
     rollout_sampling,
+    step_timings,
     sync_generator,
 )
 from posttrain.algorithms.rollout import (
@@ -64,7 +68,7 @@ from posttrain.algorithms.rollout import (
     to_batch,
 )
 from posttrain.checkpoint import POLICY, checkpoint_to_resume
-from posttrain.config.schema import GRPOConfig, TrainerConfig
+from posttrain.config.schema import GRPOConfig
 from posttrain.data.sampler import EpochSampler
 from posttrain.data.types import RolloutBatch
 from posttrain.envs.rewards import RewardErrorBudget
@@ -80,22 +84,14 @@ from posttrain.losses.policy_gradient import (
     policy_gradient_loss,
 )
 from posttrain.models.loading import default_device
-from posttrain.workers import LossFn, Metric, MetricDict, PolicyWorker, ScoringWorker, as_floats, reduce_metrics
+from posttrain.workers import LossFn, Metric, MetricDict, PolicyWorker, ScoringWorker, reduce_metrics
 from posttrain.workers.local import base_model_scorer
 
 PROGRESS_METRICS = ("reward/mean", "accuracy", "val/accuracy", "kl", "response_length/mean")
 
 
-@dataclass(frozen=True)
-class GRPOResult:
-    output_dir: Path
-    final_dir: Path
-    steps: int
-    final_metrics: dict[str, float]
-
-
 @one_run_per_output_dir
-def train_grpo(cfg: GRPOConfig) -> GRPOResult:
+def train_grpo(cfg: GRPOConfig) -> RLResult:
     configure_torch(cfg.trainer)
     output_dir, changed_keys = prepare_output_dir(cfg, cfg.output_dir)
     seed_everything(cfg.seed)
@@ -112,7 +108,7 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
     resume = checkpoint_to_resume(output_dir)
     updates_per_step = cfg.update.ppo_epochs * cfg.update.num_minibatches
     policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, device,
-                          schedule=_per_update_schedule(trainer, updates_per_step),
+                          schedule=per_update_schedule(trainer, updates_per_step),
                           resume_dir=resume.worker_dir(POLICY) if resume else None)
     # The reference is the starting model, also when resuming; loaded only when the KL penalty needs it. With LoRA
     # it is the policy itself with its adapters switched off (no second copy).
@@ -209,27 +205,18 @@ def train_grpo(cfg: GRPOConfig) -> GRPOResult:
             step_seconds = time.perf_counter() - step_started
             metrics.update(mean_over_updates(update_metrics))
             guard.check(step, metrics)
-            metrics.update({
-                "time/generate": generate_seconds, "time/score": score_seconds, "time/logprobs": logprob_seconds,
-                "time/train": train_seconds, "time/step": step_seconds,
-                "tokens_per_second": float(batch.attention_mask.sum()) / step_seconds,
-                "generation/tokens_per_second": generated_tokens / max(generate_seconds, 1e-9),
-                "epoch": sampler.epochs_completed,
-            })
+            metrics.update(step_timings(generate=generate_seconds, score=score_seconds, logprobs=logprob_seconds,
+                                        train=train_seconds, step=step_seconds,
+                                        tokens=float(batch.attention_mask.sum()), generated_tokens=generated_tokens,
+                                        epoch=sampler.epochs_completed))
             metrics.update(due_evaluations(step, cfg, data, generator, greedy, weights, evaluation, run_log))
             log_and_save(run_log, step, metrics, cfg, policy, output_dir, sampler, budget, next_group_id)
 
         final_dir = export_policy(output_dir, policy, run_log)
-    return GRPOResult(output_dir, final_dir, trainer.max_steps, metrics)
+    return RLResult(output_dir, final_dir, trainer.max_steps, metrics)
 
 
 # ---- pieces of the loop ----------------------------------------------------------------------------------
-
-
-def _per_update_schedule(trainer: TrainerConfig, updates_per_step: int) -> TrainerConfig:
-    """The learning-rate schedule counts optimizer steps; trainer.max_steps and warmup_steps count RL steps."""
-    return trainer.model_copy(update={"max_steps": trainer.max_steps * updates_per_step,
-                                      "warmup_steps": trainer.warmup_steps * updates_per_step})
 
 
 def reference_worker(policy: PolicyWorker, cfg: GRPOConfig, device: torch.device) -> ScoringWorker:
@@ -310,10 +297,3 @@ def log_and_save(run_log: RunLogger, step: int, metrics: dict[str, float], cfg: 
     log_step(run_log, step, metrics, cfg.trainer)
     save_if_due(output_dir, step, cfg.trainer, {POLICY: policy}, sampler,
                 {"reward_errors": budget.state_dict(), "next_group_id": next_group_id})
-
-
-def mean_over_updates(records: list[MetricDict]) -> dict[str, float]:
-    """Each metric's mean over the step's optimizer updates (the extremes for ratio_min / ratio_max)."""
-    per_update = ({name: m if m.reduction in ("min", "max") else Metric.mean(m.value) for name, m in r.items()}
-                  for r in records)
-    return as_floats(reduce_metrics(per_update))

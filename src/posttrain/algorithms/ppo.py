@@ -20,8 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 
 import torch
 
@@ -39,19 +38,18 @@ from posttrain.algorithms.common import (
     seed_everything,
 )
 from posttrain.algorithms.evaluate import TrainingEvaluation, reward_weights, sample_record
-from posttrain.algorithms.grpo import (
-    _per_update_schedule,
-    accumulate_policy_gradients,
-    mean_over_updates,
-    reference_worker,
-)
+from posttrain.algorithms.grpo import accumulate_policy_gradients, reference_worker
 from posttrain.algorithms.rl import (
+    RLResult,
     due_evaluations,
     load_rl_data,
+    mean_over_updates,
+    per_update_schedule,
     policy_generator,
     restore_rl_state,
     rollout_metrics,
     rollout_sampling,
+    step_timings,
     sync_generator,
 )
 from posttrain.algorithms.rollout import overlong_penalty, run_episodes, to_batch
@@ -73,16 +71,8 @@ from posttrain.workers.value import CRITIC, ValueWorker, build_critic
 PROGRESS_METRICS = ("reward/mean", "accuracy", "val/accuracy", "value/explained_variance", "kl")
 
 
-@dataclass(frozen=True)
-class PPOResult:
-    output_dir: Path
-    final_dir: Path
-    steps: int
-    final_metrics: dict[str, float]
-
-
 @one_run_per_output_dir
-def train_ppo(cfg: PPOConfig) -> PPOResult:
+def train_ppo(cfg: PPOConfig) -> RLResult:
     if is_distributed():
         raise RunError("ppo runs in one process for now (its critic has no data-parallel worker yet); run it "
                        "without torchrun / --nproc-per-node")
@@ -103,11 +93,11 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
     updates_per_step = cfg.update.ppo_epochs * cfg.update.num_minibatches
     policy_steps = trainer.model_copy(update={"max_steps": trainer.max_steps - cfg.critic.warmup_steps})
     policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, device,
-                          schedule=_per_update_schedule(policy_steps, updates_per_step),
+                          schedule=per_update_schedule(policy_steps, updates_per_step),
                           resume_dir=resume.worker_dir(POLICY) if resume else None)
     critic_trainer = trainer.model_copy(update={"learning_rate": cfg.critic.learning_rate})
     critic = build_critic(cfg.critic.init_from, cfg.model, critic_trainer, tokenizer, device,
-                          schedule=_per_update_schedule(critic_trainer, updates_per_step),
+                          schedule=per_update_schedule(critic_trainer, updates_per_step),
                           resume_dir=resume.worker_dir(CRITIC) if resume else None)
     # The reference is the starting model, also when resuming; loaded only when a KL term needs it.
     needs_reference = loss_cfg.reference_kl_penalty > 0 or cfg.gae.kl_coef > 0
@@ -188,19 +178,17 @@ def train_ppo(cfg: PPOConfig) -> PPOResult:
             guard.check(step, checked)
             if "nonfinite_skipped_steps" in checked:
                 metrics["nonfinite_skipped_steps"] = checked["nonfinite_skipped_steps"]
-            metrics.update({
-                "time/generate": times.generate, "time/score": times.score, "time/logprobs": logprob_seconds,
-                "time/train": train_seconds, "time/step": step_seconds,
-                "tokens_per_second": float(batch.attention_mask.sum()) / step_seconds,
-                "epoch": sampler.epochs_completed,
-            })
+            metrics.update(step_timings(generate=times.generate, score=times.score, logprobs=logprob_seconds,
+                                        train=train_seconds, step=step_seconds,
+                                        tokens=float(batch.attention_mask.sum()),
+                                        generated_tokens=times.generated_tokens, epoch=sampler.epochs_completed))
             metrics.update(due_evaluations(step, cfg, data, generator, greedy, weights, evaluation, run_log))
             log_step(run_log, step, metrics, trainer)
             save_if_due(output_dir, step, trainer, {POLICY: policy, CRITIC: critic}, sampler,
                         {"reward_errors": budget.state_dict(), "next_group_id": next_group_id})
 
         final_dir = export_policy(output_dir, policy, run_log)
-    return PPOResult(output_dir, final_dir, trainer.max_steps, metrics)
+    return RLResult(output_dir, final_dir, trainer.max_steps, metrics)
 
 
 # ---- pieces of the loop ----------------------------------------------------------------------------------

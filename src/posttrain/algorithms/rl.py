@@ -1,4 +1,4 @@
-"""Pieces the online RL loops share (GRPO today; PPO and on-policy distillation build on them), and evaluation
+"""Pieces the online RL loops share (GRPO and PPO; on-policy distillation builds on them), and evaluation
 (algorithms/evaluate.py) with them: loading and formatting prompts, building the generator for a policy worker or
 a model, rollout statistics and greedy validation."""
 
@@ -7,10 +7,11 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from posttrain.algorithms.rollout import Episode, PromptRow, run_episodes, scalar_reward
-from posttrain.config.schema import DataConfig, GRPOConfig, ModelConfig, PromptSection, RolloutSection
+from posttrain.config.schema import DataConfig, GRPOConfig, ModelConfig, PromptSection, RolloutSection, TrainerConfig
 from posttrain.data.dataset import DataStats, check_not_empty, iter_rows, skip_or_raise
 from posttrain.data.errors import DataError
 from posttrain.data.formats import PromptOnlyRow
@@ -22,7 +23,7 @@ from posttrain.envs.registry import NEEDED_COLUMNS, build_environment
 from posttrain.envs.rewards import RewardErrorBudget
 from posttrain.generation.base import Generator, SamplingParams
 from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer, resolve_model_path
-from posttrain.workers import PolicyWorker
+from posttrain.workers import Metric, MetricDict, PolicyWorker, as_floats, reduce_metrics
 from posttrain.workers.local import LocalPolicyWorker
 
 
@@ -169,7 +170,39 @@ def validate(prompts: list[PromptRow], generator, environment, tokenizer, params
     return out
 
 
-# ---- the set-up GRPO and PPO share ---------------------------------------------------------------------------
+# ---- the set-up and bookkeeping GRPO and PPO share ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RLResult:
+    """What `train_grpo` and `train_ppo` return."""
+
+    output_dir: Path
+    final_dir: Path
+    steps: int
+    final_metrics: dict[str, float]
+
+
+def per_update_schedule(trainer: TrainerConfig, updates_per_step: int) -> TrainerConfig:
+    """The learning-rate schedule counts optimizer steps; trainer.max_steps and warmup_steps count RL steps."""
+    return trainer.model_copy(update={"max_steps": trainer.max_steps * updates_per_step,
+                                      "warmup_steps": trainer.warmup_steps * updates_per_step})
+
+
+def mean_over_updates(records: list[MetricDict]) -> dict[str, float]:
+    """Each metric's mean over the step's optimizer updates (the extremes for ratio_min / ratio_max)."""
+    per_update = ({name: m if m.reduction in ("min", "max") else Metric.mean(m.value) for name, m in r.items()}
+                  for r in records)
+    return as_floats(reduce_metrics(per_update))
+
+
+def step_timings(*, generate: float, score: float, logprobs: float, train: float, step: float, tokens: float,
+                 generated_tokens: int, epoch: int) -> dict[str, float]:
+    """The step's time/... metrics and throughputs: `tokens` in the training batch (prompt and completion) per
+    second of the whole step, sampled tokens per second of generation."""
+    return {"time/generate": generate, "time/score": score, "time/logprobs": logprobs, "time/train": train,
+            "time/step": step, "tokens_per_second": tokens / step,
+            "generation/tokens_per_second": generated_tokens / max(generate, 1e-9), "epoch": epoch}
 
 
 @dataclass
