@@ -11,7 +11,6 @@ answers that RL recipes score with `exact_match`.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import random
@@ -63,25 +62,10 @@ def sample_problems(split: Split, n: int | None = None, seed: int = 0, num_digit
 def wrong_answer(problem: Problem, rng: random.Random) -> str:
     """A plausible wrong sum for `problem`: off by one, off by ten, or two digits swapped.
 
-    Drawn with `rng` among `wrong_answers(problem)`, less any sum only held-out problems have (see
-    `heldout_only_sums`); for the pair's fixed rejected completion use `preference_rng(problem)`, so every
-    split and size agrees.
+    Drawn with `rng` among `wrong_answers(problem)`; for the pair's fixed rejected completion use
+    `preference_rng(problem)`, so every split and size agrees.
     """
-    excluded = heldout_only_sums(len(str(problem.a))) if len(str(problem.a)) == len(str(problem.b)) else frozenset()
-    return rng.choice([answer for answer in wrong_answers(problem) if int(answer) not in excluded])
-
-
-@functools.cache
-def heldout_only_sums(num_digits: int) -> frozenset[int]:
-    """Sums that are the answer of some held-out problem and of no training one (for 2 digits: 20 = 10+10 and
-    198 = 99+99).
-
-    A preference pair never rejects one of them. Training on such pairs pushes that number down for every
-    prompt, and no chosen answer anywhere in training pushes it back up: DPO on pairs that rejected `20` (for
-    11+10 and three other problems) taught the model to answer 10+10 with 21.
-    """
-    train = {p.a + p.b for p in all_problems("train", num_digits)}
-    return frozenset({p.a + p.b for p in all_problems("heldout", num_digits)} - train)
+    return rng.choice(wrong_answers(problem))
 
 
 def wrong_answers(problem: Problem, every_digit: bool = False) -> list[str]:
