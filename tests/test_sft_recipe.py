@@ -33,7 +33,9 @@ def test_short_sft_run_learns_arithmetic(tmp_path: Path, tiny_model_dir):
     tuned_cfg = cfg.model.model_copy(update={"name_or_path": str(result.final_dir)})
     tuned = evaluate_arithmetic(load_causal_lm(tuned_cfg), load_tokenizer(tuned_cfg), num_examples=200)
     assert base.accuracy == 0.0
-    assert tuned.accuracy >= 0.03  # 300 steps: the model has started adding (2000 steps reach ~99%)
+    # 300 steps: the model has started adding (2000 steps reach 100%). Measured over seeds 0-4 x both CPU code
+    # paths (BENCHMARKS.md): 7.5-19% of these 200 problems, eval loss down to 0.62-0.68 of its first value.
+    assert tuned.accuracy >= 0.03
     assert tuned.mean_response_tokens < base.mean_response_tokens  # it learned to stop after the answer
 
     saved = json.loads((tmp_path / "final" / "config.json").read_text())
