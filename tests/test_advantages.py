@@ -10,6 +10,7 @@ from posttrain.advantages import (
     grpo_advantages,
     raw_reward_advantages,
     reinforce_plus_plus_advantages,
+    RunningRewardNorm,
     rloo_advantages,
     to_token_advantages,
 )
@@ -186,3 +187,30 @@ def test_bad_inputs_are_errors():
         grpo_advantages(t(1.0, 0.0), ids(0, 0, 0))
     with pytest.raises(ValueError, match="valid"):
         grpo_advantages(t(1.0, 0.0), ids(0, 0), valid=torch.tensor([1, 0]))
+
+
+def test_running_reward_norm_matches_the_statistics_of_everything_seen():
+    norm = RunningRewardNorm()
+    first, second = torch.tensor([1.0, 2.0, 99.0, 3.0]), torch.tensor([10.0, 4.0])
+    valid = torch.tensor([True, True, False, True])
+    out = norm.normalize(first, valid)
+    # After the first batch: the valid 1, 2, 3 -> mean 2, population std sqrt(2/3).
+    assert norm.count == 3 and norm.mean == pytest.approx(2.0) and norm.std == pytest.approx(math.sqrt(2 / 3))
+    assert out.tolist() == pytest.approx([-1 / math.sqrt(2 / 3), 0.0, 0.0, 1 / math.sqrt(2 / 3)])
+    assert out[2] == 0.0  # invalid: left out of the statistics, normalized to 0
+    out = norm.normalize(second, torch.tensor([True, True]))
+    seen = torch.tensor([1.0, 2.0, 3.0, 10.0, 4.0], dtype=torch.float64)
+    mean, std = float(seen.mean()), float(seen.std(unbiased=False))
+    assert norm.mean == pytest.approx(mean) and norm.std == pytest.approx(std)
+    assert out.tolist() == pytest.approx([(10 - mean) / std, (4 - mean) / std])
+
+    restored = RunningRewardNorm()
+    restored.load_state_dict(norm.state_dict())
+    assert restored.state_dict() == norm.state_dict()
+    # One reward has no spread: it is only centered (std 1), never divided by zero.
+    single = RunningRewardNorm()
+    assert single.normalize(torch.tensor([5.0]), torch.tensor([True])).tolist() == [0.0]
+    # Equal rewards: std 0 is floored, the result stays finite.
+    equal = RunningRewardNorm()
+    assert equal.normalize(torch.tensor([2.0, 2.0]), torch.tensor([True, True])).tolist() == [0.0, 0.0]
+

@@ -7,11 +7,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from posttrain.advantages import RunningRewardNorm
 from posttrain.algorithms.ppo import train_ppo
 from posttrain.algorithms.rollout import Episode, to_batch
 from posttrain.config import ConfigError, load_config
 from posttrain.config.schema import PPOConfig, TrainerConfig
 from posttrain.logging import read_metrics
+from posttrain.algorithms.rl import restore_rl_state
+from posttrain.envs.rewards import RewardErrorBudget
+from posttrain.errors import RunError
 from posttrain.models.loading import load_tokenizer
 from posttrain.models.value_head import token_scores
 from posttrain.workers.value import build_critic
@@ -81,15 +85,30 @@ def test_ppo_raises_a_learnable_reward_and_the_critic_learns_its_returns(tmp_pat
 
 
 def test_resume_repeats_the_uninterrupted_run(tmp_path, tiny_model_dir):
-    keys = ("reward/mean", "loss", "grad_norm", "value/loss", "value/grad_norm", "value/explained_variance")
-    train_ppo(config(tmp_path / "full", "trainer.max_steps=4", "trainer.save_every=2", "critic.warmup_steps=1"))
+    # With running reward normalization on, so its statistics are part of what must come back.
+    keys = ("reward/mean", "loss", "grad_norm", "value/loss", "value/grad_norm", "value/explained_variance",
+            "reward/running_mean", "reward/running_std")
+    common = ("trainer.save_every=2", "critic.warmup_steps=1", "environment.normalize_rewards=true")
+    train_ppo(config(tmp_path / "full", "trainer.max_steps=4", *common))
     full = read_metrics(tmp_path / "full" / "metrics.jsonl")
-    train_ppo(config(tmp_path / "resumed", "trainer.max_steps=2", "trainer.save_every=2", "critic.warmup_steps=1"))
-    train_ppo(config(tmp_path / "resumed", "trainer.max_steps=4", "trainer.save_every=2", "critic.warmup_steps=1"))
+    train_ppo(config(tmp_path / "resumed", "trainer.max_steps=2", *common))
+    train_ppo(config(tmp_path / "resumed", "trainer.max_steps=4", *common))
     resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for a, b in zip(full[1:], resumed[1:]):
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
+    # The statistics run over every step's rewards (32 valid samples a step), also across the resume.
+    assert full[0]["reward/running_mean"] == pytest.approx(full[0]["reward/mean"])
+    for records in (full, resumed):
+        assert records[-1]["reward/running_mean"] == pytest.approx(sum(r["reward/mean"] for r in records) / 4)
+        assert records[-1]["reward/running_std"] > 0
+
+
+def test_normalized_rewards_cannot_resume_a_checkpoint_without_their_statistics():
+    state = {"reward_errors": RewardErrorBudget().state_dict(), "next_group_id": 8}
+    assert restore_rl_state(state, RewardErrorBudget(), None) == 8
+    with pytest.raises(RunError, match="normalize_rewards is on, but the checkpoint"):
+        restore_rl_state(state, RewardErrorBudget(), RunningRewardNorm())
 
 
 def test_lora_ppo_trains_the_policy_adapter_beside_a_full_critic(tmp_path, tiny_model_dir):

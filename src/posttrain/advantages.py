@@ -2,7 +2,8 @@
 
 Every function is pure and returns float32 [N], 0 for invalid samples and never nan. The exception is the token-level
 family for PPO with a critic (`gae_advantages`, `token_level_rewards`, `whiten`, at the end of the module), which
-works on [N, T] tensors with a validity mask over the tokens; see their docstrings.
+works on [N, T] tensors with a validity mask over the tokens; see their docstrings. `RunningRewardNorm`, last,
+scales rewards by a run's running statistics before any estimator sees them (environment.normalize_rewards).
 
 Groups are the samples of one prompt and are keyed by an explicit `group_ids` [N] (integer), never by prompt text:
 the same prompt drawn twice in a batch makes two groups (PITFALLS). Groups may have different sizes and their
@@ -23,6 +24,9 @@ Choices the papers leave open:
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor
@@ -353,3 +357,50 @@ def _whiten(x: Tensor, valid: Tensor, epsilon: float) -> Tensor:
     else:
         centered = torch.zeros_like(x)  # every valid value equal: exactly zero, not rounding noise
     return torch.where(valid, centered, 0.0)
+
+
+class RunningRewardNorm:
+    """Running mean and standard deviation of every valid training reward of a run, for
+    `environment.normalize_rewards`.
+
+    `normalize(rewards, valid)` first adds the step's valid rewards to the statistics (Welford's update, in float64,
+    batch-merged), then returns (r - mean) / std with std floored at `min_std`; invalid entries stay 0. A reward
+    model's scores have no fixed scale or offset, and a critic regresses on them: normalized rewards keep its targets
+    near unit scale as the scores drift. The statistics are part of the trainer state, so a resumed run normalizes
+    as an uninterrupted one would.
+    """
+
+    def __init__(self, min_std: float = 1e-4):
+        self.min_std = min_std
+        self.count = 0
+        self.mean = 0.0
+        self.m2 = 0.0  # sum of squared deviations from the mean
+
+    @property
+    def std(self) -> float:
+        """The population standard deviation so far (1.0 before the second reward)."""
+        return math.sqrt(self.m2 / self.count) if self.count > 1 else 1.0
+
+    def update(self, values: torch.Tensor) -> None:
+        values = values.detach().to(torch.float64).flatten()
+        n = values.numel()
+        if n == 0:
+            return
+        batch_mean = float(values.mean())
+        batch_m2 = float(((values - batch_mean) ** 2).sum())
+        total = self.count + n
+        delta = batch_mean - self.mean
+        self.mean += delta * n / total
+        self.m2 += batch_m2 + delta * delta * self.count * n / total
+        self.count = total
+
+    def normalize(self, rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        self.update(rewards[valid])
+        normalized = (rewards - self.mean) / max(self.std, self.min_std)
+        return torch.where(valid, normalized, torch.zeros_like(rewards)).to(rewards.dtype)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: Mapping[str, float]) -> None:
+        self.count, self.mean, self.m2 = int(state["count"]), float(state["mean"]), float(state["m2"])

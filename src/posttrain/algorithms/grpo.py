@@ -53,7 +53,10 @@ from posttrain.algorithms.rl import (
     mean_over_updates,
     per_update_schedule,
     policy_generator,
+    normalize_batch_rewards,
     restore_rl_state,
+    reward_normalizer,
+    rl_state,
     rollout_metrics,
     rollout_sampling,
     step_timings,
@@ -118,7 +121,8 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
     budget = RewardErrorBudget(cfg.environment.max_error_fraction)
     sampling, greedy = rollout_sampling(rollout)
     start_step, state = resume_trainer_state(resume, sampler)
-    next_group_id = restore_rl_state(state, budget)
+    reward_norm = reward_normalizer(cfg)
+    next_group_id = restore_rl_state(state, budget, reward_norm)
 
     # closing(): reward worker processes stop with the run, also when it fails.
     with run_logger(output_dir, cfg.logging, recipe="grpo", total_steps=trainer.max_steps, start_step=start_step,
@@ -169,12 +173,14 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
                                 "no update this step")
                 if evaluation.is_due(step):
                     metrics.update(evaluation.run(step, generator, run_log))
-                log_and_save(run_log, step, metrics, cfg, policy, output_dir, sampler, budget, next_group_id)
+                log_and_save(run_log, step, metrics, cfg, policy, output_dir, sampler,
+                             rl_state(budget, next_group_id, reward_norm))
                 continue
             penalties = [overlong_penalty(e.last_turn_length, e.truncated, rollout.max_new_tokens,
                                           rollout.overlong_buffer_length, rollout.overlong_penalty_factor)
                          for e in episodes]
             batch = to_batch(episodes, tokenizer.pad_token_id, weights, rollout.overlong_filtering, penalties)
+            batch = normalize_batch_rewards(batch, reward_norm, metrics)
 
             # 3. Advantages, per episode.
             advantages = compute_advantages(cfg, batch)
@@ -210,7 +216,8 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
                                         tokens=float(batch.attention_mask.sum()), generated_tokens=generated_tokens,
                                         epoch=sampler.epochs_completed))
             metrics.update(due_evaluations(step, cfg, data, generator, greedy, weights, evaluation, run_log))
-            log_and_save(run_log, step, metrics, cfg, policy, output_dir, sampler, budget, next_group_id)
+            log_and_save(run_log, step, metrics, cfg, policy, output_dir, sampler,
+                         rl_state(budget, next_group_id, reward_norm))
 
         final_dir = export_policy(output_dir, policy, run_log)
     return RLResult(output_dir, final_dir, trainer.max_steps, metrics)
@@ -293,7 +300,6 @@ def accumulate_policy_gradients(policy: PolicyWorker, batch: RolloutBatch, minib
 
 
 def log_and_save(run_log: RunLogger, step: int, metrics: dict[str, float], cfg: GRPOConfig, policy: PolicyWorker,
-                 output_dir: Path, sampler: EpochSampler, budget: RewardErrorBudget, next_group_id: int) -> None:
+                 output_dir: Path, sampler: EpochSampler, state: dict) -> None:
     log_step(run_log, step, metrics, cfg.trainer)
-    save_if_due(output_dir, step, cfg.trainer, {POLICY: policy}, sampler,
-                {"reward_errors": budget.state_dict(), "next_group_id": next_group_id})
+    save_if_due(output_dir, step, cfg.trainer, {POLICY: policy}, sampler, state)

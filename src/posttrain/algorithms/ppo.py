@@ -46,7 +46,10 @@ from posttrain.algorithms.rl import (
     mean_over_updates,
     per_update_schedule,
     policy_generator,
+    normalize_batch_rewards,
     restore_rl_state,
+    reward_normalizer,
+    rl_state,
     rollout_metrics,
     rollout_sampling,
     step_timings,
@@ -107,7 +110,8 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
     budget = RewardErrorBudget(cfg.environment.max_error_fraction)
     sampling, greedy = rollout_sampling(rollout)
     start_step, state = resume_trainer_state(resume, sampler)
-    next_group_id = restore_rl_state(state, budget)
+    reward_norm = reward_normalizer(cfg)
+    next_group_id = restore_rl_state(state, budget, reward_norm)
 
     with run_logger(output_dir, cfg.logging, recipe="ppo", total_steps=trainer.max_steps, start_step=start_step,
                     run_config=cfg.model_dump(mode="json"), progress_metrics=PROGRESS_METRICS) as run_log, \
@@ -136,6 +140,7 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
                                           rollout.overlong_buffer_length, rollout.overlong_penalty_factor)
                          for e in episodes]
             batch = to_batch(episodes, tokenizer.pad_token_id, weights, rollout.overlong_filtering, penalties)
+            batch = normalize_batch_rewards(batch, reward_norm, metrics)
 
             # 3. π_old, V_old and π_ref on the sampled tokens.
             started = time.perf_counter()
@@ -185,7 +190,7 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
             metrics.update(due_evaluations(step, cfg, data, generator, greedy, weights, evaluation, run_log))
             log_step(run_log, step, metrics, trainer)
             save_if_due(output_dir, step, trainer, {POLICY: policy, CRITIC: critic}, sampler,
-                        {"reward_errors": budget.state_dict(), "next_group_id": next_group_id})
+                        rl_state(budget, next_group_id, reward_norm))
 
         final_dir = export_policy(output_dir, policy, run_log)
     return RLResult(output_dir, final_dir, trainer.max_steps, metrics)

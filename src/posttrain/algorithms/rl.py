@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from posttrain.advantages import RunningRewardNorm
 from posttrain.algorithms.rollout import Episode, PromptRow, run_episodes, scalar_reward
 from posttrain.config.schema import DataConfig, GRPOConfig, ModelConfig, PromptSection, RolloutSection, TrainerConfig
 from posttrain.data.dataset import DataStats, check_not_empty, iter_rows, skip_or_raise
@@ -17,10 +18,12 @@ from posttrain.data.errors import DataError
 from posttrain.data.formats import PromptOnlyRow
 from posttrain.data.sampler import check_draw_fits
 from posttrain.data.tokenize import tokenize_prompt
+from posttrain.data.types import RolloutBatch
 from posttrain.distributed.env import is_distributed
 from posttrain.envs.base import Environment
 from posttrain.envs.registry import NEEDED_COLUMNS, build_environment
 from posttrain.envs.rewards import RewardErrorBudget
+from posttrain.errors import RunError
 from posttrain.generation.base import Generator, SamplingParams
 from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer, resolve_model_path
 from posttrain.workers import Metric, MetricDict, PolicyWorker, as_floats, reduce_metrics
@@ -246,12 +249,43 @@ def policy_generator(cfg: GRPOConfig, tokenizer, policy: PolicyWorker) -> Genera
                            seed=cfg.seed, vllm_gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
 
 
-def restore_rl_state(state: dict, budget: RewardErrorBudget) -> int:
+def reward_normalizer(cfg: GRPOConfig) -> RunningRewardNorm | None:
+    """The run's running reward statistics when environment.normalize_rewards is on."""
+    return RunningRewardNorm() if cfg.environment.normalize_rewards else None
+
+
+def restore_rl_state(state: dict, budget: RewardErrorBudget, reward_norm: RunningRewardNorm | None) -> int:
     """The group counter (which seeds sampling) from a resumed trainer state, the reward-error counts restored
-    into `budget`; 0 for a fresh run."""
-    if state:
-        budget.load_state_dict(state["reward_errors"])
+    into `budget` and the running reward statistics into `reward_norm`; 0 for a fresh run."""
+    if not state:
+        return 0
+    budget.load_state_dict(state["reward_errors"])
+    if reward_norm is not None:
+        if "reward_norm" not in state:
+            raise RunError("environment.normalize_rewards is on, but the checkpoint to resume holds no running "
+                           "reward statistics (it was written with it off); resume with the setting it was "
+                           "written with, or start a new output_dir")
+        reward_norm.load_state_dict(state["reward_norm"])
     return state.get("next_group_id", 0)
+
+
+def rl_state(budget: RewardErrorBudget, next_group_id: int, reward_norm: RunningRewardNorm | None) -> dict:
+    """What `restore_rl_state` reads back: saved in every checkpoint's trainer state."""
+    state = {"reward_errors": budget.state_dict(), "next_group_id": next_group_id}
+    if reward_norm is not None:
+        state["reward_norm"] = reward_norm.state_dict()
+    return state
+
+
+def normalize_batch_rewards(batch: RolloutBatch, reward_norm: RunningRewardNorm | None,
+                            metrics: dict[str, float]) -> RolloutBatch:
+    """`batch` with its rewards normalized by the run's running statistics (updated with them first), and those
+    statistics in `metrics`; `batch` itself when normalization is off."""
+    if reward_norm is None:
+        return batch
+    rewards = reward_norm.normalize(batch.rewards, batch.valid)
+    metrics.update({"reward/running_mean": reward_norm.mean, "reward/running_std": reward_norm.std})
+    return replace(batch, rewards=rewards)
 
 
 def due_evaluations(step: int, cfg: GRPOConfig, data: RLData, generator: Generator, greedy: SamplingParams,

@@ -477,6 +477,13 @@ class EnvironmentSection(Section):
     """Keyword options of the environment, e.g. {timeout_s: 5, num_workers: 2}; python takes
     {functions: ["my_pkg.rewards:fn", ...]} (see docs/rl.md)."""
 
+    normalize_rewards: bool = False
+    """Scale each training reward to (r - mean) / std, with the mean and standard deviation running over every
+    valid training reward of the run so far, this step's included (checkpointed, so a resumed run continues
+    them). For rewards without a fixed scale, such as a reward model's scores, under PPO, whose critic regresses
+    on them; GRPO's group-normalized advantages do not change. Logged rewards, validation and evaluation sets
+    stay raw."""
+
     max_error_fraction: float = Field(0.5, ge=0, le=1)
     """Samples whose reward failed (raised, timed out, NaN) are masked and counted in reward/errors; the run
     stops with a clear message only when a step's failed fraction exceeds this."""
