@@ -50,6 +50,8 @@ from posttrain.workers import ScoringWorker
 from posttrain.workers.forward import token_logprobs_of
 from posttrain.rundir import one_run_per_output_dir
 from posttrain.distributed import build_policy, build_scorer
+from posttrain.errors import RunError
+from posttrain.models.loading import custom_mask_problem_of
 from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker, base_model_scorer
 
 EVAL_METRICS = ("loss", "reward_accuracy", "margin", "chosen_reward", "rejected_reward")
@@ -102,6 +104,19 @@ def completion_logps(token_logps: torch.Tensor, batch: PairBatch, average: bool)
 def pair_collate(cfg: DPOConfig) -> PairCollate:
     """How pairs become batches: one shared-prompt row per pair, or two rows (cfg.share_prompt)."""
     return collate_shared_prompt if cfg.shares_prompt else collate_preference
+
+
+def resolve_share_prompt(cfg: DPOConfig) -> DPOConfig:
+    """`cfg`, with share_prompt off when it was left to its default and the architecture's masks are not verified
+    exact (models/packing.py); an explicit share_prompt=true on such an architecture is an error."""
+    if not cfg.shares_prompt:
+        return cfg
+    problem = custom_mask_problem_of(cfg.model, cfg.data.max_length)
+    if problem is None:
+        return cfg
+    if cfg.share_prompt:
+        raise RunError(f"share_prompt=true would not be exact: {problem}; set share_prompt=false")
+    return cfg.model_copy(update={"share_prompt": False})
 
 
 def load_reference_model(cfg: DPOConfig, device: torch.device) -> LocalScoringWorker:
@@ -178,6 +193,7 @@ def build_references(cfg: DPOConfig, run: PairRun, policy: LocalPolicyWorker) ->
 
 @one_run_per_output_dir
 def train_dpo(cfg: DPOConfig) -> DPOResult:
+    cfg = resolve_share_prompt(cfg)
     run = start_pair_run(cfg)
     check_step_fits(cfg.trainer, len(run.train_examples), "training pairs")
     loss_cfg = PreferenceLossConfig(**cfg.loss.model_dump(exclude={"average_logprobs"}))

@@ -43,7 +43,8 @@ from posttrain.data.collate import collate
 from posttrain.data.sampler import EpochSampler, check_step_fits
 from posttrain.data.types import SFTBatch, TokenizedExample
 from posttrain.losses.nll import nll_loss
-from posttrain.models.loading import default_device, load_tokenizer
+from posttrain.errors import RunError
+from posttrain.models.loading import custom_mask_problem_of, default_device, load_tokenizer
 from posttrain.workers import Metric, MetricDict, PolicyWorker, as_floats, reduce_metrics
 from posttrain.distributed import build_policy, check_split
 from posttrain.rundir import one_run_per_output_dir
@@ -112,6 +113,10 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
     evaluation = TrainingEvaluation(cfg.evaluation, tokenizer, trainer.max_steps, trainer.eval_batch_size)
 
     check_split(trainer)
+    if cfg.data.packing:
+        problem = custom_mask_problem_of(cfg.model, cfg.data.max_length)
+        if problem:
+            raise RunError(f"data.packing=true would not be exact: {problem}; set data.packing=false")
     resume = checkpoint_to_resume(output_dir)
     policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, device,
                           resume_dir=resume.worker_dir(POLICY) if resume else None)

@@ -58,8 +58,10 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype the weights are loaded and kept in. Keep float32 for CPU training; see trainer.precision."""
 
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    """Attention kernel passed to transformers."""
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """Attention kernel passed to transformers. auto: sdpa where the architecture supports it, eager otherwise
+    (Bloom, for one, has no sdpa path); sdpa, eager or flash_attention_2 ask for that one, and an architecture
+    without it is an error."""
 
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass to save memory."""

@@ -13,6 +13,7 @@ from transformers import (
 )
 
 from posttrain.config.schema import LoraSection, ModelConfig
+from posttrain.errors import RunError
 from posttrain.models.errors import ModelNotFoundError
 from posttrain.models.lora import (
     TaskKind,
@@ -109,13 +110,20 @@ def load_trainable_model(cfg: ModelConfig, lora: LoraSection, resume: str | Path
 
 def _from_pretrained(auto_class: type, cfg: ModelConfig, path: str | Path | None, **kwargs) -> PreTrainedModel:
     source = str(path) if path is not None else resolve_model_path(cfg.name_or_path)
-    model = auto_class.from_pretrained(
-        source,
-        dtype=DTYPES[cfg.dtype],
-        attn_implementation=cfg.attn_implementation,
-        trust_remote_code=cfg.trust_remote_code,
-        **kwargs,
-    )
+    try:
+        model = auto_class.from_pretrained(
+            source,
+            dtype=DTYPES[cfg.dtype],
+            attn_implementation=None if cfg.attn_implementation == "auto" else cfg.attn_implementation,
+            trust_remote_code=cfg.trust_remote_code,
+            **kwargs,
+        )
+    except ValueError as err:
+        if "does not support" not in str(err) or "attention" not in str(err):
+            raise
+        raise RunError(f"model.attn_implementation={cfg.attn_implementation}: {source} has no such attention path in "
+                       f"transformers ({err}); set model.attn_implementation=auto, which picks sdpa where the "
+                       "architecture has it and eager otherwise") from None
     if cfg.gradient_checkpointing:
         model.activation_checkpointing_enable()
         model.config.use_cache = False
@@ -124,3 +132,14 @@ def _from_pretrained(auto_class: type, cfg: ModelConfig, path: str | Path | None
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def custom_mask_problem_of(cfg: ModelConfig, max_length: int) -> str | None:
+    """Why packed or shared-prompt rows would not be exact for this model (see models/packing.py), or None; reads
+    only the model's config, so it can stop a run before any weights load."""
+    from transformers import AutoConfig
+
+    from posttrain.models.packing import custom_mask_problem
+
+    source = resolve_model_path(cfg.name_or_path)
+    return custom_mask_problem(AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code), max_length)

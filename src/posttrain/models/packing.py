@@ -45,3 +45,30 @@ def shared_prompt_mask(segments: torch.Tensor, attn_implementation: str, dtype: 
     same = segments[:, :, None] == segments[:, None, :]
     allowed = ((same | (segments[:, None, :] == PROMPT)) & causal)[:, None]
     return _in_attention_form(allowed, attn_implementation, dtype)
+
+
+# ---- which architectures take these masks exactly -------------------------------------------------------------
+
+VERIFIED_MASK_MODEL_TYPES = frozenset({
+    "gemma3_text", "gpt2", "granite", "llama", "mistral", "mixtral", "phi3", "qwen2", "qwen2_moe", "qwen3",
+})
+"""Architectures (config.model_type) whose packed rows and shared-prompt rows are checked, in
+tests/test_architecture_masks.py with a tiny random model of each, to give the log-probabilities of separate padded
+rows to float rounding, with sdpa and with eager attention. Others may apply position ids or masks their own way
+(ALiBi, learned position offsets, their own mask code: Bloom fails on a custom mask), so packing and shared-prompt
+rows are refused for them rather than silently different."""
+
+
+def custom_mask_problem(model_config, max_length: int) -> str | None:
+    """Why packed or shared-prompt rows of up to `max_length` tokens would not be exact for the model with this
+    transformers config, or None when they are."""
+    model_type = getattr(model_config, "model_type", None)
+    if model_type not in VERIFIED_MASK_MODEL_TYPES:
+        return (f"architecture {model_type!r} is not among those whose custom attention masks are verified exact "
+                f"({', '.join(sorted(VERIFIED_MASK_MODEL_TYPES))})")
+    window = getattr(model_config, "sliding_window", None)
+    uses_window = window is not None and getattr(model_config, "use_sliding_window", True) is not False
+    if uses_window and window < max_length:
+        return (f"{model_type} attends within a sliding window of {window} tokens, shorter than data.max_length="
+                f"{max_length}; a custom mask would replace the window")
+    return None
