@@ -24,23 +24,9 @@ from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.logging import read_metrics
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 
-REWARDS = str(Path(__file__).with_name("reward_fns_for_tests.py"))
-BASE = [
-    "model.name_or_path=posttrain/tiny",
-    "data.train_files=['posttrain/arithmetic[:256]']",
-    "data.max_length=32",
-    "rollout.prompts_per_step=8",
-    "rollout.num_generations_per_prompt=4",
-    "rollout.max_new_tokens=6",
-    "trainer.learning_rate=1e-3",
-    "trainer.lr_scheduler=constant",
-    "trainer.micro_batch_size=16",
-    "logging.progress=none",
-    "logging.plot=false",
-]
+from rl_configs import DIGITS, REWARDS, TINY_RL
 
-
-DIGITS = ["environment.kind=python", f"environment.options={{functions: ['{REWARDS}:digit_fraction'], num_workers: 0}}"]
+BASE = TINY_RL
 
 
 def config(output_dir: Path, *overrides: str, environment: list[str] = DIGITS) -> GRPOConfig:

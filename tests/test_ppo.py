@@ -20,23 +20,9 @@ from posttrain.models.loading import load_tokenizer
 from posttrain.models.value_head import token_scores
 from posttrain.workers.value import build_critic
 
-REWARDS = str(Path(__file__).with_name("reward_fns_for_tests.py"))
-BASE = [
-    "model.name_or_path=posttrain/tiny",
-    "data.train_files=['posttrain/arithmetic[:256]']",
-    "data.max_length=32",
-    "rollout.prompts_per_step=8",
-    "rollout.num_generations_per_prompt=4",
-    "rollout.max_new_tokens=6",
-    "trainer.learning_rate=1e-3",
-    "trainer.lr_scheduler=constant",
-    "trainer.micro_batch_size=16",
-    "critic.learning_rate=1e-3",
-    "logging.progress=none",
-    "logging.plot=false",
-    "environment.kind=python",
-    f"environment.options={{functions: ['{REWARDS}:digit_fraction'], num_workers: 0}}",
-]
+from rl_configs import DIGITS, TINY_RL
+
+BASE = [*TINY_RL, "critic.learning_rate=1e-3", *DIGITS]
 
 
 def config(output_dir: Path, *overrides: str) -> PPOConfig:
