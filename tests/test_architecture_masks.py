@@ -111,5 +111,6 @@ def test_auto_attention_picks_what_the_architecture_has(tmp_path: Path):
     assert ModelConfig(name_or_path="x").attn_implementation == "auto"
     assert load_causal_lm(ModelConfig(name_or_path=str(bloom))).config._attn_implementation == "eager"
     assert load_causal_lm(ModelConfig(name_or_path=str(llama))).config._attn_implementation == "sdpa"
-    with pytest.raises(RunError, match="model.attn_implementation=sdpa: .* set model.attn_implementation=auto"):
-        load_causal_lm(ModelConfig(name_or_path=str(bloom), attn_implementation="sdpa"))
+    for explicit in ("sdpa", "flash_attention_2"):
+        with pytest.raises(RunError, match=f"model.attn_implementation={explicit}: .* set model.attn_implementation=auto"):
+            load_causal_lm(ModelConfig(name_or_path=str(bloom), attn_implementation=explicit))

@@ -54,11 +54,23 @@ def test_bfloat16_inputs_are_scored_in_float32():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_only_the_inputs_that_need_a_gradient_get_one():
+def test_a_frozen_head_gets_no_gradient_and_the_hidden_states_the_right_one():
     hidden, weight, _, targets = inputs(bias=False)
     frozen = weight.detach()
-    (grad,) = torch.autograd.grad(chunked_token_logprobs(hidden, frozen, targets, chunk_size=4).sum(), [hidden])
-    assert grad.shape == hidden.shape
+    chunked_token_logprobs(hidden, frozen, targets, chunk_size=4).sum().backward()
+    got = hidden.grad.clone()
+    hidden.grad = None
+    full_logprobs(hidden, frozen, None, targets, 1.0).sum().backward()
+    assert frozen.grad is None
+    torch.testing.assert_close(got, hidden.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_float32_under_bf16_autocast():
+    hidden, weight, _, targets = inputs(bias=False)
+    expected = full_logprobs(hidden.detach(), weight.detach(), None, targets, 1.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = chunked_token_logprobs(hidden.detach(), weight.detach(), targets, chunk_size=4)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("kwargs, message", [

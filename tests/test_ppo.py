@@ -11,9 +11,9 @@ from posttrain.advantages import RunningRewardNorm
 from posttrain.algorithms.ppo import train_ppo
 from posttrain.algorithms.rollout import Episode, to_batch
 from posttrain.config import ConfigError, load_config
-from posttrain.config.schema import PPOConfig, TrainerConfig
+from posttrain.config.schema import GRPOConfig, PPOConfig, TrainerConfig
 from posttrain.logging import read_metrics
-from posttrain.algorithms.rl import restore_rl_state
+from posttrain.algorithms.rl import normalize_batch_rewards, restore_rl_state
 from posttrain.envs.rewards import RewardErrorBudget
 from posttrain.errors import RunError
 from posttrain.models.loading import load_tokenizer
@@ -88,6 +88,20 @@ def test_resume_repeats_the_uninterrupted_run(tmp_path, tiny_model_dir):
     for records in (full, resumed):
         assert records[-1]["reward/running_mean"] == pytest.approx(sum(r["reward/mean"] for r in records) / 4)
         assert records[-1]["reward/running_std"] > 0
+
+
+def test_normalized_rewards_are_what_the_batch_carries_and_gdpo_refuses_them(tmp_path):
+    episodes = [Episode(0, [], {}, [1, 2, 3], 2, [True], [-0.5], reward) for reward in (1.0, 3.0, None, 5.0)]
+    batch = to_batch(episodes, 0, {}, False, [0.0] * 4)
+    metrics: dict[str, float] = {}
+    assert normalize_batch_rewards(batch, None, metrics) is batch and not metrics
+    normalized = normalize_batch_rewards(batch, RunningRewardNorm(), metrics)
+    std = (8 / 3) ** 0.5  # of the valid 1, 3, 5
+    assert normalized.rewards.tolist() == pytest.approx([-2 / std, 0.0, 0.0, 2 / std])
+    assert metrics == pytest.approx({"reward/running_mean": 3.0, "reward/running_std": std})
+    with pytest.raises(ConfigError, match="normalize_rewards does not apply to advantage.estimator='gdpo'"):
+        load_config(GRPOConfig, None, [*TINY_RL, *DIGITS, f"output_dir={tmp_path}", "advantage.estimator=gdpo",
+                                       "environment.normalize_rewards=true"])
 
 
 def test_normalized_rewards_cannot_resume_a_checkpoint_without_their_statistics():

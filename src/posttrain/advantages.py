@@ -360,7 +360,7 @@ def _whiten(x: Tensor, valid: Tensor, epsilon: float) -> Tensor:
 
 
 class RunningRewardNorm:
-    """Running mean and standard deviation of every valid training reward of a run, for
+    """Running mean and standard deviation of the valid rewards of a run's training batches, for
     `environment.normalize_rewards`.
 
     `normalize(rewards, valid)` first adds the step's valid rewards to the statistics (Welford's update, in float64,

@@ -193,8 +193,9 @@ def build_references(cfg: DPOConfig, run: PairRun, policy: LocalPolicyWorker) ->
 
 @one_run_per_output_dir
 def train_dpo(cfg: DPOConfig) -> DPOResult:
-    cfg = resolve_share_prompt(cfg)
     run = start_pair_run(cfg)
+    # After start_pair_run: rank 0 has built an embedded model there before any rank reads its config.
+    cfg = resolve_share_prompt(cfg)
     check_step_fits(cfg.trainer, len(run.train_examples), "training pairs")
     loss_cfg = PreferenceLossConfig(**cfg.loss.model_dump(exclude={"average_logprobs"}))
     # Evaluation sets' prompts and environments before the model: their errors, too, come before minutes of loading.

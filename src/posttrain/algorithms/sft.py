@@ -102,6 +102,10 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
     device = default_device()
     trainer = cfg.trainer
 
+    if cfg.data.packing:
+        problem = custom_mask_problem_of(cfg.model, cfg.data.max_length)
+        if problem:
+            raise RunError(f"data.packing=true would not be exact: {problem}; set data.packing=false")
     # Data first: a malformed row should fail before minutes go into loading a large model.
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
     train_examples, train_stats = load_sft_examples(cfg.data.train_files, tokenizer, cfg.data)
@@ -113,10 +117,6 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
     evaluation = TrainingEvaluation(cfg.evaluation, tokenizer, trainer.max_steps, trainer.eval_batch_size)
 
     check_split(trainer)
-    if cfg.data.packing:
-        problem = custom_mask_problem_of(cfg.model, cfg.data.max_length)
-        if problem:
-            raise RunError(f"data.packing=true would not be exact: {problem}; set data.packing=false")
     resume = checkpoint_to_resume(output_dir)
     policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, device,
                           resume_dir=resume.worker_dir(POLICY) if resume else None)

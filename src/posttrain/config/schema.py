@@ -348,7 +348,8 @@ class DPOConfig(RecipeConfig):
     each other by a tree-shaped attention mask. The log-probabilities are those of two separate rows (to float
     rounding) while the prompt's tokens go through the model once instead of twice, in the policy and in the
     reference. Needs sdpa or eager attention. null (default): on unless model.attn_implementation is
-    flash_attention_2 (which takes no such mask); false: two rows per pair, chosen and rejected."""
+    flash_attention_2 (which takes no such mask) or the architecture's custom masks are not verified exact (see
+    docs/data.md, "Batching and packing"); false: two rows per pair, chosen and rejected."""
 
     evaluation: list[EvaluationSet] = Field(default_factory=list)
     """Evaluation sets sampled from the policy during training (see docs/evaluation.md), each logged as
@@ -481,10 +482,12 @@ class EnvironmentSection(Section):
 
     normalize_rewards: bool = False
     """Scale each training reward to (r - mean) / std, with the mean and standard deviation running over every
-    valid training reward of the run so far, this step's included (checkpointed, so a resumed run continues
-    them). For rewards without a fixed scale, such as a reward model's scores, under PPO, whose critic regresses
-    on them; GRPO's group-normalized advantages do not change. Logged rewards, validation and evaluation sets
-    stay raw."""
+    valid reward of the run's training batches so far, this step's included (checkpointed, so a resumed run
+    continues them; with dynamic sampling, the groups kept). For rewards without a fixed scale, such as a reward
+    model's scores, under PPO, whose critic regresses on them. Under GRPO: the grpo estimator with normalize_std
+    and reinforce++ give the same advantages; Dr. GRPO (normalize_std false), rloo and raw scale theirs by 1/std
+    (so the KL penalty weighs more or less against them); gdpo, which normalizes each reward component itself, is
+    refused. Logged rewards, validation and evaluation sets stay raw."""
 
     max_error_fraction: float = Field(0.5, ge=0, le=1)
     """Samples whose reward failed (raised, timed out, NaN) are masked and counted in reward/errors; the run
@@ -942,6 +945,9 @@ class GRPOConfig(RecipeConfig):
                              "rollout.num_generations_per_prompt must be at least 2")
         if self.rollout.overlong_buffer_length >= self.rollout.max_new_tokens:
             raise ValueError("rollout.overlong_buffer_length must be smaller than rollout.max_new_tokens")
+        if self.environment.normalize_rewards and self.advantage.estimator == "gdpo":
+            raise ValueError("environment.normalize_rewards does not apply to advantage.estimator='gdpo', which "
+                             "normalizes each reward component within its group itself; leave it false")
         try:
             self.loss.to_loss_config(self.rollout.max_new_tokens * self.rollout.max_turns)
         except ValueError as error:

@@ -15,6 +15,7 @@ one: for position i with target y, d log p_y / d z = onehot(y) − softmax(z), s
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 DEFAULT_CHUNK_SIZE = 1024
 """Positions per chunk: 1,024 × 151,936 fp32 logits are 0.6 GB, small next to a model that has such a vocabulary,
@@ -38,17 +39,22 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
-    flat = _ChunkedTokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1),
-                                       float(temperature), int(chunk_size))
+    # Outside autocast: under bf16 autocast the products below would run in bf16, not in float32.
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        flat = _ChunkedTokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1),
+                                           float(temperature), int(chunk_size))
     return flat.reshape(targets.shape)
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
-        out = torch.empty(hidden.shape[0], dtype=_compute_dtype(hidden), device=hidden.device)
+        dtype = _compute_dtype(hidden)
+        out = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
+        # One float32 copy of a bf16/fp16 head per call (a no-op for float32), not one per chunk.
+        head, head_bias = weight.to(dtype), None if bias is None else bias.to(dtype)
         for start in range(0, hidden.shape[0], chunk_size):
-            logits = _chunk_logits(hidden[start : start + chunk_size], weight, bias, temperature)
+            logits = _chunk_logits(hidden[start : start + chunk_size], head, head_bias, temperature)
             chosen = logits.gather(-1, targets[start : start + chunk_size, None]).squeeze(-1)
             out[start : start + chunk_size] = chosen - torch.logsumexp(logits, dim=-1)
         ctx.save_for_backward(hidden, weight, bias, targets)
@@ -56,22 +62,24 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         hidden, weight, bias, targets = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
         dtype = _compute_dtype(hidden)
+        head, head_bias = weight.to(dtype), None if bias is None else bias.to(dtype)
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(weight.shape[0], dtype=dtype, device=weight.device) if need_bias else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             stop = start + ctx.chunk_size
-            logits = _chunk_logits(hidden[start:stop], weight, bias, ctx.temperature)
+            logits = _chunk_logits(hidden[start:stop], head, head_bias, ctx.temperature)
             # d/dz of (z_y - logsumexp z) is onehot(y) - softmax(z); times the incoming gradient and 1/temperature.
             grad_logits = torch.softmax(logits, dim=-1).neg_()
             grad_logits.scatter_add_(-1, targets[start:stop, None], torch.ones_like(grad_logits[:, :1]))
             grad_logits.mul_((grad_out[start:stop].to(dtype) / ctx.temperature)[:, None])
             if need_hidden:
-                grad_hidden[start:stop] = (grad_logits @ weight.to(dtype)).to(hidden.dtype)
+                grad_hidden[start:stop] = (grad_logits @ head).to(hidden.dtype)
             if need_weight:
                 grad_weight.addmm_(grad_logits.T, hidden[start:stop].to(dtype))
             if need_bias:

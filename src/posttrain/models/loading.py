@@ -119,7 +119,7 @@ def _from_pretrained(auto_class: type, cfg: ModelConfig, path: str | Path | None
             **kwargs,
         )
     except ValueError as err:
-        if "does not support" not in str(err) or "attention" not in str(err):
+        if "does not support" not in str(err) or "attention" not in str(err).lower():
             raise
         raise RunError(f"model.attn_implementation={cfg.attn_implementation}: {source} has no such attention path in "
                        f"transformers ({err}); set model.attn_implementation=auto, which picks sdpa where the "
