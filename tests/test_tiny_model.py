@@ -64,3 +64,19 @@ def test_build_is_deterministic_and_does_not_touch_global_rng():
 def test_embedded_name_resolves_and_other_names_pass_through(tiny_model_dir):
     assert resolve_model_path("posttrain/tiny") == str(tiny_model_dir)
     assert resolve_model_path("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+
+
+def test_the_large_vocabulary_benchmark_model_has_qwen_like_shapes():
+    tokenizer = build_tokenizer()
+    with torch.device("meta"):  # shapes only: the real build writes 89M parameters
+        model = build_model(EMBEDDED_MODELS["posttrain/bench-vocab152k"], tokenizer)
+    config = model.config
+    assert (config.vocab_size, config.hidden_size, config.num_hidden_layers) == (151_936, 512, 4)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size) == (8, 2, 1408)
+    assert config.tie_word_embeddings and model.get_output_embeddings().weight.shape == (151_936, 512)
+    assert len(tokenizer) < config.vocab_size  # every id the tokenizer writes fits
+    assert 85e6 < sum(p.numel() for p in model.parameters()) < 95e6
+    # The small models keep the tokenizer's vocabulary and full KV heads (their cached builds stay valid).
+    with torch.device("meta"):
+        tiny = build_model(EMBEDDED_MODELS["posttrain/tiny"], tokenizer)
+    assert tiny.config.vocab_size == len(tokenizer) and tiny.config.num_key_value_heads == 4

@@ -55,11 +55,21 @@ class TinySpec:
     max_position_embeddings: int = 512
     seed: int = 0
     version: int = 1
+    num_key_value_heads: int | None = None
+    """Grouped KV heads; None: as many as attention heads."""
+    vocab_size: int | None = None
+    """The LM head's size; None: the byte-level tokenizer's. A larger one gives a real model's LM-head cost (the
+    tokenizer's ids all fit; the ids above them are never produced by it)."""
 
 
 EMBEDDED_MODELS: dict[str, TinySpec] = {
     "posttrain/tiny": TinySpec(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4),
     "posttrain/tiny-2m": TinySpec(hidden_size=192, intermediate_size=768, num_hidden_layers=4, num_attention_heads=6),
+    # For benchmarks at a real vocabulary: Qwen2.5-0.5B-like widths and its 151,936-token LM head (tied), 4 layers,
+    # 8 heads / 2 KV heads; 89M parameters, most of them the embedding.
+    "posttrain/bench-vocab152k": TinySpec(hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                                          num_attention_heads=8, num_key_value_heads=2, vocab_size=151_936,
+                                          max_position_embeddings=4096),
 }
 
 
@@ -103,12 +113,12 @@ def _byte_of(ch: str) -> int:
 
 def build_model(spec: TinySpec, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=spec.vocab_size or len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads or spec.num_attention_heads,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=True,
         bos_token_id=None,
