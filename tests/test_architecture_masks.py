@@ -98,6 +98,12 @@ def test_unverified_architectures_and_short_sliding_windows_are_refused(tmp_path
     from posttrain.algorithms.sft import train_sft
     with pytest.raises(RunError, match="data.packing=true would not be exact: architecture 'bloom'"):
         train_sft(sft)
+    # And the forward pass itself refuses such rows, whatever calls it.
+    model = load_causal_lm(ModelConfig(name_or_path=str(bloom)))
+    examples = [TokenizedExample((1, 2, 3), (0, 1, 1), "x"), TokenizedExample((4, 5), (0, 1), "x")]
+    with pytest.raises(RunError, match="packed or shared-prompt rows would not be exact: architecture 'bloom'"):
+        forward_logits(model, collate_packed(examples, 0, 8))
+    assert forward_logits(model, collate_padded(examples, 0)).shape[:2] == (2, 3)
     pairs = [*common, "data.train_files=['posttrain/arithmetic-preference[:16]']"]
     assert not resolve_share_prompt(load_config(DPOConfig, None, pairs)).shares_prompt
     with pytest.raises(RunError, match="share_prompt=true would not be exact"):

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from posttrain.config.schema import TrainerConfig
 from posttrain.data.types import RolloutBatch, SFTBatch, SharedPromptBatch
 from posttrain.losses.nll import token_logprobs
-from posttrain.models.packing import block_causal_mask, shared_prompt_mask
+from posttrain.errors import RunError
+from posttrain.models.packing import block_causal_mask, custom_mask_problem, shared_prompt_mask
 
 AnyBatch = SFTBatch | SharedPromptBatch | RolloutBatch
 Batch = TypeVar("Batch", SFTBatch, SharedPromptBatch, RolloutBatch)
@@ -36,6 +37,11 @@ def forward_logits(model: torch.nn.Module, batch: AnyBatch) -> torch.Tensor:
     if isinstance(batch, RolloutBatch):
         return model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
     implementation = model.config._attn_implementation
+    if isinstance(batch, SharedPromptBatch) or batch.attention_mask is None:
+        # The recipes refuse these layouts before loading an unverified architecture; this is the last guard.
+        problem = custom_mask_problem(model.config, batch.input_ids.shape[1])
+        if problem:
+            raise RunError(f"packed or shared-prompt rows would not be exact: {problem}")
     if isinstance(batch, SharedPromptBatch):
         attention_mask = shared_prompt_mask(batch.segments, implementation, model.dtype)
     else:
