@@ -17,7 +17,7 @@ BENCHMARKS.md or a config's header is checked:
   an AMD CPU MKL already runs its AVX2 kernels, and the first two variables alone change no bit of a run;
 - each run is a fresh process (`posttrain RECIPE --config configs/PRESET.yaml seed=N`), with
   `trainer.num_threads` = --threads; --jobs runs go side by side (default 2 x 1 thread on 2 cores);
-- presets that start from an SFT'd model (dpo, rm and the GRPO family) start, with the default
+- presets that start from an SFT'd model (dpo, rm, ppo and the GRPO family) start, with the default
   `--start seeded`, from their start preset run with the same seed on the same code path (reused from that
   preset's own sweep when it has been run), so the starting model's variance is part of the spread;
   `--start embedded` uses the embedded model a user gets (built once per code path, seed 0);
@@ -72,7 +72,7 @@ class Claim:
 @dataclass(frozen=True)
 class Preset:
     recipe: str
-    """sft, dpo, rm, grpo or quickstart."""
+    """sft, dpo, rm, grpo, ppo or quickstart."""
     start: str | None = None
     """The SFT preset whose model this one starts from (its `model.name_or_path` is an embedded trained model)."""
     claims: tuple[Claim, ...] = field(default_factory=tuple)
@@ -93,6 +93,7 @@ PRESETS: dict[str, Preset] = {
     "rm_arithmetic": Preset("rm", "sft_arithmetic", (at_least("eval_accuracy", 0.95, ">= 0.95 held-out accuracy"),)),
     **{f"{name}_arithmetic": Preset("grpo", "sft_arithmetic_small", GRPO_CLAIMS)
        for name in ("grpo", "dapo", "gspo", "cispo", "rloo", "dr_grpo", "gdpo")},
+    "ppo_arithmetic": Preset("ppo", "sft_arithmetic_small", GRPO_CLAIMS),
     "quickstart": Preset("quickstart", claims=(
         at_least("grpo_minus_sft", 0.20, "GRPO at least 20 points above its own SFT stage"),
         Claim("grpo_minus_control", "GRPO above the equal-step SFT control", lambda v: v > 0),
@@ -173,7 +174,7 @@ class Sweep:
             evaluated = [r for r in records if any(k.startswith("eval_") for k in r)]
             if evaluated:
                 result.update({k: v for k, v in evaluated[-1].items() if k.startswith("eval_")})
-            if preset.recipe in ("sft", "dpo", "grpo"):
+            if preset.recipe in ("sft", "dpo", "grpo", "ppo"):
                 result["exact_match"] = self.exact_match(code_path, result["model"], log)
             if preset.start and preset.recipe != "rm":
                 if start_accuracy is None:
