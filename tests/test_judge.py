@@ -273,3 +273,44 @@ def test_local_model_judge_on_the_tiny_model_masks_and_counts_its_garbage(tiny_m
     assert failures == 4 and judge.counts["judged"] == 3 and judge.counts["cache_hits"] == 1
     assert [m["judge_score"] for m in step.metadata] == [None] * 4
     judge.close()
+
+
+# ---- the embedded arithmetic judge's data and preset ------------------------------------------------------------
+
+
+def test_arithmetic_judge_rows_pair_each_problem_with_a_right_and_a_wrong_reply():
+    from posttrain.data.embedded import iter_embedded
+    from posttrain.envs.arithmetic import JUDGE_TEMPLATE, all_problems
+
+    rows = [row for _, row in iter_embedded("posttrain/arithmetic-judge:heldout[:400]")]
+    assert len(rows) == 400
+    for right, wrong in zip(rows[::2], rows[1::2]):
+        a, b = (int(n) for n in right["prompt"].split("=")[0].split("+"))
+        total = str(a + b)
+        assert right == {"prompt": f"{a}+{b}={total}?", "completion": f"{total} vs {total}. Score: 1"}
+        reply = wrong["prompt"].removeprefix(f"{a}+{b}=").removesuffix("?")
+        assert reply.isdigit() and reply != total
+        assert wrong["completion"] == f"{total} vs {reply}. Score: 0"
+        assert right["prompt"] == JUDGE_TEMPLATE.format(prompt=f"{a}+{b}=", response=total)
+    # The splits are the arithmetic task's: no held-out problem is in the judge's training rows.
+    heldout = {p.prompt for p in all_problems("heldout")}
+    train_prompts = {row["prompt"].split("=")[0] + "=" for _, row in iter_embedded("posttrain/arithmetic-judge:train")}
+    assert train_prompts and not train_prompts & heldout
+    # Some wrong replies are plausible wrong sums (near the answer), some any number.
+    wrong_replies = [(int(w["prompt"].split("=")[1][:-1]), int(w["completion"].split(" ")[0])) for w in rows[1::2]]
+    near = sum(abs(reply - total) in (1, 10) for reply, total in wrong_replies)
+    assert 0.4 * len(wrong_replies) < near < 0.95 * len(wrong_replies)
+
+
+def test_the_judge_preset_asks_what_the_judge_learned_and_reads_its_verdicts():
+    from posttrain.envs.arithmetic import JUDGE_TEMPLATE, Problem, judge_verdict
+
+    cfg = load_config(GRPOConfig, "configs/grpo_judge_arithmetic.yaml")
+    judge = next(c for c in cfg.environment.options["components"] if c["kind"] == "judge")
+    assert judge["options"]["template"] == JUDGE_TEMPLATE
+    assert judge["options"]["path"] == "posttrain/tiny-arithmetic-judge"
+    options = judge["options"]
+    for reply, score in (("46", 1.0), ("47", 0.0), ("", 0.0)):
+        verdict = parse_score(judge_verdict(Problem(12, 34), reply), DEFAULT_SCORE_PATTERN, options["min_score"],
+                              options["max_score"])
+        assert (verdict.score, verdict.failure) == (score, None)

@@ -90,3 +90,15 @@ def test_explained_variance_by_hand():
     # Nothing varies: undefined, nan (not a score of the critic).
     assert math.isnan(explained_variance(torch.zeros(1, 3), torch.ones(1, 3), torch.ones(1, 3)).item())
     assert math.isnan(explained_variance(torch.zeros(1, 3), returns[:, :3], torch.tensor([[1, 0, 0]])).item())
+
+
+def test_values_inside_the_clip_range_are_never_counted_as_clipped():
+    # V_old + (V − V_old) equals V only up to float rounding; inside the range that must not read as clipping.
+    g = torch.Generator().manual_seed(0)
+    old = 10 * torch.randn(1, 4096, generator=g)
+    new = old + 0.1 * (2 * torch.rand(1, 4096, generator=g) - 1)  # |V − V_old| < 0.1 < clip
+    returns = 10 * torch.randn(1, 4096, generator=g)
+    rounded = (old + (new - old) - returns).square() > (new - returns).square()
+    assert rounded.any()  # the rounding this guards against does occur here
+    _, metrics, _ = _run(new, old, returns, torch.ones(1, 4096), clip=0.2)
+    assert metrics["value_clip_fraction"].item() == 0.0

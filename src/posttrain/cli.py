@@ -205,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sub.add_argument("--config", help="YAML config file (may include others with `defaults: [base.yaml]`)")
         sub.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. trainer.max_steps=10")
-        if recipe.name in ("sft", "dpo", "rm", "grpo"):
+        if recipe.name in ("sft", "dpo", "rm", "grpo", "ppo"):
             sub.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                              help="data-parallel FSDP2 over N processes on this machine (starts torchrun; the "
                                   "same as `torchrun --nproc-per-node N -m posttrain ...`)")

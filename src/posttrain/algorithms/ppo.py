@@ -12,7 +12,9 @@ Each step, top to bottom:
                 the policy waits critic.warmup_steps steps
   6. sync, log, validate, checkpoint (policy/ and critic/ folders)
 
-Single process for now: under torchrun the critic would need an FSDP2 worker of its own, and the run is refused.
+Under torchrun the policy and the critic are both FSDP2-sharded; every rank samples and scores the whole step
+(as data-parallel GRPO does) and the ranks split each minibatch's micro-batches, so N processes make the update one
+process makes from the same config.
 """
 
 from __future__ import annotations
@@ -60,25 +62,21 @@ from posttrain.checkpoint import POLICY, checkpoint_to_resume
 from posttrain.config.schema import PPOConfig
 from posttrain.data.sampler import EpochSampler
 from posttrain.data.types import RolloutBatch
-from posttrain.distributed import build_policy
-from posttrain.distributed.env import is_distributed
+from posttrain.distributed import build_critic, build_policy
+from posttrain.distributed.env import world_size
 from posttrain.envs.rewards import RewardErrorBudget
-from posttrain.errors import RunError
 from posttrain.losses.policy_gradient import kl_estimate
 from posttrain.losses.value import explained_variance, value_loss, value_loss_normalizer
 from posttrain.models.loading import default_device
 from posttrain.rundir import one_run_per_output_dir
 from posttrain.workers import LossFn, Metric, MetricDict, reduce_metrics
-from posttrain.workers.value import CRITIC, ValueWorker, build_critic
+from posttrain.workers.value import CRITIC, ValueWorker
 
 PROGRESS_METRICS = ("reward/mean", "accuracy", "val/accuracy", "value/explained_variance", "kl")
 
 
 @one_run_per_output_dir
 def train_ppo(cfg: PPOConfig) -> RLResult:
-    if is_distributed():
-        raise RunError("ppo runs in one process for now (its critic has no data-parallel worker yet); run it "
-                       "without torchrun / --nproc-per-node")
     configure_torch(cfg.trainer)
     output_dir, changed_keys = prepare_output_dir(cfg, cfg.output_dir)
     seed_everything(cfg.seed)
@@ -236,16 +234,18 @@ def value_objective(old_values: torch.Tensor, returns: torch.Tensor, clip: float
 
 def accumulate_value_gradients(critic: ValueWorker, batch: RolloutBatch, minibatch: torch.Tensor,
                                old_values: torch.Tensor, returns: torch.Tensor, cfg: PPOConfig) -> MetricDict:
-    """Forward/backward the critic on the minibatch in micro-batches of trainer.micro_batch_size episodes, the
-    value loss normalized over the minibatch's valid tokens."""
+    """Forward/backward the critic on the minibatch in micro-batches of at most trainer.micro_batch_size episodes,
+    as many on every data-parallel rank (as the policy's), the value loss normalized over the minibatch's valid
+    tokens."""
     normalizer = value_loss_normalizer(batch.loss_mask[minibatch])
     if normalizer == 0:
         return {"value/loss": Metric.sum(0.0)}
     records = []
-    pieces = math.ceil(len(minibatch) / cfg.trainer.micro_batch_size)
-    for index in torch.tensor_split(minibatch, pieces):
+    ranks = world_size()
+    pieces = ranks * math.ceil(len(minibatch) / (cfg.trainer.micro_batch_size * ranks))
+    for index in critic.shard(list(torch.tensor_split(minibatch, pieces))):
         objective = value_objective(old_values[index], returns[index], cfg.critic.value_clip)
         record = critic.forward_backward(batch.select(index), objective, normalizer)
         record["value/loss"] = record.pop("loss")
         records.append(record)
-    return reduce_metrics(records)
+    return critic.all_reduce(reduce_metrics(records))

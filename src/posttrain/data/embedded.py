@@ -11,6 +11,10 @@
                                          that differs from the sum in one digit (about 24 pairs per problem,
                                          consecutive); [:N] is the first N pairs. Reward models learn to check
                                          each digit from it (a lone pair per problem shows too few of them)
+    posttrain/arithmetic-judge           a judge's lessons, two prompt/completion rows per problem: "12+34=46?" ->
+                                         "46. Score: 1", and the same for one wrong reply (a plausible wrong sum,
+                                         or a quarter of the time any number to 199) -> "46. Score: 0"; same
+                                         splits, [:N] is the first N rows
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ if TYPE_CHECKING:
     from posttrain.envs.arithmetic import Problem
 
 _NAME = re.compile(r"^posttrain/(?P<task>[a-z_-]+)(?::(?P<split>[a-z]+))?(?:\[:(?P<count>\d+)\])?$")
-TASKS = ("arithmetic", "arithmetic-preference", "arithmetic-preference-dense")
+TASKS = ("arithmetic", "arithmetic-preference", "arithmetic-preference-dense", "arithmetic-judge")
 
 
 def is_embedded_dataset(source: str) -> bool:
@@ -44,7 +48,7 @@ def iter_embedded(source: str) -> Iterator[tuple[str, dict[str, Any]]]:
     if split not in ("train", "heldout"):
         raise DataError(source, f"unknown split {split!r}; the arithmetic task has train and heldout")
     count = int(match["count"]) if match["count"] else None
-    dense = match["task"] == "arithmetic-preference-dense"
+    dense = match["task"] in ("arithmetic-preference-dense", "arithmetic-judge")  # several rows per problem
     rows = _rows(match["task"], arithmetic.sample_problems(split, None if dense else count))
     row_number = 0
     for row_number, row in enumerate(itertools.islice(rows, count), start=1):
@@ -63,5 +67,8 @@ def _rows(task: str, problems: list[Problem]) -> Iterator[dict[str, Any]]:
         elif task == "arithmetic-preference-dense":
             for rejected in arithmetic.wrong_answers(problem, every_digit=True):
                 yield {"prompt": problem.prompt, "chosen": problem.answer, "rejected": rejected}
+        elif task == "arithmetic-judge":
+            for question, verdict in arithmetic.judge_rows(problem):
+                yield {"prompt": question, "completion": verdict}
         else:
             yield {"prompt": problem.prompt, "completion": problem.answer, "answer": problem.answer}

@@ -1,8 +1,9 @@
 """Data-parallel training: the same worker protocols across processes.
 
-Under torchrun (or `posttrain RECIPE --nproc-per-node N`, which starts it) `build_policy` and `build_scorer` return
-FSDP2 workers sharded over the ranks (distributed/fsdp.py); in a single process the local workers. The recipe loops
-call these two and are otherwise unaware of the number of processes. See docs/distributed.md.
+Under torchrun (or `posttrain RECIPE --nproc-per-node N`, which starts it) `build_policy`, `build_critic` and
+`build_scorer` return FSDP2 workers sharded over the ranks (distributed/fsdp.py); in a single process the local
+workers. The recipe loops call these and are otherwise unaware of the number of processes. See
+docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -33,6 +34,22 @@ def build_policy(model: ModelConfig, lora: LoraSection, trainer: TrainerConfig, 
 
     unsharded = (lambda: load(torch.device("cpu"))) if lora.enabled else None
     return build_fsdp_policy(load(device), tokenizer, trainer, schedule, resume_dir, unsharded)
+
+
+def build_critic(init_from: str, model: ModelConfig, trainer: TrainerConfig, tokenizer, device: torch.device,
+                 schedule: TrainerConfig | None = None, resume_dir: Path | None = None):
+    """PPO's critic (posttrain.workers.value): local in one process, FSDP2-sharded under torchrun."""
+    from posttrain.workers import value
+
+    if not is_distributed():
+        return value.build_critic(init_from, model, trainer, tokenizer, device, schedule, resume_dir)
+    from posttrain.distributed.fsdp import FSDP2ValueWorker
+
+    worker = FSDP2ValueWorker(value.load_critic_model(init_from, model, tokenizer, device), tokenizer, trainer,
+                              schedule)
+    if resume_dir is not None:
+        worker.load(resume_dir)
+    return worker
 
 
 def build_scorer(model: ModelConfig, trainer: TrainerConfig, device: torch.device,

@@ -40,6 +40,7 @@ from posttrain.workers.base import Exported, LossFn
 from posttrain.workers.forward import AnyBatch
 from posttrain.models.lora import ADAPTER_DIR
 from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker, export_model, merged_lora_weights
+from posttrain.workers.value import CRITIC, ValueOutputs
 from posttrain.workers.metrics import Metric, MetricDict, all_reduce_metrics
 
 def shard_module(model: torch.nn.Module, trainer: TrainerConfig, cpu_offload: bool = False) -> torch.nn.Module:
@@ -158,6 +159,15 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
                 exported = Exported(export_final(output_dir, unsharded_copy(self.model, weights), self.tokenizer))
         barrier()
         return exported
+
+
+class FSDP2ValueWorker(ValueOutputs, FSDP2PolicyWorker):
+    """PPO's critic sharded with FSDP2: the policy worker's sharding, checkpoints and gradient sum, with values
+    as its outputs. Every rank computes the values of the whole batch (as the policy's log-probabilities)."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, trainer: TrainerConfig, schedule: TrainerConfig | None = None,
+                 cpu_offload: bool = False):
+        super().__init__(model, tokenizer, trainer, schedule, role=CRITIC, cpu_offload=cpu_offload)
 
 
 class FSDP2ScoringWorker(LocalScoringWorker):

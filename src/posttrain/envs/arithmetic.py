@@ -91,6 +91,36 @@ def preference_rng(problem: Problem) -> random.Random:
     return random.Random(f"arithmetic-preference/{problem.a}+{problem.b}")
 
 
+JUDGE_TEMPLATE = "{prompt}{response}?"
+"""The question the arithmetic judge (posttrain/arithmetic-judge, configs/sft_judge_arithmetic.yaml) is trained on:
+the judge environment's `template` in configs/grpo_judge_arithmetic.yaml."""
+JUDGE_RANDOM_FRACTION = 0.25
+"""Share of the judge's wrong replies that are any number from 0 to 199 rather than a plausible wrong sum."""
+
+
+def judge_rows(problem: Problem) -> list[tuple[str, str]]:
+    """Two (question, verdict) rows for training a judge on `problem`: the correct sum and one wrong reply.
+
+    The question is JUDGE_TEMPLATE filled in ("12+34=47?"); the verdict works the sum out and sets the reply
+    beside it before scoring ("46 vs 47. Score: 0"), so the comparison is of two adjacent strings.
+    The wrong reply is fixed per problem: a plausible wrong sum (`wrong_answers`) or, for JUDGE_RANDOM_FRACTION of
+    the problems, any other number up to 199.
+    """
+    rng = random.Random(f"arithmetic-judge/{problem.a}+{problem.b}")
+    if rng.random() < JUDGE_RANDOM_FRACTION:
+        wrong = str(rng.choice([n for n in range(200) if n != problem.a + problem.b]))
+    else:
+        wrong = rng.choice(wrong_answers(problem))
+    return [(JUDGE_TEMPLATE.format(prompt=problem.prompt, response=reply), judge_verdict(problem, reply))
+            for reply in (problem.answer, wrong)]
+
+
+def judge_verdict(problem: Problem, reply: str) -> str:
+    """What the arithmetic judge is trained to answer about `reply`: the sum, the reply's answer, then Score: 1
+    (right) or 0 (wrong)."""
+    return f"{problem.answer} vs {extract_answer(reply)}. Score: {int(exact_match(reply, problem.answer))}"
+
+
 def extract_answer(completion: str) -> str:
     """The model's answer: the completion up to its first newline, spaces stripped."""
     return completion.split("\n", 1)[0].strip()

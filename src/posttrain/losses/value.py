@@ -75,7 +75,8 @@ def value_loss(
         clipped_values = old_values + (values - old_values).clamp(-clip, clip)
         clipped = (clipped_values - returns).square()
         per_token = torch.maximum(unclipped, clipped)
-        clipped_larger = clipped > unclipped
+        # Inside the clip range old + (V − old) equals V only up to rounding, which must not count as clipping.
+        clipped_larger = (clipped > unclipped) & ((values - old_values).abs() > clip)
     per_token = 0.5 * torch.where(valid, per_token, 0.0)
     loss = per_token.sum() / normalizer
 

@@ -5,6 +5,9 @@
                                     exact match on every seed and CPU code path measured)
     posttrain/tiny-arithmetic-sft-small   posttrain/tiny after configs/sft_arithmetic_small.yaml (SFT on only
                                     500 labelled additions, ~90 s; memorizes them, 22-30% held-out: the start for GRPO)
+    posttrain/tiny-arithmetic-judge  posttrain/tiny-arithmetic-sft after configs/sft_judge_arithmetic.yaml (a judge
+                                    of sums: "12+34=47?" -> "46. Score: 0"; the judge of
+                                    configs/grpo_judge_arithmetic.yaml)
 
 The starting point for recipes that need an already-competent policy (DPO, GRPO on arithmetic). The run
 trains in a hidden temporary directory beside the cache entry and only its final/ model is renamed into
@@ -38,6 +41,7 @@ class TrainedSpec:
 TRAINED_MODELS: dict[str, TrainedSpec] = {
     "posttrain/tiny-arithmetic-sft": TrainedSpec(sft_preset="sft_arithmetic.yaml", version=2),
     "posttrain/tiny-arithmetic-sft-small": TrainedSpec(sft_preset="sft_arithmetic_small.yaml", version=3),
+    "posttrain/tiny-arithmetic-judge": TrainedSpec(sft_preset="sft_judge_arithmetic.yaml", version=1),
 }
 
 

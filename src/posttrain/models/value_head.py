@@ -73,7 +73,14 @@ def token_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
                  ) -> torch.Tensor:
     """[B, T, num_labels] the scalar head applied at every position (the per-token values of a critic), for a model
     from `scalar_head_model_class` (built-in sequence classifiers with a `score` head included). The last
-    non-padding position of each row equals the model's own pooled output."""
-    base = getattr(model, model.base_model_prefix)
-    hidden = base(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    return model.score(hidden)
+    non-padding position of each row equals the model's own pooled output.
+
+    Read from the model's own forward, which applies the head at every position before pooling, by a hook on the
+    head: so whatever wraps that forward applies too (FSDP2 gathers a sharded model's weights in it)."""
+    captured: list[torch.Tensor] = []
+    handle = model.score.register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    finally:
+        handle.remove()
+    return captured[0]

@@ -15,7 +15,8 @@ emitted, read from the head at position t − 1 (0 at t = 0). Then `values[:, t]
 same action, and `posttrain.advantages.gae_advantages` reads both with the same mask.
 
 `ValueWorker` is a `PolicyWorker` (optimizer, schedule, save/load, non-finite guard) whose model outputs, the
-thing a loss function sees, are these [B, T] values instead of logits.
+thing a loss function sees, are these [B, T] values instead of logits; `ValueOutputs` is that difference, which
+the FSDP2 critic (posttrain.distributed.fsdp.FSDP2ValueWorker) shares.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from posttrain.workers.local import LocalPolicyWorker
 CRITIC = "critic"
 
 
-class ValueWorker(LocalPolicyWorker):
-    """A critic in this process (see the module docstring)."""
+class ValueOutputs:
+    """What makes a policy worker a critic: its outputs are V(s_t) [B, T], and it has no log-probabilities."""
 
     def values(self, batch: RolloutBatch) -> torch.Tensor:
         """[N, T] float32 V(s_t) before each token t (0 at t = 0), eval mode, no graph, on CPU."""
@@ -54,15 +55,23 @@ class ValueWorker(LocalPolicyWorker):
         raise TypeError("a critic has values, not log-probabilities: call values(batch)")
 
 
+class ValueWorker(ValueOutputs, LocalPolicyWorker):
+    """A critic in this process (see the module docstring)."""
+
+
+def load_critic_model(init_from: str, model: ModelConfig, tokenizer, device: torch.device) -> torch.nn.Module:
+    """The critic's scalar-head model: `init_from` "policy" is the policy's starting model (its backbone, a fresh
+    head); any other value is a model directory or hub id, e.g. a `posttrain rm` reward model (backbone and head)."""
+    source = model if init_from == "policy" else model.model_copy(update={"name_or_path": init_from})
+    return load_trainable_model(source, LoraSection(), None, device, task="reward", pad_token_id=tokenizer.pad_token_id)
+
+
 def build_critic(init_from: str, model: ModelConfig, trainer: TrainerConfig, tokenizer, device: torch.device,
                  schedule: TrainerConfig | None = None, resume_dir=None) -> ValueWorker:
-    """The critic: `init_from` "policy" starts from the policy's starting model (its backbone, a fresh head);
-    any other value is a model directory or hub id, e.g. a `posttrain rm` reward model (backbone and head).
-    `trainer` carries the critic's own learning rate; with `resume_dir` it is restored from a checkpoint folder."""
-    source = model if init_from == "policy" else model.model_copy(update={"name_or_path": init_from})
-    module = load_trainable_model(source, LoraSection(), None, device, task="reward",
-                                  pad_token_id=tokenizer.pad_token_id)
-    worker = ValueWorker(module, tokenizer, trainer, schedule, role=CRITIC)
+    """The critic in this process (`load_critic_model`). `trainer` carries the critic's own learning rate; with
+    `resume_dir` it is restored from a checkpoint folder."""
+    worker = ValueWorker(load_critic_model(init_from, model, tokenizer, device), tokenizer, trainer, schedule,
+                         role=CRITIC)
     if resume_dir is not None:
         worker.load(resume_dir)
     return worker
