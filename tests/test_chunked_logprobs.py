@@ -84,3 +84,81 @@ def test_bad_arguments_are_clear_errors(kwargs, message):
             **kwargs}
     with pytest.raises(ValueError, match=message):
         chunked_token_logprobs(args.pop("hidden"), args.pop("weight"), args.pop("targets"), **args)
+
+
+# ---- the chunked LM head in the workers (SFT's target log-probabilities) ----------------------------------------
+
+
+def _sft_batches(tokenizer):
+    from posttrain.data.collate import collate_packed, collate_padded
+    from posttrain.data.types import TokenizedExample
+
+    # Rows of very different lengths, prompts (mask 0) before the targets: padded rows and one packed row.
+    rows = [TokenizedExample(tuple(range(3, 3 + n)), (0,) * p + (1,) * (n - p)) for n, p in ((5, 2), (19, 7), (11, 1))]
+    return {"padded": collate_padded(rows, tokenizer.pad_token_id), "packed": collate_packed(rows, tokenizer.pad_token_id, 64)}
+
+
+def _workers(model_dir, **trainer):
+    from posttrain.config.schema import LoraSection, ModelConfig, TrainerConfig
+    from posttrain.models.loading import load_tokenizer
+    from posttrain.workers.local import build_policy
+
+    cfg = ModelConfig(name_or_path=str(model_dir))
+    tokenizer = load_tokenizer(cfg)
+    torch.manual_seed(0)
+    build = lambda **kw: build_policy(cfg, LoraSection(), TrainerConfig(**kw), tokenizer, torch.device("cpu"))  # noqa: E731
+    return tokenizer, build(lm_head="full"), build(lm_head="chunked", **trainer)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_the_chunked_head_gives_the_full_heads_loss_and_gradients(tiny_model_dir, layout):
+    from posttrain.algorithms.sft import nll_objective
+
+    tokenizer, full, chunked = _workers(tiny_model_dir, lm_head_chunk_size=7)  # 7 divides no row's target count
+    batch = _sft_batches(tokenizer)[layout]
+    results = []
+    for worker in (full, chunked):
+        metrics = worker.forward_backward(batch, nll_objective, batch.num_target_tokens, outputs="target_logprobs")
+        grads = {name: p.grad.clone() for name, p in worker.model.named_parameters()}
+        results.append((metrics["loss"].value, metrics["nll_sum"].value, grads))
+    (loss_full, sum_full, grads_full), (loss_chunked, sum_chunked, grads_chunked) = results
+    assert loss_chunked == pytest.approx(loss_full, rel=1e-6) and sum_chunked == pytest.approx(sum_full, rel=1e-6)
+    assert loss_full > 1.0  # an untrained model: a real loss, not a degenerate zero
+    for name, grad in grads_full.items():
+        torch.testing.assert_close(grads_chunked[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    # The same per-token values, zero off the targets.
+    with torch.no_grad():
+        chunked_logps = chunked._outputs(batch, "target_logprobs")
+        full_logps = full._outputs(batch, "target_logprobs") * batch.loss_mask
+    torch.testing.assert_close(chunked_logps, full_logps, rtol=1e-5, atol=1e-6)
+    assert torch.all(chunked_logps[batch.loss_mask == 0] == 0)
+
+
+def test_auto_chunks_only_large_logits_on_a_plain_head():
+    from posttrain.data.types import SFTBatch
+    from posttrain.workers.forward import AUTO_CHUNKED_HEAD_BYTES, uses_chunked_head
+
+    small = SFTBatch.__new__(SFTBatch)  # only the shape is read
+    object.__setattr__(small, "input_ids", torch.zeros(64, 32, dtype=torch.long))  # the arithmetic presets' shape
+    large = SFTBatch.__new__(SFTBatch)
+    object.__setattr__(large, "input_ids", torch.zeros(4, 1024, dtype=torch.long))
+    assert not uses_chunked_head("auto", small, 260, None)  # 2 MiB of logits: the embedded recipes stay as they were
+    assert 4 * 1024 * 151_936 * 4 >= AUTO_CHUNKED_HEAD_BYTES and uses_chunked_head("auto", large, 151_936, None)
+    assert not uses_chunked_head("auto", large, 151_936, "soft-capped logits")  # never an inexact head
+    assert not uses_chunked_head("full", large, 151_936, None) and uses_chunked_head("chunked", small, 260, None)
+
+
+def test_chunked_head_on_an_architecture_it_would_not_match_is_refused(tmp_path):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from posttrain.config.schema import TrainerConfig
+    from posttrain.errors import RunError
+    from posttrain.workers.local import LocalPolicyWorker
+
+    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                              final_logit_softcapping=30.0)
+    model = Gemma3ForCausalLM(config)
+    with pytest.raises(RunError, match="trainer.lm_head=chunked: .*gemma3_text"):
+        LocalPolicyWorker(model, None, TrainerConfig(lm_head="chunked"))
+    LocalPolicyWorker(model, None, TrainerConfig(lm_head="auto"))  # auto keeps its full, exact head

@@ -42,7 +42,7 @@ from posttrain.data import load_sft_examples
 from posttrain.data.collate import collate
 from posttrain.data.sampler import EpochSampler, check_step_fits
 from posttrain.data.types import SFTBatch, TokenizedExample
-from posttrain.losses.nll import nll_loss
+from posttrain.losses.nll import nll_of_logprobs
 from posttrain.errors import RunError
 from posttrain.models.loading import custom_mask_problem_of, default_device, load_tokenizer
 from posttrain.workers import Metric, MetricDict, PolicyWorker, as_floats, reduce_metrics
@@ -61,9 +61,11 @@ class SFTResult:
     eval_loss: float | None
 
 
-def nll_objective(logits: torch.Tensor, batch: SFTBatch, num_targets_in_step: float) -> tuple[torch.Tensor, MetricDict]:
-    """The micro-batch's summed target-token NLL divided by the target count of the whole step."""
-    loss, stats = nll_loss(logits, batch.input_ids, batch.loss_mask, num_targets_in_step)
+def nll_objective(logprobs: torch.Tensor, batch: SFTBatch, num_targets_in_step: float
+                  ) -> tuple[torch.Tensor, MetricDict]:
+    """The micro-batch's summed target-token NLL divided by the target count of the whole step, from the workers'
+    target_logprobs outputs (the logits never reach the loss, so a chunked LM head can skip them)."""
+    loss, stats = nll_of_logprobs(logprobs, batch.loss_mask, num_targets_in_step)
     return loss, {"nll_sum": Metric.sum(stats["nll_sum"]), "target_tokens": Metric.sum(stats["target_tokens"])}
 
 
@@ -77,18 +79,19 @@ def accumulate_gradients(policy: PolicyWorker, micro_batches: Sequence[SFTBatch]
     step_targets = sum(mb.num_target_tokens for mb in micro_batches)
     if step_targets == 0:
         raise ValueError("an optimizer step drew no target tokens; check data.completion_only_loss and the data")
-    step = reduce_metrics(policy.forward_backward(mb, nll_objective, step_targets)
+    step = reduce_metrics(policy.forward_backward(mb, nll_objective, step_targets, outputs="target_logprobs")
                           for mb in policy.shard(list(micro_batches)))
     return policy.all_reduce(step)["loss"].value, step_targets
 
 
 def evaluate_loss(policy: PolicyWorker, examples: Sequence[TokenizedExample], cfg: SFTConfig, pad_token_id: int) -> float:
     """Mean NLL per target token over `examples`."""
-    def nll_sums(logits: torch.Tensor, batch: SFTBatch) -> MetricDict:
-        return nll_objective(logits, batch, 1.0)[1]
+    def nll_sums(logprobs: torch.Tensor, batch: SFTBatch) -> MetricDict:
+        return nll_objective(logprobs, batch, 1.0)[1]
 
     totals = reduce_metrics(
-        policy.evaluate(collate(group, pad_token_id, cfg.data.packing, cfg.data.max_length), nll_sums)
+        policy.evaluate(collate(group, pad_token_id, cfg.data.packing, cfg.data.max_length), nll_sums,
+                        outputs="target_logprobs")
         for group in chunks(list(examples), cfg.trainer.eval_batch_size)
     )
     return totals["nll_sum"].value / max(totals["target_tokens"].value, 1.0)

@@ -145,6 +145,16 @@ class TrainerConfig(NumericSection):
     precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16 autocast for the forward pass with float32 weights and optimizer state."""
 
+    lm_head: Literal["auto", "chunked", "full"] = "auto"
+    """How SFT's loss reads the LM head. chunked: only at the positions that predict a target token, lm_head_chunk_size
+    positions at a time in forward and backward, so the [B, T, V] logits never exist (posttrain.losses.chunked);
+    full: the model's own logits at every position. auto: chunked where a micro-batch's full float32 logits would
+    take 256 MiB or more (large vocabularies, long rows) and the architecture's head is a plain linear layer in
+    one process; full otherwise (so the small embedded recipes run exactly as before)."""
+
+    lm_head_chunk_size: int = Field(1024, gt=0)
+    """Positions per chunk of the chunked LM head (1,024 × a 152k vocabulary is 0.6 GB of float32 logits)."""
+
     log_every: int = Field(1, gt=0)
     """Write a metrics.jsonl line every this many steps."""
 

@@ -37,7 +37,7 @@ from posttrain.checkpoint import export_final, is_sharded, load_sharded_state, s
 from posttrain.config.schema import TrainerConfig
 from posttrain.distributed.env import barrier, is_main, rank, world_size
 from posttrain.workers.base import Exported, LossFn
-from posttrain.workers.forward import AnyBatch
+from posttrain.workers.forward import AnyBatch, Outputs
 from posttrain.models.lora import ADAPTER_DIR
 from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker, export_model, merged_lora_weights
 from posttrain.workers.value import CRITIC, ValueOutputs
@@ -89,7 +89,11 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
     def all_reduce(self, metrics: MetricDict) -> MetricDict:
         return all_reduce_metrics(metrics)
 
-    def forward_backward(self, batch: AnyBatch, loss_fn: LossFn, normalizer: float) -> MetricDict:
+    def _head_problem(self) -> str | None:
+        return "the LM head of an FSDP2-sharded model is sharded over the ranks; the chunked head runs in one process"
+
+    def forward_backward(self, batch: AnyBatch, loss_fn: LossFn, normalizer: float,
+                         outputs: Outputs = "logits") -> MetricDict:
         # FSDP2 averages gradients over ranks; the loss contract wants their sum (the normalizer already counts
         # the whole step on every rank), so each rank's backward is scaled by the world size.
         def scaled(outputs, batch, normalizer):
@@ -97,7 +101,7 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
             self._unscaled = loss.detach()
             return loss * world_size(), metrics
 
-        metrics = super().forward_backward(batch, scaled, normalizer)
+        metrics = super().forward_backward(batch, scaled, normalizer, outputs)
         metrics["loss"] = Metric.sum(self._unscaled.item())
         return metrics
 

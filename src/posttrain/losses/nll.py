@@ -32,7 +32,15 @@ def nll_loss(
         ARCHITECTURE.md; averaging per micro-batch would weight short and long examples differently).
     Returns (loss, {"nll_sum": summed NLL, "target_tokens": targets in this micro-batch}).
     """
-    nll = -token_logprobs(logits, input_ids) * loss_mask
+    return nll_of_logprobs(token_logprobs(logits, input_ids), loss_mask, num_target_tokens_in_step)
+
+
+def nll_of_logprobs(
+    logprobs: torch.Tensor, loss_mask: torch.Tensor, num_target_tokens_in_step: float
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`nll_loss` from the token log-probabilities [B, T] (entry t: log p(token t | tokens < t)) instead of the
+    logits: what the chunked LM head gives (posttrain.losses.chunked), where the logits never exist."""
+    nll = -logprobs * loss_mask
     nll_sum = nll.sum()
     return nll_sum / num_target_tokens_in_step, {
         "nll_sum": float(nll_sum.detach()),

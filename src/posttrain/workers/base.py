@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from posttrain.workers.forward import AnyBatch
+from posttrain.workers.forward import AnyBatch, Outputs
 from posttrain.workers.metrics import MetricDict
 
 LossFn = Callable[[torch.Tensor, AnyBatch, float], tuple[torch.Tensor, MetricDict]]
@@ -56,13 +56,15 @@ class PolicyWorker(Protocol):
         """A step's metrics reduced over every data-parallel process, each with its own reduction."""
         ...
 
-    def forward_backward(self, batch: AnyBatch, loss_fn: LossFn, normalizer: float) -> MetricDict:
-        """Forward `batch`, take `loss_fn`, backward (gradients add up until `optim_step`); the metrics include
-        `loss` (a sum over the step's micro-batches)."""
+    def forward_backward(self, batch: AnyBatch, loss_fn: LossFn, normalizer: float,
+                         outputs: Outputs = "logits") -> MetricDict:
+        """Forward `batch`, take `loss_fn` of the `outputs` (the logits, or the target tokens' log-probabilities,
+        which a large vocabulary's chunked LM head computes without the logits: trainer.lm_head), backward
+        (gradients add up until `optim_step`); the metrics include `loss` (a sum over the step's micro-batches)."""
         ...
 
-    def evaluate(self, batch: AnyBatch, metrics_fn: MetricsFn) -> MetricDict:
-        """`metrics_fn` of the model's outputs on `batch`, in eval mode and without a graph."""
+    def evaluate(self, batch: AnyBatch, metrics_fn: MetricsFn, outputs: Outputs = "logits") -> MetricDict:
+        """`metrics_fn` of the model's `outputs` on `batch`, in eval mode and without a graph."""
         ...
 
     def optim_step(self) -> MetricDict:

@@ -11,19 +11,30 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import torch
 import torch.nn.functional as F
 
 from posttrain.config.schema import TrainerConfig
 from posttrain.data.types import RolloutBatch, SFTBatch, SharedPromptBatch
+from posttrain.losses.chunked import chunked_token_logprobs
 from posttrain.losses.nll import token_logprobs
 from posttrain.errors import RunError
 from posttrain.models.packing import block_causal_mask, custom_mask_problem, shared_prompt_mask
 
 AnyBatch = SFTBatch | SharedPromptBatch | RolloutBatch
 Batch = TypeVar("Batch", SFTBatch, SharedPromptBatch, RolloutBatch)
+Outputs = Literal["logits", "target_logprobs"]
+"""What a worker's forward pass hands a loss: the logits [B, T, V], or target_logprobs [B, T] float32, log p of each
+target token (the batch's loss_mask) given the tokens before it and 0 elsewhere, which a chunked LM head computes
+without the logits (`target_logprobs`)."""
+
+PLAIN_LM_HEAD_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "phi3", "gpt2"})
+"""Architectures whose logits are the LM head's linear map of the last hidden states and nothing more (no soft-capping
+as in Gemma, no logit scaling as in Granite or Cohere), so the chunked head computes exactly what they do."""
+AUTO_CHUNKED_HEAD_BYTES = 256 * 2**20
+"""trainer.lm_head=auto chunks the head where a micro-batch's full float32 logits would reach this size."""
 
 
 def forward_logits(model: torch.nn.Module, batch: AnyBatch) -> torch.Tensor:
@@ -54,6 +65,46 @@ def forward_logits(model: torch.nn.Module, batch: AnyBatch) -> torch.Tensor:
         position_ids=batch.position_ids,
         use_cache=False,
     ).logits
+
+
+def lm_head_problem(model: torch.nn.Module) -> str | None:
+    """Why the chunked LM head would not compute exactly what `model`'s forward does, or None."""
+    model_type = model.config.model_type
+    if model_type not in PLAIN_LM_HEAD_MODEL_TYPES:
+        return (f"the chunked LM head is verified for the architectures whose logits are a plain linear map of the "
+                f"hidden states ({', '.join(sorted(PLAIN_LM_HEAD_MODEL_TYPES))}), not for model_type {model_type!r}")
+    if not isinstance(model.get_output_embeddings(), torch.nn.Linear):
+        return f"{type(model).__name__}'s output embedding is no torch.nn.Linear"
+    return None
+
+
+def uses_chunked_head(mode: str, batch: AnyBatch, vocab_size: int, problem: str | None) -> bool:
+    """Whether trainer.lm_head=`mode` chunks the LM head for `batch` (a model whose head has `problem`, or None)."""
+    if mode == "full" or not isinstance(batch, SFTBatch):
+        return False
+    if mode == "chunked":
+        return True  # the worker refused it at construction when there is a problem
+    return problem is None and batch.input_ids.numel() * vocab_size * 4 >= AUTO_CHUNKED_HEAD_BYTES
+
+
+def target_logprobs(model: torch.nn.Module, batch: SFTBatch, chunk_size: int) -> torch.Tensor:
+    """[B, T] float32 log p(token t | tokens < t) at the batch's targets (loss_mask), 0 elsewhere, with the LM head
+    applied only to the positions that predict a target, chunk by chunk (posttrain.losses.chunked): neither the
+    [B, T, V] logits nor those of prompt and padding positions ever exist.
+
+    The hidden states come from the model's own forward, its LM head replaced by the identity for that pass (a
+    forward hook that returns the head's input), so masks and positions are exactly those of `forward_logits`."""
+    head = model.get_output_embeddings()
+    handle = head.register_forward_hook(lambda module, args, output: args[0])
+    try:
+        hidden = forward_logits(model, batch)
+    finally:
+        handle.remove()
+    targets = batch.loss_mask[:, 1:].bool()
+    scored = chunked_token_logprobs(hidden[:, :-1][targets], head.weight, batch.input_ids[:, 1:][targets],
+                                    bias=head.bias, chunk_size=chunk_size)
+    shifted = torch.zeros(targets.shape, dtype=scored.dtype, device=scored.device).masked_scatter(targets, scored)
+    return F.pad(shifted, (1, 0))
 
 
 def token_logprobs_of(logits: torch.Tensor, batch: AnyBatch, temperature: float = 1.0) -> torch.Tensor:

@@ -32,7 +32,18 @@ from posttrain.models.loading import load_causal_lm, load_trainable_model
 from posttrain.models.lora import ADAPTER_DIR, TaskKind, adapters_disabled, is_lora_model, merged_model, save_adapter
 from posttrain.optim import build_optimizer, build_scheduler
 from posttrain.workers.base import Exported, LossFn, MetricsFn
-from posttrain.workers.forward import AnyBatch, autocast, batch_to, forward_logits, token_logprobs_of
+from posttrain.errors import RunError
+from posttrain.workers.forward import (
+    AnyBatch,
+    Outputs,
+    autocast,
+    batch_to,
+    forward_logits,
+    lm_head_problem,
+    target_logprobs,
+    token_logprobs_of,
+    uses_chunked_head,
+)
 from posttrain.workers.metrics import Metric, MetricDict
 
 
@@ -58,9 +69,23 @@ class _LocalModel:
         finally:
             self.model.train(was_training)
 
-    def _outputs(self, batch: AnyBatch) -> torch.Tensor:
+    def _outputs(self, batch: AnyBatch, kind: Outputs = "logits") -> torch.Tensor:
+        if kind == "target_logprobs" and self._chunked_head(batch):
+            with autocast(self.trainer, self.device):
+                return target_logprobs(self.model, batch, self.trainer.lm_head_chunk_size)
         with autocast(self.trainer, self.device):
-            return forward_logits(self.model, batch)
+            logits = forward_logits(self.model, batch)
+        return logits if kind == "logits" else token_logprobs_of(logits, batch)
+
+    def _chunked_head(self, batch: AnyBatch) -> bool:
+        if self.trainer.lm_head == "full":
+            return False
+        head = self.model.get_output_embeddings()
+        return uses_chunked_head(self.trainer.lm_head, batch, head.weight.shape[0], self._head_problem())
+
+    def _head_problem(self) -> str | None:
+        """Why this worker cannot chunk its LM head (lm_head_problem, and the FSDP2 workers' own reason), or None."""
+        return lm_head_problem(self.model)
 
     def _chunks(self, batch: AnyBatch) -> list[AnyBatch]:
         """A rollout batch in micro-batches of trainer.micro_batch_size rows; other batches are micro-batches."""
@@ -76,10 +101,10 @@ class _LocalModel:
                 parts.append(token_logprobs_of(self._outputs(chunk), chunk, temperature).cpu())
         return torch.cat(parts)
 
-    def evaluate(self, batch: AnyBatch, metrics_fn: MetricsFn) -> MetricDict:
+    def evaluate(self, batch: AnyBatch, metrics_fn: MetricsFn, outputs: Outputs = "logits") -> MetricDict:
         with self._frozen_pass():
             batch = batch_to(batch, self.device)
-            return metrics_fn(self._outputs(batch), batch)
+            return metrics_fn(self._outputs(batch, outputs), batch)
 
 
 class LocalPolicyWorker(_LocalModel):
@@ -96,6 +121,8 @@ class LocalPolicyWorker(_LocalModel):
         self.optimizer = build_optimizer(model, trainer)
         self.scheduler = build_scheduler(self.optimizer, schedule or trainer)
         self._nonfinite_loss = False
+        if trainer.lm_head == "chunked" and (problem := self._head_problem()):
+            raise RunError(f"trainer.lm_head=chunked: {problem}; use trainer.lm_head=auto or full")
 
     @property
     def is_lora(self) -> bool:
@@ -109,9 +136,10 @@ class LocalPolicyWorker(_LocalModel):
         """The step's metrics over every process: these."""
         return metrics
 
-    def forward_backward(self, batch: AnyBatch, loss_fn: LossFn, normalizer: float) -> MetricDict:
+    def forward_backward(self, batch: AnyBatch, loss_fn: LossFn, normalizer: float,
+                         outputs: Outputs = "logits") -> MetricDict:
         batch = batch_to(batch, self.device)
-        loss, metrics = loss_fn(self._outputs(batch), batch, normalizer)
+        loss, metrics = loss_fn(self._outputs(batch, outputs), batch, normalizer)
         loss.backward()
         value = loss.item()
         self._nonfinite_loss |= not math.isfinite(value)

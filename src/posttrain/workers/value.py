@@ -45,7 +45,9 @@ class ValueOutputs:
                 parts.append(self._outputs(batch_to(chunk, self.device)).cpu())
         return torch.cat(parts)
 
-    def _outputs(self, batch: RolloutBatch) -> torch.Tensor:
+    def _outputs(self, batch: RolloutBatch, kind: str = "logits") -> torch.Tensor:
+        if kind != "logits":
+            raise TypeError(f"a critic's outputs are its values; it has no {kind}")
         with autocast(self.trainer, self.device):
             scores = token_scores(self.model, batch.input_ids, batch.attention_mask)[..., 0]
         # The head at position p has read tokens ≤ p: the value of the state before token p + 1.
