@@ -102,8 +102,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402
 
 FRAMEWORKS = ("posttrain", "trl")
-DATASET = "posttrain/arithmetic:train"
-MODEL = "posttrain/tiny"
+SHAPES = {
+    # name: (model, training rows, max_length)
+    "tiny": ("posttrain/tiny", "posttrain/arithmetic:train", 32),
+    # A real vocabulary and real length spread: the 151,936-token LM head of Qwen2.5 on a 4-layer, 89M-parameter
+    # model, prompts and completions of 16-1,024 tokens each (log-normal, median ~128).
+    "vocab152k": ("posttrain/bench-vocab152k", "posttrain/bench-lengths:train", 2080),
+}
 LAST_N_LOSSES = 10
 LOSS_TOLERANCE = 1e-3
 
@@ -161,6 +166,7 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
             "save_every": 0,
             "keep_last": 1,
             "num_threads": spec["threads"],
+            "lm_head": spec["lm_head"],
         },
         "logging": {"progress": "none", "plot": False},
     }
@@ -328,12 +334,12 @@ def run_as_worker(framework: str, spec_path: str, result_path: str) -> None:
 # Parent: prepare the data, run the workers, summarize
 
 
-def prepare_data(work_dir: Path, num_rows: int, seed: int) -> Path:
-    """Write num_rows prompt/completion rows of the arithmetic training split, in a seeded shuffled order
-    (reshuffled each time the split is used up), to work_dir/train.jsonl."""
+def prepare_data(work_dir: Path, dataset: str, num_rows: int, seed: int) -> Path:
+    """Write num_rows prompt/completion rows of `dataset`, in a seeded shuffled order (reshuffled each time the
+    rows are used up), to work_dir/train.jsonl."""
     from posttrain.data import iter_records
 
-    rows = [{"prompt": r["prompt"], "completion": r["completion"]} for _, r in iter_records(DATASET)]
+    rows = [{"prompt": r["prompt"], "completion": r["completion"]} for _, r in iter_records(dataset)]
     ordered: list[dict[str, str]] = []
     epoch = 0
     while len(ordered) < num_rows:
@@ -475,7 +481,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant",
                         help="schedule after warm-up (default constant: identical in both frameworks)")
     parser.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps (default 0)")
-    parser.add_argument("--max-length", type=int, default=32, help="max tokens per example (default 32; examples are ~10)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
+                        help="tiny: posttrain/tiny on arithmetic (~10-token rows); vocab152k: posttrain/bench-vocab152k "
+                             "on posttrain/bench-lengths (prompts and completions of 16-1,024 tokens)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="max tokens per example (default: the shape's, 32 for tiny, 2080 for vocab152k)")
+    parser.add_argument("--lm-head", choices=["auto", "chunked", "full"], default="auto",
+                        help="posttrain's trainer.lm_head (default auto)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads in both workers (default: torch's default, the same in both)")
@@ -520,12 +532,14 @@ def main(argv: list[str] | None = None) -> int:
     }
     sections = []
     try:
-        model_dir = ensure_embedded_model(MODEL)
+        model_name, dataset, default_length = SHAPES[args.shape]
+        args.max_length = args.max_length or default_length
+        model_dir = ensure_embedded_model(model_name)
         for micro, accumulation in args.settings:
             name = f"micro-batch {micro} x accumulation {accumulation} ({micro * accumulation} examples/step, {args.steps} steps)"
             setting_dir = work_dir / f"{micro}x{accumulation}"
             setting_dir.mkdir()
-            train_file = prepare_data(setting_dir, args.steps * micro * accumulation, args.seed)
+            train_file = prepare_data(setting_dir, dataset, args.steps * micro * accumulation, args.seed)
             expected = expected_tokens_per_step(train_file, model_dir, micro * accumulation, args.steps)
             raw: dict[str, list[dict[str, Any]]] = {fw: [] for fw in FRAMEWORKS}
             runs: dict[str, list[dict[str, Any]]] = {fw: [] for fw in FRAMEWORKS}
@@ -547,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                         "seed": args.seed,
                         "threads": args.threads,
                         "trl_optim": args.trl_optim,
+                        "lm_head": args.lm_head,
                     }
                     spec_path = setting_dir / f"{framework}-{repeat}.spec.json"
                     result_path = setting_dir / f"{framework}-{repeat}.result.json"
@@ -583,7 +598,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"## posttrain SFT vs TRL {versions['trl']} SFTTrainer (torch {versions['torch']}, "
           f"transformers {versions['transformers']}, accelerate {versions['accelerate']})")
     print()
-    print(f"Tiny Llama ({MODEL}), {DATASET}, fp32 on CPU, completion-only loss, no packing, lr {args.learning_rate} "
+    print(f"{model_name}, {dataset}, fp32 on CPU, completion-only loss, no packing, posttrain trainer.lm_head="
+          f"{args.lm_head}, lr {args.learning_rate} "
           f"{args.lr_scheduler} (warm-up {args.warmup_steps}), {args.steps} steps, throughput over steps "
           f"{args.skip_steps + 1}-{args.steps}, medians of {args.repeats} repeat(s), order alternating.")
     print()

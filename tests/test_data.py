@@ -464,3 +464,20 @@ def test_load_rows_reads_prompts_with_extras_from_several_sources(tmp_path):
         PromptOnlyRow(prompt="What is 3+3?", extras={"answer": "6"}),
     ]
     assert (stats.rows_read, stats.examples, stats.target_tokens) == (2, 2, 0)
+
+
+def test_bench_lengths_rows_spread_from_16_to_1024_tokens_in_every_form():
+    import statistics
+
+    from posttrain.data.embedded import iter_embedded
+
+    rows = [row for _, row in iter_embedded("posttrain/bench-lengths")]
+    lengths = [len(row[key]) for row in rows for key in ("prompt", "completion")]
+    assert len(rows) == 4096 and min(lengths) == 16 and max(lengths) == 1024
+    assert 100 <= statistics.median(lengths) <= 160  # log-normal around 128: long-tailed, not uniform
+    assert sum(n > 512 for n in lengths) > 0.04 * len(lengths)
+    assert [row for _, row in iter_embedded("posttrain/bench-lengths[:3]")] == rows[:3]  # fixed rows
+    messages = next(iter_embedded("posttrain/bench-lengths-messages"))[1]["messages"]
+    assert [m["content"] for m in messages] == [rows[0]["prompt"], rows[0]["completion"]]
+    pair = next(iter_embedded("posttrain/bench-lengths-preference:heldout"))[1]
+    assert set(pair) == {"prompt", "chosen", "rejected"} and pair["chosen"] != pair["rejected"]

@@ -12,14 +12,22 @@
                                          consecutive); [:N] is the first N pairs. Reward models learn to check
                                          each digit from it (a lone pair per problem shows too few of them)
     posttrain/arithmetic-judge           a judge's lessons, two prompt/completion rows per problem: "12+34=46?" ->
-                                         "46. Score: 1", and the same for one wrong reply (a plausible wrong sum,
-                                         or a quarter of the time any number to 199) -> "46. Score: 0"; same
+                                         "46 vs 46. Score: 1", and the same for one wrong reply (a plausible wrong sum,
+                                         or a quarter of the time any number to 199) -> "46 vs 47. Score: 0"; same
                                          splits, [:N] is the first N rows
+    posttrain/bench-lengths              benchmark rows with real-world length spread: prompt and completion
+                                         each 16-1,024 characters (one token each for the byte-level
+                                         tokenizer), log-normal (median ~128), random words; 4,096 rows per
+                                         split, fixed. Also as posttrain/bench-lengths-messages (a user and an
+                                         assistant message) and posttrain/bench-lengths-preference (the
+                                         completion chosen, another of its length distribution rejected)
 """
 
 from __future__ import annotations
 
 import itertools
+import math
+import random
 import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -30,7 +38,15 @@ if TYPE_CHECKING:
     from posttrain.envs.arithmetic import Problem
 
 _NAME = re.compile(r"^posttrain/(?P<task>[a-z_-]+)(?::(?P<split>[a-z]+))?(?:\[:(?P<count>\d+)\])?$")
-TASKS = ("arithmetic", "arithmetic-preference", "arithmetic-preference-dense", "arithmetic-judge")
+TASKS = ("arithmetic", "arithmetic-preference", "arithmetic-preference-dense", "arithmetic-judge", "bench-lengths",
+         "bench-lengths-messages", "bench-lengths-preference")
+BENCH_ROWS = 4096
+BENCH_LENGTHS = (16, 1024)
+"""Shortest and longest prompt or completion of posttrain/bench-lengths, in characters."""
+BENCH_MEDIAN, BENCH_SIGMA = 128, 1.0
+"""The log-normal the lengths are drawn from (then clipped to BENCH_LENGTHS)."""
+WORDS = ("the", "model", "data", "token", "learning", "rate", "batch", "gradient", "answer", "question", "reward",
+         "policy", "value", "sample", "length", "memory", "step", "train", "loss", "state")
 
 
 def is_embedded_dataset(source: str) -> bool:
@@ -46,15 +62,45 @@ def iter_embedded(source: str) -> Iterator[tuple[str, dict[str, Any]]]:
                         "with an optional :train or :heldout split and [:N] row limit")
     split = match["split"] or "train"
     if split not in ("train", "heldout"):
-        raise DataError(source, f"unknown split {split!r}; the arithmetic task has train and heldout")
+        raise DataError(source, f"unknown split {split!r}; the embedded tasks have train and heldout")
     count = int(match["count"]) if match["count"] else None
+    if match["task"].startswith("bench-lengths"):
+        yield from _limited(source, _bench_rows(match["task"], split), count, split)
+        return
     dense = match["task"] in ("arithmetic-preference-dense", "arithmetic-judge")  # several rows per problem
-    rows = _rows(match["task"], arithmetic.sample_problems(split, None if dense else count))
+    yield from _limited(source, _rows(match["task"], arithmetic.sample_problems(split, None if dense else count)),
+                        count, split)
+
+
+def _limited(source: str, rows: Iterator[dict[str, Any]], count: int | None, split: str
+             ) -> Iterator[tuple[str, dict[str, Any]]]:
     row_number = 0
     for row_number, row in enumerate(itertools.islice(rows, count), start=1):
         yield f"{source} row {row_number}", row
     if count is not None and row_number < count:
         raise DataError(source, f"asked for {count} rows, but the {split} split has {row_number}")
+
+
+def _bench_rows(task: str, split: str) -> Iterator[dict[str, Any]]:
+    for index in range(BENCH_ROWS):
+        rng = random.Random(f"bench-lengths/{split}/{index}")
+        prompt, completion, rejected = (_bench_text(rng) for _ in range(3))
+        if task == "bench-lengths-messages":
+            yield {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]}
+        elif task == "bench-lengths-preference":
+            yield {"prompt": prompt, "chosen": completion, "rejected": rejected}
+        else:
+            yield {"prompt": prompt, "completion": completion}
+
+
+def _bench_text(rng: random.Random) -> str:
+    """Random words, exactly a log-normal number of characters (clipped to BENCH_LENGTHS)."""
+    low, high = BENCH_LENGTHS
+    length = min(high, max(low, round(rng.lognormvariate(math.log(BENCH_MEDIAN), BENCH_SIGMA))))
+    text = rng.choice(WORDS)
+    while len(text) < length:
+        text += " " + rng.choice(WORDS)
+    return text[:length]
 
 
 def _rows(task: str, problems: list[Problem]) -> Iterator[dict[str, Any]]:

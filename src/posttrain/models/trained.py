@@ -6,7 +6,7 @@
     posttrain/tiny-arithmetic-sft-small   posttrain/tiny after configs/sft_arithmetic_small.yaml (SFT on only
                                     500 labelled additions, ~90 s; memorizes them, 22-30% held-out: the start for GRPO)
     posttrain/tiny-arithmetic-judge  posttrain/tiny-arithmetic-sft after configs/sft_judge_arithmetic.yaml (a judge
-                                    of sums: "12+34=47?" -> "46. Score: 0"; the judge of
+                                    of sums: "12+34=47?" -> "46 vs 47. Score: 0"; the judge of
                                     configs/grpo_judge_arithmetic.yaml)
 
 The starting point for recipes that need an already-competent policy (DPO, GRPO on arithmetic). The run
