@@ -5,7 +5,7 @@
 
 The judge is asked what configs/grpo_judge_arithmetic.yaml asks it ("12+34=47?", greedy, its score 0 or 1) about
 five replies to each held-out problem: the right sum, a plausible wrong sum (off by one or ten, two digits swapped),
-any number from 0 to 199, an empty reply and the right sum with a digit appended. Agreement is the share of
+any other number from 0 to 199, an empty reply and the right sum with a digit appended. Agreement is the share of
 replies whose score equals the verifier's verdict; a reply the judge gives no readable score is masked (counted
 apart, as the RL loop masks it). An RL policy trained on the judge's reward is pushed toward whatever the judge
 wrongly accepts, so the wrong kinds' acceptance rates are where to expect reward hacking.
@@ -27,7 +27,8 @@ KINDS = ("right", "plausible wrong", "any number", "empty", "digit appended")
 def replies(problem, rng: random.Random) -> list[str]:
     from posttrain.envs.arithmetic import wrong_answers
 
-    return [problem.answer, rng.choice(wrong_answers(problem)), str(rng.randint(0, 199)), "", problem.answer + "0"]
+    other = rng.choice([n for n in range(200) if str(n) != problem.answer])
+    return [problem.answer, rng.choice(wrong_answers(problem)), str(other), "", problem.answer + "0"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -116,12 +116,17 @@ def test_the_chunked_head_gives_the_full_heads_loss_and_gradients(tiny_model_dir
 
     tokenizer, full, chunked = _workers(tiny_model_dir, lm_head_chunk_size=7)  # 7 divides no row's target count
     batch = _sft_batches(tokenizer)[layout]
+    head_outputs = []
+    chunked.model.get_output_embeddings().register_forward_hook(
+        lambda module, args, output: head_outputs.append(output.shape[-1]))
     results = []
     for worker in (full, chunked):
         metrics = worker.forward_backward(batch, nll_objective, batch.num_target_tokens, outputs="target_logprobs")
         grads = {name: p.grad.clone() for name, p in worker.model.named_parameters()}
         results.append((metrics["loss"].value, metrics["nll_sum"].value, grads))
     (loss_full, sum_full, grads_full), (loss_chunked, sum_chunked, grads_chunked) = results
+    # In the chunked pass the head module multiplied nothing: what it returned was the hidden states, not logits.
+    assert head_outputs == [chunked.model.config.hidden_size]
     assert loss_chunked == pytest.approx(loss_full, rel=1e-6) and sum_chunked == pytest.approx(sum_full, rel=1e-6)
     assert loss_full > 1.0  # an untrained model: a real loss, not a degenerate zero
     for name, grad in grads_full.items():

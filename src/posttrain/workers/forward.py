@@ -87,19 +87,23 @@ def uses_chunked_head(mode: str, batch: AnyBatch, vocab_size: int, problem: str 
     return problem is None and batch.input_ids.numel() * vocab_size * 4 >= AUTO_CHUNKED_HEAD_BYTES
 
 
+def _identity(hidden: torch.Tensor) -> torch.Tensor:
+    return hidden
+
+
 def target_logprobs(model: torch.nn.Module, batch: SFTBatch, chunk_size: int) -> torch.Tensor:
     """[B, T] float32 log p(token t | tokens < t) at the batch's targets (loss_mask), 0 elsewhere, with the LM head
     applied only to the positions that predict a target, chunk by chunk (posttrain.losses.chunked): neither the
     [B, T, V] logits nor those of prompt and padding positions ever exist.
 
-    The hidden states come from the model's own forward, its LM head replaced by the identity for that pass (a
-    forward hook that returns the head's input), so masks and positions are exactly those of `forward_logits`."""
+    The hidden states come from the model's own forward, its LM head's forward replaced by the identity for that
+    pass (so the head multiplies nothing there), so masks and positions are exactly those of `forward_logits`."""
     head = model.get_output_embeddings()
-    handle = head.register_forward_hook(lambda module, args, output: args[0])
+    head.forward = _identity  # an instance attribute: for this pass the head returns its input, computing nothing
     try:
         hidden = forward_logits(model, batch)
     finally:
-        handle.remove()
+        del head.forward
     targets = batch.loss_mask[:, 1:].bool()
     scored = chunked_token_logprobs(hidden[:, :-1][targets], head.weight, batch.input_ids[:, 1:][targets],
                                     bias=head.bias, chunk_size=chunk_size)

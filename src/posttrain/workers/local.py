@@ -121,7 +121,8 @@ class LocalPolicyWorker(_LocalModel):
         self.optimizer = build_optimizer(model, trainer)
         self.scheduler = build_scheduler(self.optimizer, schedule or trainer)
         self._nonfinite_loss = False
-        if trainer.lm_head == "chunked" and (problem := self._head_problem()):
+        has_lm_head = getattr(model, "get_output_embeddings", lambda: None)() is not None  # not critics, not RMs
+        if trainer.lm_head == "chunked" and has_lm_head and (problem := self._head_problem()):
             raise RunError(f"trainer.lm_head=chunked: {problem}; use trainer.lm_head=auto or full")
 
     @property
