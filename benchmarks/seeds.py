@@ -76,6 +76,12 @@ class Preset:
     start: str | None = None
     """The SFT preset whose model this one starts from (its `model.name_or_path` is an embedded trained model)."""
     claims: tuple[Claim, ...] = field(default_factory=tuple)
+    model_reward: bool = False
+    """Trained on a model's reward (a reward model or a judge) with the verifier beside it at weight 0: report how
+    the model reward moved (`reward_gain`: last minus first greedy val/reward_mean) and how far it ends above the
+    verifier's accuracy (`reward_minus_accuracy`, meaningful for 0/1 rewards)."""
+    reward_model: str | None = None
+    """The rm preset whose run of the same seed and code path scores this preset's reward_model components."""
 
 
 def at_least(metric: str, bound: float, text: str) -> Claim:
@@ -94,6 +100,10 @@ PRESETS: dict[str, Preset] = {
     **{f"{name}_arithmetic": Preset("grpo", "sft_arithmetic_small", GRPO_CLAIMS)
        for name in ("grpo", "dapo", "gspo", "cispo", "rloo", "dr_grpo", "gdpo")},
     "ppo_arithmetic": Preset("ppo", "sft_arithmetic_small", GRPO_CLAIMS),
+    "ppo_rlhf_arithmetic": Preset("ppo", "sft_arithmetic_small", (
+        *GRPO_CLAIMS, Claim("reward_gain", "raises the reward model's score", lambda v: v > 0),
+    ), model_reward=True, reward_model="rm_arithmetic"),
+    "grpo_judge_arithmetic": Preset("grpo", "sft_arithmetic_small", GRPO_CLAIMS, model_reward=True),
     "quickstart": Preset("quickstart", claims=(
         at_least("grpo_minus_sft", 0.20, "GRPO at least 20 points above its own SFT stage"),
         Claim("grpo_minus_control", "GRPO above the equal-step SFT control", lambda v: v > 0),
@@ -168,12 +178,20 @@ class Sweep:
                     start_model = START_MODELS[preset.start]
                 args.append(f"model.name_or_path={start_model}")
                 result["start_model"] = start_model
+            if preset.reward_model:
+                reward_model = self.run(preset.reward_model, code_path, seed, [])["model"]
+                result["reward_model"] = reward_model
+                args.append(f"environment.options={json.dumps(with_reward_model(name, reward_model))}")
             self.posttrain(code_path, [*args, *overrides], log)
             result["model"] = str(run_dir / "run" / "final")
             records = [json.loads(line) for line in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
             evaluated = [r for r in records if any(k.startswith("eval_") for k in r)]
             if evaluated:
                 result.update({k: v for k, v in evaluated[-1].items() if k.startswith("eval_")})
+            if preset.model_reward:
+                validated = [r for r in records if "val/reward_mean" in r]
+                result["reward_gain"] = validated[-1]["val/reward_mean"] - validated[0]["val/reward_mean"]
+                result["reward_minus_accuracy"] = validated[-1]["val/reward_mean"] - validated[-1]["val/accuracy"]
             if preset.recipe in ("sft", "dpo", "grpo", "ppo"):
                 result["exact_match"] = self.exact_match(code_path, result["model"], log)
             if preset.start and preset.recipe != "rm":
@@ -184,6 +202,17 @@ class Sweep:
         result["seconds"] = round(time.perf_counter() - started, 1)
         write_json(result_file, result)
         return result
+
+
+def with_reward_model(name: str, path: str) -> dict[str, Any]:
+    """The environment options of preset `name` with every reward_model component scoring with `path`."""
+    from posttrain.config.loader import read_yaml_with_defaults
+
+    options = read_yaml_with_defaults(ROOT / "configs" / f"{name}.yaml")["environment"]["options"]
+    for component in options["components"]:
+        if component["kind"] == "reward_model":
+            component["options"] = {**component.get("options", {}), "path": path}
+    return options
 
 
 def folder(name: str, label: str) -> str:

@@ -78,8 +78,6 @@ class _LocalModel:
         return logits if kind == "logits" else token_logprobs_of(logits, batch)
 
     def _chunked_head(self, batch: AnyBatch) -> bool:
-        if self.trainer.lm_head == "full":
-            return False
         head = self.model.get_output_embeddings()
         return uses_chunked_head(self.trainer.lm_head, batch, head.weight.shape[0], self._head_problem())
 
