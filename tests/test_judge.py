@@ -300,6 +300,8 @@ def test_arithmetic_judge_rows_pair_each_problem_with_a_right_and_a_wrong_reply(
     wrong_replies = [(int(w["prompt"].split("=")[1][:-1]), int(w["completion"].split(" ")[0])) for w in rows[1::2]]
     near = sum(abs(reply - total) in (1, 10) for reply, total in wrong_replies)
     assert 0.4 * len(wrong_replies) < near < 0.95 * len(wrong_replies)
+    appended = sum(str(reply)[:-1] == str(total) for reply, total in wrong_replies)  # the sum with a digit after it
+    assert 0.05 * len(wrong_replies) < appended < 0.3 * len(wrong_replies)
 
 
 def test_the_judge_preset_asks_what_the_judge_learned_and_reads_its_verdicts():

@@ -96,6 +96,9 @@ JUDGE_TEMPLATE = "{prompt}{response}?"
 the judge environment's `template` in configs/grpo_judge_arithmetic.yaml."""
 JUDGE_RANDOM_FRACTION = 0.25
 """Share of the judge's wrong replies that are any number from 0 to 199 rather than a plausible wrong sum."""
+JUDGE_APPENDED_FRACTION = 0.15
+"""Share of the judge's wrong replies that are the right sum with one more digit after it (a judge never shown
+them accepted a third of them, a reward a policy could learn to hack)."""
 
 
 def judge_rows(problem: Problem) -> list[tuple[str, str]]:
@@ -103,12 +106,15 @@ def judge_rows(problem: Problem) -> list[tuple[str, str]]:
 
     The question is JUDGE_TEMPLATE filled in ("12+34=47?"); the verdict works the sum out and sets the reply
     beside it before scoring ("46 vs 47. Score: 0"), so the comparison is of two adjacent strings.
-    The wrong reply is fixed per problem: a plausible wrong sum (`wrong_answers`) or, for JUDGE_RANDOM_FRACTION of
-    the problems, any other number up to 199.
+    The wrong reply is fixed per problem: for JUDGE_RANDOM_FRACTION of the problems any other number up to 199, for
+    JUDGE_APPENDED_FRACTION the right sum with a digit appended, else a plausible wrong sum (`wrong_answers`).
     """
     rng = random.Random(f"arithmetic-judge/{problem.a}+{problem.b}")
-    if rng.random() < JUDGE_RANDOM_FRACTION:
+    draw = rng.random()
+    if draw < JUDGE_RANDOM_FRACTION:
         wrong = str(rng.choice([n for n in range(200) if n != problem.a + problem.b]))
+    elif draw < JUDGE_RANDOM_FRACTION + JUDGE_APPENDED_FRACTION:
+        wrong = problem.answer + str(rng.randrange(10))
     else:
         wrong = rng.choice(wrong_answers(problem))
     return [(JUDGE_TEMPLATE.format(prompt=problem.prompt, response=reply), judge_verdict(problem, reply))

@@ -41,7 +41,7 @@ class TrainedSpec:
 TRAINED_MODELS: dict[str, TrainedSpec] = {
     "posttrain/tiny-arithmetic-sft": TrainedSpec(sft_preset="sft_arithmetic.yaml", version=2),
     "posttrain/tiny-arithmetic-sft-small": TrainedSpec(sft_preset="sft_arithmetic_small.yaml", version=3),
-    "posttrain/tiny-arithmetic-judge": TrainedSpec(sft_preset="sft_judge_arithmetic.yaml", version=1),
+    "posttrain/tiny-arithmetic-judge": TrainedSpec(sft_preset="sft_judge_arithmetic.yaml", version=2),
 }
 
 
