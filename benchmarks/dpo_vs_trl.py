@@ -4,6 +4,8 @@ Run (CPU, offline; needs the bench extra: pip install 'trl>=1.0', which brings a
 
     .venv/bin/python benchmarks/dpo_vs_trl.py     # 150 steps x 3 repeats: expected 2-3 minutes on 2 idle cores
     .venv/bin/python benchmarks/dpo_vs_trl.py --steps 5 --skip-steps 2 --repeats 1   # quick check
+    .venv/bin/python benchmarks/dpo_vs_trl.py --shape vocab152k --steps 6 --skip-steps 2 --repeats 2 \
+        --pairs-per-step 4 --accumulation 2 --threads 2     # a 151,936-token vocabulary, pairs of 16-1,024 tokens
 
 What is compared
     posttrain.algorithms.dpo.train_dpo against trl.DPOTrainer(...).train(), on the same job:
@@ -86,11 +88,12 @@ faster or lighter)
 
 Known remaining differences (not removed)
     - The forward pass: TRL computes the per-token log-probabilities through its fused LM head (in chunks,
-      never the full logits; given the labels, for the policy and the reference) and, every step, also
-      the per-token entropy, the mean logits and top-1 accuracy of the chosen tokens for its logged
-      metrics; posttrain computes the full logits and their log-softmax, for the policy and the reference,
-      and passes explicit position ids. Per-step losses therefore agree closely but not bit for bit, and
-      the difference may grow over training.
+      never the full logits; given the labels, for the policy and the reference, at every position) and,
+      every step, also the per-token entropy, the mean logits and top-1 accuracy of the chosen tokens for
+      its logged metrics. posttrain with trainer.lm_head=auto computes the full logits and their log-softmax
+      where they are small (the tiny shape), and at the vocab152k shape runs the LM head in chunks on the
+      completion tokens only (prompt positions never reach it); it passes explicit position ids. Per-step
+      losses therefore agree closely but not bit for bit, and the difference may grow over training.
     - Logged metrics differ: TRL logs log-probabilities, logits, entropy, token accuracy and token counts;
       posttrain logs rewards, margin, reward accuracy, gradient norm and throughput. Both log the loss, the
       implicit rewards' mean margin and accuracy, the pre-clip gradient norm and the learning rate the step
@@ -139,6 +142,14 @@ import _common
 FRAMEWORKS = ("posttrain", "trl")
 DATASET = "posttrain/arithmetic-preference:train"
 MODEL = "posttrain/tiny-arithmetic-sft"
+SHAPES = {
+    # name: (model, pairs, max_length)
+    "tiny": (MODEL, DATASET, 32),
+    # A real vocabulary and real lengths: the 151,936-token LM head of Qwen2.5 on a 4-layer, 89M-parameter random
+    # model; prompts, chosen and rejected replies of 16-1,024 tokens each (log-normal, median ~128), so a row of
+    # prompt + reply is at most 2,049 tokens with its EOS.
+    "vocab152k": ("posttrain/bench-vocab152k", "posttrain/bench-lengths-preference:train", 2049),
+}
 LAST_N_LOSSES = 10
 FIRST_N_LOSSES = 5
 LOSS_TOLERANCE = 1e-3
@@ -255,6 +266,7 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
             "save_every": 0,  # still saves at the last step
             "keep_last": 1,
             "num_threads": spec["threads"],
+            "lm_head": spec.get("lm_head", "auto"),
         },
         "logging": {"progress": "none", "plot": False},
     }
@@ -465,12 +477,12 @@ def run_as_worker(framework: str, spec_path: str, result_path: str) -> None:
 # Parent: prepare the pairs, run the workers, summarize
 
 
-def prepare_pairs(work_dir: Path, num_rows: int) -> Path:
-    """Write the prompt/chosen/rejected columns of the first num_rows rows of the preference training split
+def prepare_pairs(work_dir: Path, num_rows: int, dataset: str = DATASET) -> Path:
+    """Write the prompt/chosen/rejected columns of the first num_rows rows of a preference training split
     (stored in a seeded random order; started over if it runs out) to work_dir/pairs.jsonl."""
     from posttrain.data import iter_records
 
-    rows = [{"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for _, r in iter_records(DATASET)]
+    rows = [{"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for _, r in iter_records(dataset)]
     ordered = [rows[i % len(rows)] for i in range(num_rows)]
     path = work_dir / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ordered))
@@ -680,7 +692,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=150, help="optimizer steps per run (default 150)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per framework; medians are reported (default 3)")
     parser.add_argument("--skip-steps", type=int, default=5, help="warm-up steps left out of the step times (default 5)")
-    parser.add_argument("--model", default=MODEL, help=f"model directory or embedded name (default {MODEL})")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
+                        help="tiny: posttrain/tiny-arithmetic-sft on arithmetic pairs (<= 10 tokens); vocab152k: "
+                             "posttrain/bench-vocab152k on posttrain/bench-lengths-preference (16-1,024 tokens each "
+                             "of prompt, chosen, rejected)")
+    parser.add_argument("--model", default=None, help="model directory or embedded name (default: the shape's)")
+    parser.add_argument("--lm-head", choices=["auto", "chunked", "full"], default="auto",
+                        help="posttrain's trainer.lm_head (default auto)")
     parser.add_argument("--pairs-per-step", type=int, default=32, help="preference pairs per optimizer step (default 32)")
     parser.add_argument("--accumulation", type=int, default=1,
                         help="micro-batches per optimizer step; must divide --pairs-per-step (default 1)")
@@ -689,8 +707,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr-scheduler", choices=["constant", "cosine", "linear"], default="constant",
                         help="schedule after warm-up (default constant: identical in both frameworks)")
     parser.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up steps (default 0)")
-    parser.add_argument("--max-length", type=int, default=32,
-                        help="max tokens per sequence (default 32, as the dpo_arithmetic preset; pairs are <= 10)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="max tokens per sequence (default: the shape's, 32 for tiny as the dpo_arithmetic preset, "
+                             "2049 for vocab152k: no pair is cut)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads in both workers (default: torch's default, the same in both)")
@@ -720,6 +739,9 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         parser.error(f"missing {', '.join(missing)}: pip install 'trl>=1.0' (or the project's bench extra)")
     micro_batch_size = args.pairs_per_step // args.accumulation
+    default_model, dataset, default_length = SHAPES[args.shape]
+    args.model = args.model or default_model
+    args.max_length = args.max_length or default_length
 
     _common.apply_offline_env()
     from posttrain.models.loading import resolve_model_path
@@ -740,7 +762,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         model_dir = resolve_model_path(args.model)  # builds an embedded model once, before any worker starts
-        pairs_file = prepare_pairs(work_dir, args.steps * args.pairs_per_step)
+        pairs_file = prepare_pairs(work_dir, args.steps * args.pairs_per_step, dataset)
         expected = expected_batches(pairs_file, model_dir, micro_batch_size, args.accumulation, args.steps,
                                     args.max_length)
         raw: dict[str, list[dict[str, Any]]] = {fw: [] for fw in FRAMEWORKS}
@@ -764,6 +786,7 @@ def main(argv: list[str] | None = None) -> int:
                     "threads": args.threads,
                     "trl_optim": args.trl_optim,
                     "share_prompt": args.share_prompt,
+                    "lm_head": args.lm_head,
                 }
                 spec_path = work_dir / f"{framework}-{repeat}.spec.json"
                 result_path = work_dir / f"{framework}-{repeat}.result.json"
@@ -794,11 +817,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"## posttrain DPO vs TRL {versions['trl']} DPOTrainer (torch {versions['torch']}, "
           f"transformers {versions['transformers']}, accelerate {versions['accelerate']})")
     print()
-    print(f"{args.model}, {DATASET} pairs in order, {args.pairs_per_step} pairs per step ({micro_batch_size} x "
+    print(f"{args.model}, {dataset} pairs in order, {args.pairs_per_step} pairs per step ({micro_batch_size} x "
           f"{args.accumulation}), sigmoid DPO beta {args.beta} against a frozen reference copy, no SFT term, lr "
           f"{args.learning_rate} {args.lr_scheduler} (warm-up {args.warmup_steps}), fp32 on CPU, {args.steps} steps, "
           f"step times over steps {args.skip_steps + 1}-{args.steps}, medians of {args.repeats} repeat(s), order "
-          f"alternating. Ratios are TRL/posttrain.")
+          f"alternating, posttrain trainer.lm_head={args.lm_head}. Ratios are TRL/posttrain.")
     print()
     print(text)
     print()

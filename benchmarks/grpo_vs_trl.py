@@ -4,6 +4,8 @@ Run (CPU, offline; needs the bench extra: pip install 'trl>=1.0', which brings a
 
     .venv/bin/python benchmarks/grpo_vs_trl.py     # 40 steps x 3 repeats: 2-3 minutes on 2 idle cores (+~90 s to build the model once)
     .venv/bin/python benchmarks/grpo_vs_trl.py --steps 5 --skip-steps 2 --repeats 1   # quick check
+    .venv/bin/python benchmarks/grpo_vs_trl.py --shape vocab152k --prompts-per-step 8 --num-generations 8 \
+        --max-new-tokens 128 --steps 4 --skip-steps 1 --repeats 1 --threads 2   # a 151,936-token vocabulary
 
 What is compared
     posttrain.algorithms.grpo.train_grpo against trl.GRPOTrainer(...).train(), on the same job:
@@ -85,9 +87,10 @@ Known remaining differences (not removed)
     - Model mode while sampling: posttrain switches the model to eval() for sampling, TRL samples in train
       mode. The tiny Llama has no dropout, so the distributions are the same.
     - The training forward: TRL computes log-probabilities (and entropies, for its metrics) of the completion
-      tokens only, through its fused LM head (chunked, never the full logits); posttrain computes the full
-      logits of prompt and completion, then the completion tokens' log-probabilities and a masked entropy
-      for its metrics. TRL shuffles the 128 rows before its update (no effect with one minibatch).
+      tokens only, through its fused LM head (chunked, never the full logits); posttrain with trainer.lm_head=auto
+      computes the full logits of prompt and completion where they are small (the tiny shape), then the sampled
+      tokens' log-probabilities and entropies, and at the vocab152k shape runs its LM head in chunks on the
+      sampled tokens only. TRL shuffles the 128 rows before its update (no effect with one minibatch).
     - Advantages: TRL divides by std + 1e-4, posttrain by std + 1e-6 (a group of 8 exact-match rewards that
       is not constant has std >= 0.35, so the relative difference is below 3e-4).
     - posttrain turns on torch.use_deterministic_algorithms(True, warn_only=True); TRL leaves it off.
@@ -126,6 +129,15 @@ import _common  # noqa: E402
 FRAMEWORKS = ("posttrain", "trl")
 DATASET = "posttrain/arithmetic:train"
 MODEL = "posttrain/tiny-arithmetic-sft-small"
+SHAPES = {
+    # name: (model, prompts, posttrain data.max_length, prompt length band in characters or None)
+    "tiny": (MODEL, DATASET, 32, None),
+    # The 151,936-token LM head of Qwen2.5 on a 4-layer, 89M-parameter random model, prompts of ~256 tokens
+    # (192-320 characters of posttrain/bench-lengths, one token each). The random model's completions decode to
+    # almost nothing, so every reward is 0: the work per step (sampling to the token budget, the forward/backward
+    # over every completion) is what is compared, not learning.
+    "vocab152k": ("posttrain/bench-vocab152k", "posttrain/bench-lengths:train", 512, (192, 320)),
+}
 LAST_N_REWARDS = 10
 
 
@@ -160,7 +172,7 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
             "train_files": [spec["prompts_file"]],
             "eval_files": [],
             "format": "prompt_only",
-            "max_length": 32,
+            "max_length": spec.get("max_prompt_length", 32),
             "shuffle": False,
         },
         "prompt": {"template": "{prompt}", "use_chat_template": False, "system_prompt": None},
@@ -211,6 +223,7 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
             "save_every": 0,  # still saves at the last step
             "keep_last": 1,
             "num_threads": spec["threads"],
+            "lm_head": spec.get("lm_head", "auto"),
         },
         "logging": {"progress": "none", "plot": False},
     }
@@ -369,12 +382,15 @@ def run_as_worker(framework: str, spec_path: str, result_path: str) -> None:
 # Parent: prepare the prompts, run the workers, summarize
 
 
-def prepare_prompts(work_dir: Path, num_rows: int) -> Path:
-    """Write the prompt and answer columns of the first num_rows rows of the arithmetic training split (stored
-    in a seeded random order; started over if it runs out) to work_dir/prompts.jsonl."""
+def prepare_prompts(work_dir: Path, num_rows: int, dataset: str = DATASET,
+                    band: tuple[int, int] | None = None) -> Path:
+    """Write the prompt and answer columns of the first num_rows rows of a training split (stored in a seeded
+    random order; started over if it runs out) to work_dir/prompts.jsonl: only prompts of `band` characters when
+    given, and a row without an answer column gets its completion's first line (never matched by a random model)."""
     from posttrain.data import iter_records
 
-    rows = [{"prompt": r["prompt"], "answer": r["answer"]} for _, r in iter_records(DATASET)]
+    rows = [{"prompt": r["prompt"], "answer": r.get("answer", r.get("completion", "").split("\n")[0])}
+            for _, r in iter_records(dataset) if band is None or band[0] <= len(r["prompt"]) <= band[1]]
     ordered = [rows[i % len(rows)] for i in range(num_rows)]
     path = work_dir / "prompts.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in ordered))
@@ -467,7 +483,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps per run (default 40)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per framework; medians are reported (default 3)")
     parser.add_argument("--skip-steps", type=int, default=5, help="warm-up steps left out of the step times (default 5)")
-    parser.add_argument("--model", default=MODEL, help=f"model directory or embedded name (default {MODEL})")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="tiny",
+                        help="tiny: posttrain/tiny-arithmetic-sft-small on arithmetic prompts; vocab152k: "
+                             "posttrain/bench-vocab152k on ~256-token posttrain/bench-lengths prompts")
+    parser.add_argument("--model", default=None, help="model directory or embedded name (default: the shape's)")
+    parser.add_argument("--lm-head", choices=["auto", "chunked", "full"], default="auto",
+                        help="posttrain's trainer.lm_head (default auto)")
     parser.add_argument("--prompts-per-step", type=int, default=16, help="prompts per optimizer step (default 16)")
     parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (default 8)")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="completion budget in tokens (default 8)")
@@ -498,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         parser.error(f"missing {', '.join(missing)}: pip install 'trl>=1.0' (or the project's bench extra)")
 
+    default_model, dataset, max_prompt_length, band = SHAPES[args.shape]
+    args.model = args.model or default_model
+
     _common.apply_offline_env()
     from posttrain.models.loading import resolve_model_path
 
@@ -517,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         model_dir = resolve_model_path(args.model)  # builds an embedded model once, before any worker starts
-        prompts_file = prepare_prompts(work_dir, args.steps * args.prompts_per_step)
+        prompts_file = prepare_prompts(work_dir, args.steps * args.prompts_per_step, dataset, band)
         expected_prompts = expected_prompts_per_step(prompts_file, args.prompts_per_step, args.steps)
         raw: dict[str, list[dict[str, Any]]] = {fw: [] for fw in FRAMEWORKS}
         runs: dict[str, list[dict[str, Any]]] = {fw: [] for fw in FRAMEWORKS}
@@ -535,6 +559,8 @@ def main(argv: list[str] | None = None) -> int:
                     "learning_rate": args.learning_rate,
                     "seed": args.seed,
                     "threads": args.threads,
+                    "max_prompt_length": max_prompt_length,
+                    "lm_head": args.lm_head,
                     "trl_optim": args.trl_optim,
                 }
                 spec_path = work_dir / f"{framework}-{repeat}.spec.json"
@@ -564,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"## posttrain GRPO vs TRL {versions['trl']} GRPOTrainer (torch {versions['torch']}, "
           f"transformers {versions['transformers']}, accelerate {versions['accelerate']})")
     print()
-    print(f"{args.model}, {DATASET} prompts in order, {args.prompts_per_step} prompts x {args.num_generations} "
+    print(f"{args.model}, {dataset} prompts in order, {args.prompts_per_step} prompts x {args.num_generations} "
           f"completions of at most {args.max_new_tokens} tokens per step, exact-match reward, group-normalized "
           f"advantages, token-mean clipped loss, no KL, lr {args.learning_rate} constant, fp32 on CPU, "
           f"{args.steps} steps, step times over steps {args.skip_steps + 1}-{args.steps}, medians of "

@@ -139,6 +139,80 @@ def test_the_chunked_head_gives_the_full_heads_loss_and_gradients(tiny_model_dir
     assert torch.all(chunked_logps[batch.loss_mask == 0] == 0)
 
 
+def _pairs():
+    from posttrain.data.types import PreferenceExample
+
+    # Prompts and completions of different lengths; the second pair's rejected reply is one token long.
+    return [PreferenceExample((5, 6, 7), (8, 9, 10, 2), (11, 2)), PreferenceExample((5, 12), (13, 2), (14,)),
+            PreferenceExample((5, 6, 7, 15, 16, 17), (18, 19, 20, 21, 22, 2), (23, 24, 2))]
+
+
+@pytest.mark.parametrize("layout", ["shared_prompt", "two_rows"])
+def test_the_chunked_head_gives_the_full_heads_preference_loss_and_gradients(tiny_model_dir, layout):
+    from posttrain.algorithms.dpo import completion_logps
+    from posttrain.data.preference import collate_preference, collate_shared_prompt
+
+    tokenizer, full, chunked = _workers(tiny_model_dir, lm_head_chunk_size=4)
+    collate = collate_shared_prompt if layout == "shared_prompt" else collate_preference
+    batch = collate(_pairs(), tokenizer.pad_token_id)
+
+    def pair_loss(target_logps, batch, normalizer):  # weighs chosen and rejected tokens differently
+        scores = completion_logps(target_logps, batch, average=False)
+        return -(scores.chosen + 2 * scores.rejected).sum() / normalizer, {}
+
+    results = []
+    for worker in (full, chunked):
+        metrics = worker.forward_backward(batch, pair_loss, 3.0, outputs="target_logprobs")
+        results.append((metrics["loss"].value, {name: p.grad.clone() for name, p in worker.model.named_parameters()},
+                        completion_logps(worker.logprobs(batch), batch, average=False)))
+    (loss_full, grads_full, scores_full), (loss_chunked, grads_chunked, scores_chunked) = results
+    assert abs(loss_full) > 1.0 and loss_chunked == pytest.approx(loss_full, rel=1e-6)
+    for name, grad in grads_full.items():  # gradients up to ~5 in size: fp32 rounding is ~1e-6 of them
+        torch.testing.assert_close(grads_chunked[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+    # A frozen pass (a reference's) scores every completion alike, the first rejected token of a shared-prompt row
+    # (predicted from the prompt's last position) included.
+    torch.testing.assert_close(scores_chunked.chosen, scores_full.chosen, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scores_chunked.rejected, scores_full.rejected, rtol=1e-5, atol=1e-5)
+
+
+def _rollouts():
+    from posttrain.data.types import RolloutBatch
+
+    # Three episodes of different lengths, right-padded; the third is masked (a filtered episode) but real.
+    ids = torch.tensor([[5, 6, 7, 8, 9, 2, 0], [5, 6, 10, 11, 12, 13, 2], [5, 14, 15, 2, 0, 0, 0]])
+    attention = (torch.arange(7) < torch.tensor([[6], [7], [4]])).long()
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0], [0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0]]).float()
+    return RolloutBatch(ids, attention, loss_mask, torch.zeros(3, 7), torch.tensor([1.0, 0.0, 1.0]), {},
+                        torch.ones(3, dtype=torch.bool), torch.zeros(3, dtype=torch.long),
+                        torch.zeros(3, dtype=torch.bool), loss_mask.sum(-1).long())
+
+
+def test_the_chunked_head_gives_the_full_heads_policy_loss_entropy_and_logprobs(tiny_model_dir):
+    from posttrain.algorithms.grpo import policy_gradient_objective
+    from posttrain.losses.policy_gradient import PolicyLossConfig
+
+    _, full, chunked = _workers(tiny_model_dir, lm_head_chunk_size=3)
+    batch, temperature = _rollouts(), 0.7
+    old = full.logprobs(batch, temperature)
+    torch.testing.assert_close(chunked.logprobs(batch, temperature) * batch.loss_mask, old * batch.loss_mask,
+                               rtol=1e-5, atol=1e-6)
+    # Off-policy by a little, so the ratio and its clipping are exercised, not just 1.
+    objective = policy_gradient_objective(torch.tensor([1.0, -0.5, 2.0]), old + 0.05 * batch.loss_mask, None,
+                                          PolicyLossConfig())
+    results = []
+    for worker in (full, chunked):
+        metrics = worker.forward_backward(batch, objective, float(batch.loss_mask.sum()), outputs="target_scores",
+                                          temperature=temperature)
+        results.append(({k: m.value for k, m in metrics.items()},
+                        {name: p.grad.clone() for name, p in worker.model.named_parameters()}))
+    (metrics_full, grads_full), (metrics_chunked, grads_chunked) = results
+    assert metrics_full["entropy"] > 1.0  # an untrained model's distributions: far from one-hot
+    for key, value in metrics_full.items():
+        assert metrics_chunked[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for name, grad in grads_full.items():
+        torch.testing.assert_close(grads_chunked[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_auto_chunks_only_large_logits_on_a_plain_head():
     from posttrain.data.types import SFTBatch
     from posttrain.workers.forward import AUTO_CHUNKED_HEAD_BYTES, uses_chunked_head
@@ -167,3 +241,30 @@ def test_chunked_head_on_an_architecture_it_would_not_match_is_refused(tmp_path)
     with pytest.raises(RunError, match="trainer.lm_head=chunked: .*gemma3_text"):
         LocalPolicyWorker(model, None, TrainerConfig(lm_head="chunked"))
     LocalPolicyWorker(model, None, TrainerConfig(lm_head="auto"))  # auto keeps its full, exact head
+
+
+def test_dpo_and_grpo_train_alike_with_the_chunked_head(tmp_path, tiny_model_dir):
+    # The recipes hand their losses the chunked head's outputs (forced here on the tiny model, which auto leaves
+    # on the full head): the same losses step by step, to float32 rounding.
+    from posttrain.algorithms.dpo import train_dpo
+    from posttrain.algorithms.grpo import train_grpo
+    from posttrain.config import DPOConfig, load_config
+    from posttrain.config.schema import GRPOConfig
+    from posttrain.logging import read_metrics
+    from rl_configs import DIGITS, TINY_RL
+    from test_dpo import BASE
+
+    def records(directory, key):
+        return [r[key] for r in read_metrics(directory / "metrics.jsonl") if key in r]
+
+    for head in ("full", "chunked"):
+        train_dpo(load_config(DPOConfig, None, [*BASE, f"output_dir={tmp_path / 'dpo' / head}", "trainer.max_steps=4",
+                                                f"trainer.lm_head={head}", "trainer.lm_head_chunk_size=5"]))
+        train_grpo(load_config(GRPOConfig, None, [*TINY_RL, *DIGITS, f"output_dir={tmp_path / 'grpo' / head}",
+                                                  "trainer.max_steps=3", f"trainer.lm_head={head}",
+                                                  "trainer.lm_head_chunk_size=5", "rollout.temperature=0.8"]))
+    dpo = {head: records(tmp_path / "dpo" / head, "loss") for head in ("full", "chunked")}
+    assert len(dpo["full"]) == 4 and dpo["chunked"] == pytest.approx(dpo["full"], abs=1e-5)
+    for key in ("reward/mean", "loss", "entropy", "grad_norm"):
+        full, chunked = (records(tmp_path / "grpo" / head, key) for head in ("full", "chunked"))
+        assert len(full) == 3 and chunked == pytest.approx(full, rel=1e-4, abs=1e-5), key

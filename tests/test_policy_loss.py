@@ -10,7 +10,6 @@ from posttrain.losses.policy_gradient import (
     importance_weights,
     kl_estimate,
     loss_normalizer,
-    masked_entropy,
     policy_gradient_loss,
 )
 
@@ -493,15 +492,25 @@ def test_micro_batch_without_valid_tokens_gives_zero_loss_and_finite_metrics():
     assert all(torch.isfinite(m) for m in metrics.values())
 
 
-def test_masked_entropy_by_hand():
-    # Token 0: uniform over 4 -> ln 4. Token 1: one allowed token (others -inf) -> 0, not nan.
-    # Token 2: padding (ignored). Mean over the 2 valid tokens: ln 4 / 2 = ln 2.
+def test_entropy_metric_is_that_of_the_distribution_each_token_was_drawn_from():
+    # Sampled tokens 1 and 2 are drawn from the logits at positions 0 and 1. Position 0: uniform over 4 -> ln 4.
+    # Position 1: one allowed token (others -inf) -> 0, not nan. Positions 2 and 3 (what follows the last sampled
+    # token) are no sampled token's distribution and are ignored. Mean over the 2 sampled tokens: ln 4 / 2 = ln 2.
+    from posttrain.data.types import RolloutBatch
+    from posttrain.workers.forward import target_entropy
+
     inf = float("inf")
-    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [3.0, -inf, -inf, -inf], [9.0, 0.0, 1.0, 2.0]]],
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [3.0, -inf, -inf, -inf], [9.0, 0.0, 1.0, 2.0], [5.0, 0.0, 0.0, 0.0]]],
                           dtype=torch.bfloat16, requires_grad=True)
-    entropy = masked_entropy(logits, torch.tensor([[1, 1, 0]]))
+    ids, ones = torch.tensor([[2, 1, 0, 0]]), torch.ones(1, 4)
+    batch = RolloutBatch(ids, ones, torch.tensor([[0.0, 1.0, 1.0, 0.0]]), torch.zeros(1, 4), torch.zeros(1), {},
+                         torch.ones(1, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
+                         torch.zeros(1, dtype=torch.bool), torch.tensor([2]))
+    entropy = target_entropy(logits, batch)
     assert entropy.dtype == torch.float32 and not entropy.requires_grad
-    assert entropy.item() == pytest.approx(LN2, abs=1e-6)
+    assert entropy[0, 1].item() == pytest.approx(2 * LN2, abs=1e-6) and entropy[0, 2].item() == 0.0
+    assert entropy[0, [0, 3]].tolist() == [0.0, 0.0]
+    assert entropy[batch.loss_mask.bool()].mean().item() == pytest.approx(LN2, abs=1e-6)
 
 
 def test_missing_or_misshapen_inputs_name_the_argument():

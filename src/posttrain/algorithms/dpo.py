@@ -47,7 +47,6 @@ from posttrain.losses.preference import (
     sequence_logps,
 )
 from posttrain.workers import ScoringWorker
-from posttrain.workers.forward import token_logprobs_of
 from posttrain.rundir import one_run_per_output_dir
 from posttrain.distributed import build_policy, build_scorer
 from posttrain.errors import RunError
@@ -86,7 +85,7 @@ class CompletionLogps:
 
 def completion_logps(token_logps: torch.Tensor, batch: PairBatch, average: bool) -> CompletionLogps:
     """Per-completion scores of a batch of pairs from its token log-probabilities ([rows, T], as
-    `token_logprobs_of` or a worker's `logprobs` give them): a `collate_preference` batch (chosen rows, then
+    a worker's target_logprobs outputs or its `logprobs` give them): a `collate_preference` batch (chosen rows, then
     rejected rows) or a `collate_shared_prompt` one (one row per pair)."""
     if isinstance(batch, SharedPromptBatch):
         chosen_logps = rejected_logps = token_logps
@@ -160,9 +159,10 @@ def preference_objective(reference: Reference, cfg: DPOConfig, loss_cfg: Prefere
     def objective(batch: PairBatch, indices: Sequence[int]):
         reference_chosen, reference_rejected = reference.logps(batch, indices, cfg.loss.average_logprobs)
 
-        def loss_fn(logits: torch.Tensor, batch: PairBatch, num_pairs_in_step: float | None):
-            policy = completion_logps(token_logprobs_of(logits, batch), batch, cfg.loss.average_logprobs)
-            on_device = [None if t is None else t.to(logits.device) for t in (reference_chosen, reference_rejected)]
+        def loss_fn(target_logps: torch.Tensor, batch: PairBatch, num_pairs_in_step: float | None):
+            policy = completion_logps(target_logps, batch, cfg.loss.average_logprobs)
+            on_device = [None if t is None else t.to(target_logps.device)
+                         for t in (reference_chosen, reference_rejected)]
             loss, metrics = preference_loss(
                 loss_cfg, policy.chosen, policy.rejected, on_device[0], on_device[1],
                 chosen_lengths=policy.chosen_lengths, rejected_lengths=policy.rejected_lengths,
@@ -210,7 +210,7 @@ def train_dpo(cfg: DPOConfig) -> DPOResult:
             def evaluate() -> dict[str, float]:
                 return evaluate_pairs(policy, run.eval_examples, preference_objective(eval_reference, cfg, loss_cfg),
                                       EVAL_METRICS, cfg.trainer.eval_batch_size, run.tokenizer.pad_token_id,
-                                      pair_collate(cfg))
+                                      pair_collate(cfg), outputs="target_logprobs")
 
         if cfg.loss.reference_free:
             reference_note = "no reference (reference-free loss)"
@@ -222,6 +222,7 @@ def train_dpo(cfg: DPOConfig) -> DPOResult:
         metrics, eval_metrics, final_dir = train_on_pairs(
             run, cfg, policy, "dpo", f"{cfg.loss.type} with {reference_note}, {layout}",
             preference_objective(train_reference, cfg, loss_cfg), evaluate, pair_collate(cfg), evaluation,
+            outputs="target_logprobs",
         )
     return DPOResult(
         run.output_dir, final_dir, cfg.trainer.max_steps, metrics.get("loss"), metrics.get("reward_accuracy"),

@@ -79,15 +79,14 @@ from posttrain.distributed import build_policy, build_scorer
 from posttrain.distributed.env import world_size
 from posttrain.logging import RunLogger
 from posttrain.rundir import one_run_per_output_dir
-from posttrain.losses.nll import token_logprobs
 from posttrain.losses.policy_gradient import (
     PolicyLossConfig,
     loss_normalizer,
-    masked_entropy,
     policy_gradient_loss,
 )
 from posttrain.models.loading import default_device
 from posttrain.workers import LossFn, Metric, MetricDict, PolicyWorker, ScoringWorker, reduce_metrics
+from posttrain.workers.forward import TargetScores
 from posttrain.workers.local import base_model_scorer
 
 PROGRESS_METRICS = ("reward/mean", "accuracy", "val/accuracy", "kl", "response_length/mean")
@@ -253,16 +252,14 @@ def compute_advantages(cfg: GRPOConfig, batch: RolloutBatch) -> torch.Tensor:
 
 
 def policy_gradient_objective(advantages: torch.Tensor, old_logprobs: torch.Tensor | None,
-                              reference_logprobs: torch.Tensor | None, loss_cfg: PolicyLossConfig,
-                              temperature: float) -> LossFn:
+                              reference_logprobs: torch.Tensor | None, loss_cfg: PolicyLossConfig) -> LossFn:
     """The clipped policy-gradient loss of one micro-batch of episodes (their advantages, π_old and π_ref
     logprobs given, [n] and [n, T]); None for `old_logprobs` means on-policy: π_old is the training pass itself.
     Metrics are token-weighted means, except minima and maxima (`*_min`, `*_max`: the ratio, the IS weight)."""
 
-    def loss_fn(logits: torch.Tensor, batch: RolloutBatch, normalizer: float) -> tuple[torch.Tensor, MetricDict]:
-        device = logits.device
-        logits = logits.float() / temperature
-        logprobs = token_logprobs(logits, batch.input_ids)
+    def loss_fn(scores: TargetScores, batch: RolloutBatch, normalizer: float) -> tuple[torch.Tensor, MetricDict]:
+        logprobs = scores.logprobs  # under the sampling temperature (the worker call's)
+        device = logprobs.device
         mask = batch.loss_mask
         old = logprobs.detach() if old_logprobs is None else old_logprobs.to(device)
         loss, metrics = policy_gradient_loss(
@@ -270,7 +267,8 @@ def policy_gradient_objective(advantages: torch.Tensor, old_logprobs: torch.Tens
             generator_logprobs=batch.generator_logprobs,
             reference_logprobs=None if reference_logprobs is None else reference_logprobs.to(device),
         )
-        metrics["entropy"] = masked_entropy(logits.detach(), mask)
+        valid = mask.bool()
+        metrics["entropy"] = scores.entropy[valid].sum() / valid.sum().clamp(min=1)
         tokens = float(mask.sum())
         return loss, {name: Metric.min(value) if name.endswith("_min") else Metric.max(value) if name.endswith("_max")
                       else Metric.mean(float(value), tokens) for name, value in metrics.items()}
@@ -293,9 +291,10 @@ def accumulate_policy_gradients(policy: PolicyWorker, batch: RolloutBatch, minib
     for index in policy.shard(list(torch.tensor_split(minibatch, pieces))):
         objective = policy_gradient_objective(
             advantages[index], None if old_logprobs is None else old_logprobs[index],
-            None if reference_logprobs is None else reference_logprobs[index], loss_cfg, cfg.rollout.temperature,
+            None if reference_logprobs is None else reference_logprobs[index], loss_cfg,
         )
-        records.append(policy.forward_backward(batch.select(index), objective, normalizer))
+        records.append(policy.forward_backward(batch.select(index), objective, normalizer, outputs="target_scores",
+                                               temperature=cfg.rollout.temperature))
     return policy.all_reduce(reduce_metrics(records))
 
 

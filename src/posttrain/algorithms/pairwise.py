@@ -40,6 +40,7 @@ from posttrain.data.sampler import EpochSampler
 from posttrain.data.types import PreferenceExample, SFTBatch, SharedPromptBatch
 from posttrain.models.loading import default_device, load_tokenizer
 from posttrain.workers import LossFn, Metric, MetricDict, PolicyWorker, as_floats, reduce_metrics
+from posttrain.workers.forward import Outputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -95,7 +96,7 @@ def pair_means(metrics: dict[str, float], num_pairs: int) -> MetricDict:
 
 
 def accumulate_gradients(policy: PolicyWorker, micro_batches: Sequence[tuple[PairBatch, list[int]]],
-                         objective: PairObjective) -> MetricDict:
+                         objective: PairObjective, outputs: Outputs = "logits") -> MetricDict:
     """Forward and backward every micro-batch of one optimizer step; gradients add up until the optimizer step.
 
     Each micro-batch's summed per-pair loss is divided by the pair count of the whole step, so the accumulated
@@ -103,14 +104,14 @@ def accumulate_gradients(policy: PolicyWorker, micro_batches: Sequence[tuple[Pai
     loss, and the pair-weighted means of the loss function's other metrics.
     """
     num_pairs_in_step = sum(len(indices) for _, indices in micro_batches)
-    step = reduce_metrics(policy.forward_backward(batch, objective(batch, indices), num_pairs_in_step)
+    step = reduce_metrics(policy.forward_backward(batch, objective(batch, indices), num_pairs_in_step, outputs)
                           for batch, indices in policy.shard(list(micro_batches)))
     return policy.all_reduce(step)
 
 
 def evaluate_pairs(policy: PolicyWorker, examples: Sequence[PreferenceExample], objective: PairObjective,
                    keys: Sequence[str], batch_size: int, pad_token_id: int,
-                   collate: PairCollate = collate_preference) -> dict[str, float]:
+                   collate: PairCollate = collate_preference, outputs: Outputs = "logits") -> dict[str, float]:
     """Pair-weighted means of the metrics `keys` over `examples`, named eval_<key>; the model in eval mode."""
     records = []
     for start in range(0, len(examples), batch_size):
@@ -118,11 +119,11 @@ def evaluate_pairs(policy: PolicyWorker, examples: Sequence[PreferenceExample], 
         batch = collate([examples[i] for i in indices], pad_token_id)
         loss_fn = objective(batch, indices)
 
-        def batch_metrics(outputs: torch.Tensor, batch: PairBatch, loss_fn=loss_fn, pairs=len(indices)) -> MetricDict:
-            loss, metrics = loss_fn(outputs, batch, None)
+        def batch_metrics(model_outputs, batch: PairBatch, loss_fn=loss_fn, pairs=len(indices)) -> MetricDict:
+            loss, metrics = loss_fn(model_outputs, batch, None)
             return {**metrics, "loss": Metric.mean(loss.item(), pairs)}
 
-        records.append(policy.evaluate(batch, batch_metrics))
+        records.append(policy.evaluate(batch, batch_metrics, outputs))
     totals = as_floats(reduce_metrics(records))
     return {f"eval_{key}": totals[key] for key in keys}
 
@@ -130,9 +131,12 @@ def evaluate_pairs(policy: PolicyWorker, examples: Sequence[PreferenceExample], 
 def train_on_pairs(run: PairRun, cfg: RecipeConfig, policy: PolicyWorker, recipe: str, what: str,
                    objective: PairObjective, evaluate: Callable[[], dict[str, float]] | None,
                    collate: PairCollate = collate_preference,
-                   evaluation: TrainingEvaluation | None = None) -> tuple[dict, dict, Path]:
+                   evaluation: TrainingEvaluation | None = None,
+                   outputs: Outputs = "logits") -> tuple[dict, dict, Path]:
     """The optimization loop; returns (last step's metrics, last evaluation's metrics, OUTPUT/final).
-    `evaluation`: evaluation sets sampled from the policy on their steps (DPO's `evaluation:` section)."""
+    `evaluation`: evaluation sets sampled from the policy on their steps (DPO's `evaluation:` section).
+    `outputs`: what the objective's loss reads (workers/forward.py's Outputs): a reward model's scores are its
+    logits, DPO's losses read the completion tokens' log-probabilities."""
     trainer = cfg.trainer
     tokenizer = run.tokenizer
     sampler = EpochSampler(len(run.train_examples), seed=cfg.seed, shuffle=cfg.data.shuffle)
@@ -154,7 +158,7 @@ def train_on_pairs(run: PairRun, cfg: RecipeConfig, policy: PolicyWorker, recipe
                 indices = sampler.next_indices(trainer.micro_batch_size)
                 batch = collate([run.train_examples[i] for i in indices], tokenizer.pad_token_id)
                 micro_batches.append((batch, indices))
-            step_metrics = accumulate_gradients(policy, micro_batches, objective)
+            step_metrics = accumulate_gradients(policy, micro_batches, objective, outputs)
             step_metrics.update(policy.all_reduce(policy.optim_step()))
             elapsed = time.perf_counter() - started
 

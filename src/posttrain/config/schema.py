@@ -146,7 +146,8 @@ class TrainerConfig(NumericSection):
     """fp32, or bf16 autocast for the forward pass with float32 weights and optimizer state."""
 
     lm_head: Literal["auto", "chunked", "full"] = "auto"
-    """How SFT's loss reads the LM head. chunked: only at the positions that predict a target token, lm_head_chunk_size
+    """How the losses of SFT, DPO (and its variants) and the RL policy read the LM head, and how references score.
+    chunked: only at the positions that predict a target token (completion tokens, sampled tokens), lm_head_chunk_size
     positions at a time in forward and backward, so the [B, T, V] logits never exist (posttrain.losses.chunked);
     full: the model's own logits at every position. auto: chunked where a micro-batch's full float32 logits would
     take 256 MiB or more (large vocabularies, long rows) and the architecture's head is a plain linear layer in

@@ -93,7 +93,7 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
         return "the LM head of an FSDP2-sharded model is sharded over the ranks; the chunked head runs in one process"
 
     def forward_backward(self, batch: AnyBatch, loss_fn: LossFn, normalizer: float,
-                         outputs: Outputs = "logits") -> MetricDict:
+                         outputs: Outputs = "logits", temperature: float = 1.0) -> MetricDict:
         # FSDP2 averages gradients over ranks; the loss contract wants their sum (the normalizer already counts
         # the whole step on every rank), so each rank's backward is scaled by the world size.
         def scaled(outputs, batch, normalizer):
@@ -101,7 +101,7 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
             self._unscaled = loss.detach()
             return loss * world_size(), metrics
 
-        metrics = super().forward_backward(batch, scaled, normalizer, outputs)
+        metrics = super().forward_backward(batch, scaled, normalizer, outputs, temperature)
         metrics["loss"] = Metric.sum(self._unscaled.item())
         return metrics
 

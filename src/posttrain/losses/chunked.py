@@ -24,12 +24,15 @@ and chunks that size keep the matrix products large enough to run at full speed.
 
 def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                            bias: torch.Tensor | None = None, temperature: float = 1.0,
-                           chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+                           chunk_size: int = DEFAULT_CHUNK_SIZE, return_entropy: bool = False
+                           ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax((hidden @ weight.T + bias) / temperature)[targets], chunk by chunk.
 
     hidden: [..., H] the positions whose next token is scored (only those: gather them first, so prompt and
         padding positions never reach the LM head). weight: [V, H] the LM head (tied or not); bias: [V] or None.
     targets: [...] token ids, the same leading shape as hidden. Returns float32 [...] (float64 for float64 inputs).
+    return_entropy: also return the entropy of each position's distribution (same shape, no gradient: a metric),
+        computed from the same chunk's logits, so it costs a softmax, not another pass through the head.
     """
     if hidden.shape[:-1] != targets.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and targets {tuple(targets.shape)} disagree on the positions")
@@ -41,29 +44,38 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: 
         raise ValueError(f"temperature must be positive, got {temperature}")
     # Outside autocast: under bf16 autocast the products below would run in bf16, not in float32.
     with torch.autocast(device_type=hidden.device.type, enabled=False):
-        flat = _ChunkedTokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1),
-                                           float(temperature), int(chunk_size))
+        flat, entropy = _ChunkedTokenLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
+                                                    targets.reshape(-1), float(temperature), int(chunk_size),
+                                                    bool(return_entropy))
+    if return_entropy:
+        return flat.reshape(targets.shape), entropy.reshape(targets.shape)
     return flat.reshape(targets.shape)
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, return_entropy):
         dtype = _compute_dtype(hidden)
         out = torch.empty(hidden.shape[0], dtype=dtype, device=hidden.device)
+        entropy = torch.empty(hidden.shape[0] if return_entropy else 0, dtype=dtype, device=hidden.device)
         # One float32 copy of a bf16/fp16 head per call (a no-op for float32), not one per chunk.
         head, head_bias = weight.to(dtype), None if bias is None else bias.to(dtype)
         for start in range(0, hidden.shape[0], chunk_size):
             logits = _chunk_logits(hidden[start : start + chunk_size], head, head_bias, temperature)
             chosen = logits.gather(-1, targets[start : start + chunk_size, None]).squeeze(-1)
             out[start : start + chunk_size] = chosen - torch.logsumexp(logits, dim=-1)
+            if return_entropy:
+                probs = torch.softmax(logits, dim=-1)
+                entropy[start : start + chunk_size] = -torch.special.xlogy(probs, probs).sum(-1)
+                del probs
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return out
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, _grad_entropy):
         hidden, weight, bias, targets = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
@@ -89,7 +101,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if need_bias:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:

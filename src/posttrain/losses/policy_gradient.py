@@ -1,5 +1,5 @@
 """Policy-gradient losses for online RL (PPO, GRPO, DAPO, Dr. GRPO, GSPO, CISPO, REINFORCE/RLOO), the KL
-estimators of the reference penalty, and the entropy metric.
+estimators of the reference penalty.
 
 One function, `policy_gradient_loss`, computes a per-token loss from the knobs of `PolicyLossConfig`; each knob
 changes one term: the ratio (token, sequence or none), the surrogate (PPO clip or CISPO), the correction between
@@ -534,22 +534,3 @@ def _check_inputs(
     if not normalizer > 0:
         raise ValueError(f"normalizer must be positive (the step's count from loss_normalizer), got {normalizer}")
     return mask.bool()
-
-
-# ---- entropy ------------------------------------------------------------------------------------------------
-
-
-def masked_entropy(logits: Tensor, mask: Tensor, chunk_tokens: int = 4096) -> Tensor:
-    """Mean entropy of the next-token distribution per valid token, a metric (no graph kept).
-
-    logits: [B, T, V] (any float dtype); mask: [B, T]. Computed in float32 on the valid positions only, at most
-    `chunk_tokens` of them at a time, so the float32 copy is at most [chunk_tokens, V]. Returns a 0-dim float32
-    tensor (0 when no token is valid). Logits of −inf (forbidden tokens) contribute 0, not nan.
-    """
-    valid = mask.bool()
-    total = torch.zeros((), dtype=torch.float32, device=logits.device)
-    with torch.no_grad():
-        for rows, columns in zip(*(index.split(chunk_tokens) for index in valid.nonzero(as_tuple=True))):
-            probs = torch.softmax(logits[rows, columns].float(), dim=-1)
-            total += -torch.special.xlogy(probs, probs).sum()
-    return total / valid.sum().clamp(min=1)

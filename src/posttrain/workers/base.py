@@ -13,15 +13,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from posttrain.workers.forward import AnyBatch, Outputs
 from posttrain.workers.metrics import MetricDict
 
-LossFn = Callable[[torch.Tensor, AnyBatch, float], tuple[torch.Tensor, MetricDict]]
-"""(model outputs for the micro-batch: logits [B, T, V], or [B, 1] for a reward model; the micro-batch, on the
+LossFn = Callable[[Any, AnyBatch, float], tuple[torch.Tensor, MetricDict]]
+"""(model outputs for the micro-batch, of the kind the call asked for (workers/forward.py's Outputs): logits
+[B, T, V] ([B, 1] for a reward model), target log-probabilities [B, T] or TargetScores; the micro-batch, on the
 worker's device; the normalizer of the whole optimizer step: tokens, sequences or pairs summed over every
 micro-batch and rank) -> (this micro-batch's share of the step's loss, its metrics)."""
 
@@ -57,10 +58,11 @@ class PolicyWorker(Protocol):
         ...
 
     def forward_backward(self, batch: AnyBatch, loss_fn: LossFn, normalizer: float,
-                         outputs: Outputs = "logits") -> MetricDict:
-        """Forward `batch`, take `loss_fn` of the `outputs` (the logits, or the target tokens' log-probabilities,
-        which a large vocabulary's chunked LM head computes without the logits: trainer.lm_head), backward
-        (gradients add up until `optim_step`); the metrics include `loss` (a sum over the step's micro-batches)."""
+                         outputs: Outputs = "logits", temperature: float = 1.0) -> MetricDict:
+        """Forward `batch`, take `loss_fn` of the `outputs` (the logits; or the target tokens' log-probabilities,
+        with their entropies for "target_scores", under `temperature`, which a large vocabulary's chunked LM head
+        computes without the logits: trainer.lm_head), backward (gradients add up until `optim_step`); the metrics
+        include `loss` (a sum over the step's micro-batches)."""
         ...
 
     def evaluate(self, batch: AnyBatch, metrics_fn: MetricsFn, outputs: Outputs = "logits") -> MetricDict:

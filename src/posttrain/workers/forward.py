@@ -25,10 +25,12 @@ from posttrain.models.packing import block_causal_mask, custom_mask_problem, sha
 
 AnyBatch = SFTBatch | SharedPromptBatch | RolloutBatch
 Batch = TypeVar("Batch", SFTBatch, SharedPromptBatch, RolloutBatch)
-Outputs = Literal["logits", "target_logprobs"]
-"""What a worker's forward pass hands a loss: the logits [B, T, V], or target_logprobs [B, T] float32, log p of each
-target token (the batch's loss_mask) given the tokens before it and 0 elsewhere, which a chunked LM head computes
-without the logits (`target_logprobs`)."""
+Outputs = Literal["logits", "target_logprobs", "target_scores"]
+"""What a worker's forward pass hands a loss: the logits [B, T, V]; target_logprobs [B, T] float32, log p of each
+target token (the batch's loss_mask; a shared-prompt row's chosen and rejected tokens) given the tokens before it
+in its own sequence; or TargetScores (those log-probabilities and the entropies of the same distributions). The
+last two are what a chunked LM head computes without the logits (`chunked_head_outputs`); from full logits they
+hold every position, from the chunked head 0 off the targets, so a loss reads them at its targets only."""
 
 PLAIN_LM_HEAD_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "phi3", "gpt2"})
 """Architectures whose logits are the LM head's linear map of the last hidden states and nothing more (no soft-capping
@@ -80,21 +82,51 @@ def lm_head_problem(model: torch.nn.Module) -> str | None:
 
 def uses_chunked_head(mode: str, batch: AnyBatch, vocab_size: int, problem: str | None) -> bool:
     """Whether trainer.lm_head=`mode` chunks the LM head for `batch` (a model whose head has `problem`, or None)."""
-    if mode == "full" or not isinstance(batch, SFTBatch):
+    if mode == "full":
         return False
     if mode == "chunked":
         return True  # the worker refused it at construction when there is a problem
     return problem is None and batch.input_ids.numel() * vocab_size * 4 >= AUTO_CHUNKED_HEAD_BYTES
 
 
+@dataclasses.dataclass(frozen=True)
+class TargetScores:
+    """What outputs="target_scores" hands a loss (the RL policy losses): at each target token t (the batch's
+    loss_mask), `logprobs` [B, T] float32 log p(token t | tokens < t) with its graph, and `entropy` [B, T] float32
+    the entropy of that same distribution (the one token t was drawn from), without a graph: a metric. Both are
+    under the worker call's temperature and 0 off the targets."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+
+
+def target_positions(batch: AnyBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, sources, columns) of every target token of `batch`, row-major: token [row, column] is predicted by
+    the hidden state at [row, source]. Targets are the loss_mask's tokens (a shared-prompt row's chosen and
+    rejected tokens); the source is the position before, except for a shared-prompt row's first rejected token,
+    which is predicted from the prompt's last position (see the module docstring). Position 0 is never a target."""
+    if isinstance(batch, SharedPromptBatch):
+        targets = (batch.chosen_mask + batch.rejected_mask) > 0
+    else:
+        targets = batch.loss_mask > 0
+    targets[:, 0] = False
+    rows, columns = targets.nonzero(as_tuple=True)
+    sources = columns - 1
+    if isinstance(batch, SharedPromptBatch):
+        first_rejected = columns == batch.rejected_starts[rows]
+        sources = torch.where(first_rejected, batch.prompt_ends[rows], sources)
+    return rows, sources, columns
+
+
 def _identity(hidden: torch.Tensor) -> torch.Tensor:
     return hidden
 
 
-def target_logprobs(model: torch.nn.Module, batch: SFTBatch, chunk_size: int) -> torch.Tensor:
-    """[B, T] float32 log p(token t | tokens < t) at the batch's targets (loss_mask), 0 elsewhere, with the LM head
-    applied only to the positions that predict a target, chunk by chunk (posttrain.losses.chunked): neither the
-    [B, T, V] logits nor those of prompt and padding positions ever exist.
+def chunked_head_outputs(model: torch.nn.Module, batch: AnyBatch, kind: Outputs, chunk_size: int,
+                         temperature: float = 1.0) -> torch.Tensor | TargetScores:
+    """`kind` ("target_logprobs" or "target_scores") for `batch` with the LM head applied only to the positions
+    that predict a target, chunk by chunk (posttrain.losses.chunked): neither the [B, T, V] logits nor those of
+    prompt and padding positions ever exist.
 
     The hidden states come from the model's own forward, its LM head's forward replaced by the identity for that
     pass (so the head multiplies nothing there), so masks and positions are exactly those of `forward_logits`."""
@@ -104,11 +136,46 @@ def target_logprobs(model: torch.nn.Module, batch: SFTBatch, chunk_size: int) ->
         hidden = forward_logits(model, batch)
     finally:
         del head.forward
-    targets = batch.loss_mask[:, 1:].bool()
-    scored = chunked_token_logprobs(hidden[:, :-1][targets], head.weight, batch.input_ids[:, 1:][targets],
-                                    bias=head.bias, chunk_size=chunk_size)
-    shifted = torch.zeros(targets.shape, dtype=scored.dtype, device=scored.device).masked_scatter(targets, scored)
-    return F.pad(shifted, (1, 0))
+    rows, sources, columns = target_positions(batch)
+    scored = chunked_token_logprobs(hidden[rows, sources], head.weight, batch.input_ids[rows, columns],
+                                    bias=head.bias, temperature=temperature, chunk_size=chunk_size,
+                                    return_entropy=kind == "target_scores")
+    shape = batch.input_ids.shape
+    if kind == "target_logprobs":
+        return torch.zeros(shape, dtype=scored.dtype, device=scored.device).index_put((rows, columns), scored)
+    logprobs, entropy = scored
+    return TargetScores(torch.zeros(shape, dtype=logprobs.dtype, device=logprobs.device).index_put(
+        (rows, columns), logprobs), torch.zeros(shape, dtype=entropy.dtype, device=entropy.device).index_put(
+        (rows, columns), entropy))
+
+
+def outputs_of_logits(logits: torch.Tensor, batch: AnyBatch, kind: Outputs,
+                      temperature: float = 1.0) -> torch.Tensor | TargetScores:
+    """`kind` from the full logits [B, T, V]: the logits themselves, the log-probabilities of `token_logprobs_of`
+    (every position, a superset of the targets'), or TargetScores."""
+    if kind == "logits":
+        return logits
+    logprobs = token_logprobs_of(logits, batch, temperature)
+    if kind == "target_logprobs":
+        return logprobs
+    return TargetScores(logprobs, target_entropy(logits.detach(), batch, temperature))
+
+
+def target_entropy(logits: torch.Tensor, batch: AnyBatch, temperature: float = 1.0,
+                   chunk_tokens: int = 4096) -> torch.Tensor:
+    """[B, T] float32 entropy of the distribution each target token was drawn from (logits [B, T, V] divided by
+    `temperature`), 0 off the targets; float32 copies of at most `chunk_tokens` positions' logits at a time. Logits
+    of −inf (forbidden tokens) contribute 0, not nan."""
+    rows, sources, columns = target_positions(batch)
+    entropy = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=logits.device)
+    with torch.no_grad():
+        for r, s, c in zip(rows.split(chunk_tokens), sources.split(chunk_tokens), columns.split(chunk_tokens)):
+            chunk = logits[r, s].float()
+            if temperature != 1.0:
+                chunk = chunk / temperature
+            probs = torch.softmax(chunk, dim=-1)
+            entropy[r, c] = -torch.special.xlogy(probs, probs).sum(-1)
+    return entropy
 
 
 def token_logprobs_of(logits: torch.Tensor, batch: AnyBatch, temperature: float = 1.0) -> torch.Tensor:

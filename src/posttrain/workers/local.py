@@ -38,10 +38,10 @@ from posttrain.workers.forward import (
     Outputs,
     autocast,
     batch_to,
+    chunked_head_outputs,
     forward_logits,
     lm_head_problem,
-    target_logprobs,
-    token_logprobs_of,
+    outputs_of_logits,
     uses_chunked_head,
 )
 from posttrain.workers.metrics import Metric, MetricDict
@@ -69,13 +69,14 @@ class _LocalModel:
         finally:
             self.model.train(was_training)
 
-    def _outputs(self, batch: AnyBatch, kind: Outputs = "logits") -> torch.Tensor:
-        if kind == "target_logprobs" and self._chunked_head(batch):
+    def _outputs(self, batch: AnyBatch, kind: Outputs = "logits", temperature: float = 1.0):
+        """`kind` (workers/forward.py's Outputs) of `batch`, log-probabilities under `temperature`."""
+        if kind != "logits" and self._chunked_head(batch):
             with autocast(self.trainer, self.device):
-                return target_logprobs(self.model, batch, self.trainer.lm_head_chunk_size)
+                return chunked_head_outputs(self.model, batch, kind, self.trainer.lm_head_chunk_size, temperature)
         with autocast(self.trainer, self.device):
             logits = forward_logits(self.model, batch)
-        return logits if kind == "logits" else token_logprobs_of(logits, batch)
+        return outputs_of_logits(logits, batch, kind, temperature)
 
     def _chunked_head(self, batch: AnyBatch) -> bool:
         head = self.model.get_output_embeddings()
@@ -96,7 +97,7 @@ class _LocalModel:
         with self._frozen_pass():
             for chunk in self._chunks(batch):
                 chunk = batch_to(chunk, self.device)
-                parts.append(token_logprobs_of(self._outputs(chunk), chunk, temperature).cpu())
+                parts.append(self._outputs(chunk, "target_logprobs", temperature).cpu())
         return torch.cat(parts)
 
     def evaluate(self, batch: AnyBatch, metrics_fn: MetricsFn, outputs: Outputs = "logits") -> MetricDict:
@@ -136,9 +137,9 @@ class LocalPolicyWorker(_LocalModel):
         return metrics
 
     def forward_backward(self, batch: AnyBatch, loss_fn: LossFn, normalizer: float,
-                         outputs: Outputs = "logits") -> MetricDict:
+                         outputs: Outputs = "logits", temperature: float = 1.0) -> MetricDict:
         batch = batch_to(batch, self.device)
-        loss, metrics = loss_fn(self._outputs(batch, outputs), batch, normalizer)
+        loss, metrics = loss_fn(self._outputs(batch, outputs, temperature), batch, normalizer)
         loss.backward()
         value = loss.item()
         self._nonfinite_loss |= not math.isfinite(value)

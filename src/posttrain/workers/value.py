@@ -45,7 +45,7 @@ class ValueOutputs:
                 parts.append(self._outputs(batch_to(chunk, self.device)).cpu())
         return torch.cat(parts)
 
-    def _outputs(self, batch: RolloutBatch, kind: str = "logits") -> torch.Tensor:
+    def _outputs(self, batch: RolloutBatch, kind: str = "logits", temperature: float = 1.0) -> torch.Tensor:
         if kind != "logits":
             raise TypeError(f"a critic's outputs are its values; it has no {kind}")
         with autocast(self.trainer, self.device):
