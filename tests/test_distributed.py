@@ -119,8 +119,8 @@ def test_averaging_per_rank_would_give_another_loss(sft_runs, tiny_model_dir):
             batch = collate([examples[i] for i in sampler.next_indices(cfg.trainer.micro_batch_size)],
                             tokenizer.pad_token_id, cfg.data.packing, cfg.data.max_length)
             _, stats = nll_loss(forward_logits(model, batch), batch.input_ids, batch.loss_mask, 1.0)
-            sums.append(stats["nll_sum"])
-            counts.append(stats["target_tokens"])
+            sums.append(stats["nll_sum"].item())
+            counts.append(stats["target_tokens"].item())
     step_mean = sum(sums) / sum(counts)
     per_rank = [sum(sums[r::2]) / sum(counts[r::2]) for r in range(2)]
     logged = _records(sft_runs["two"])[0]["loss"]

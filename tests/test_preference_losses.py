@@ -80,7 +80,7 @@ def test_equal_logprobs_give_log_2(loss_type):
     loss, metrics = preference_loss(cfg, x, x, x, x, chosen_lengths=torch.tensor([4, 9, 2]),
                                     rejected_lengths=torch.tensor([4, 9, 2]))
     assert loss.item() == pytest.approx(LN2, abs=1e-12)
-    assert metrics["margin"] == 0.0 and metrics["reward_accuracy"] == 0.0
+    assert metrics["margin"].item() == 0.0 and metrics["reward_accuracy"].item() == 0.0
 
 
 # ---- cDPO -----------------------------------------------------------------------------------------------
@@ -110,7 +110,7 @@ def test_dpop_equals_dpo_while_chosen_is_above_reference():
     dpop, metrics = preference_loss(PreferenceLossConfig(type="dpop", dpop_lambda=50.0), **batch)
     dpo, _ = preference_loss(PreferenceLossConfig(type="dpo"), **batch)
     assert torch.equal(dpop, dpo)
-    assert metrics["dpop_penalty"] == 0.0
+    assert metrics["dpop_penalty"].item() == 0.0
 
 
 def test_dpop_by_hand_when_chosen_falls_below_reference():
@@ -122,7 +122,7 @@ def test_dpop_by_hand_when_chosen_falls_below_reference():
     dpo, _ = preference_loss(PreferenceLossConfig(type="dpo", beta=1.0), *args)
     assert dpop.item() == pytest.approx(LN2, abs=1e-12)
     assert dpo.item() == pytest.approx(math.log1p(math.exp(-1.0)), abs=1e-12)
-    assert metrics["dpop_penalty"] == pytest.approx(0.5)
+    assert metrics["dpop_penalty"].item() == pytest.approx(0.5)
 
 
 # ---- R-DPO ----------------------------------------------------------------------------------------------
@@ -135,8 +135,8 @@ def test_rdpo_by_hand():
     x = t(-4.0)
     loss, metrics = preference_loss(cfg, x, x, x, x, torch.tensor([20]), torch.tensor([10]))
     assert loss.item() == pytest.approx(math.log(4 / 3), abs=1e-12)
-    assert metrics["length_offset"] == pytest.approx(LN3)
-    assert metrics["margin"] == 0.0  # the rewards are DPO's; the length offset is not part of them
+    assert metrics["length_offset"].item() == pytest.approx(LN3)
+    assert metrics["margin"].item() == 0.0  # the rewards are DPO's; the length offset is not part of them
 
 
 # ---- IPO ------------------------------------------------------------------------------------------------
@@ -167,10 +167,10 @@ def test_simpo_by_hand():
     loss, metrics = preference_loss(cfg, t(-4.0), t(-12.0), chosen_lengths=torch.tensor([4]),
                                     rejected_lengths=torch.tensor([6]))
     assert loss.item() == pytest.approx(math.log(4 / 3), abs=1e-12)
-    assert metrics["chosen_reward"] == pytest.approx(-2.0)
-    assert metrics["rejected_reward"] == pytest.approx(-4.0)
-    assert metrics["margin"] == pytest.approx(2.0)
-    assert metrics["reward_accuracy"] == 1.0
+    assert metrics["chosen_reward"].item() == pytest.approx(-2.0)
+    assert metrics["rejected_reward"].item() == pytest.approx(-4.0)
+    assert metrics["margin"].item() == pytest.approx(2.0)
+    assert metrics["reward_accuracy"].item() == 1.0
 
 
 def test_simpo_ignores_the_reference():
@@ -196,10 +196,10 @@ def test_orpo_by_hand():
     loss, metrics = preference_loss(cfg, t(-2 * LN2), t(-3 * math.log(4)), chosen_lengths=torch.tensor([2]),
                                     rejected_lengths=torch.tensor([3]))
     assert loss.item() == pytest.approx(LN2 + 0.1 * math.log(4 / 3), abs=1e-12)
-    assert metrics["log_odds_ratio"] == pytest.approx(LN3, abs=1e-12)
-    assert metrics["nll"] == pytest.approx(LN2, abs=1e-12)
-    assert metrics["chosen_reward"] == pytest.approx(-0.1 * LN2, abs=1e-12)
-    assert metrics["rejected_reward"] == pytest.approx(-0.1 * math.log(4), abs=1e-12)
+    assert metrics["log_odds_ratio"].item() == pytest.approx(LN3, abs=1e-12)
+    assert metrics["nll"].item() == pytest.approx(LN2, abs=1e-12)
+    assert metrics["chosen_reward"].item() == pytest.approx(-0.1 * LN2, abs=1e-12)
+    assert metrics["rejected_reward"].item() == pytest.approx(-0.1 * math.log(4), abs=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -226,7 +226,7 @@ def test_sft_term_adds_exactly_weight_times_nll(loss_type):
     with_sft, metrics = preference_loss(PreferenceLossConfig(type=loss_type, sft_weight=0.4), **batch,
                                         chosen_nll=nll)
     assert (with_sft - base).item() == pytest.approx(0.4 * 1.25, abs=1e-12)
-    assert metrics["sft_nll"] == pytest.approx(1.25)
+    assert metrics["sft_nll"].item() == pytest.approx(1.25)
 
 
 def test_sft_nll_defaults_to_summed_chosen_logps_over_length():
@@ -235,7 +235,7 @@ def test_sft_nll_defaults_to_summed_chosen_logps_over_length():
     loss, metrics = preference_loss(PreferenceLossConfig(type="dpo", sft_weight=0.5), x, x, x, x,
                                     chosen_lengths=torch.tensor([3]))
     assert loss.item() == pytest.approx(LN2 + 1.0, abs=1e-12)
-    assert metrics["sft_nll"] == pytest.approx(2.0)
+    assert metrics["sft_nll"].item() == pytest.approx(2.0)
 
 
 # ---- gradient direction ---------------------------------------------------------------------------------
@@ -350,7 +350,7 @@ def test_bradley_terry_accuracy_and_centering_term():
     chosen, rejected = t(1.0, 2.0, 0.5, -1.0), t(1.0, -2.0, -0.5, 1.0)
     plain, metrics = bradley_terry_loss(chosen, rejected)
     centered, _ = bradley_terry_loss(chosen, rejected, center_rewards_coefficient=0.01)
-    assert metrics["accuracy"] == 0.5  # pair 0 is a tie
+    assert metrics["accuracy"].item() == 0.5  # pair 0 is a tie
     assert bradley_terry_loss(t(1.0, 2.0, 0.5, -1.0), t(0.0, -2.0, -0.5, 0.0))[1]["accuracy"] == 0.75
     assert (centered - plain).item() == pytest.approx(0.01, abs=1e-12)
 

@@ -121,3 +121,58 @@ def test_scorer_topk_and_sequence_scores(tiny_model_dir):
     top_of_previous = values[:, :-1, 0]
     hit = indices[:, :-1, 0] == batch.input_ids[:, 1:]
     torch.testing.assert_close(logps[:, 1:][hit], top_of_previous[hit])
+
+
+def test_micro_batches_never_wait_for_the_device(tiny_model_dir, monkeypatch):
+    # Reading a tensor back to Python (item, float, bool, tolist, ...) waits for the device on a GPU. posttrain's
+    # own code must not do it per micro-batch: metrics stay tensors until the step's end. Spied here on every
+    # such call made from posttrain's source, through SFT, DPO and GRPO micro-batches.
+    import sys
+
+    from posttrain.algorithms.dpo import Reference, preference_objective
+    from posttrain.algorithms.grpo import policy_gradient_objective
+    from posttrain.algorithms.sft import nll_objective
+    from posttrain.config import DPOConfig, load_config
+    from posttrain.data.preference import collate_shared_prompt
+    from posttrain.data.types import PreferenceExample, RolloutBatch
+    from posttrain.losses.policy_gradient import PolicyLossConfig
+    from posttrain.losses.preference import PreferenceLossConfig
+
+    cfg = ModelConfig(name_or_path=str(tiny_model_dir))
+    tokenizer = load_tokenizer(cfg)
+    policy = build_policy(cfg, LoraSection(), TrainerConfig(), tokenizer, torch.device("cpu"))
+    sft_batch = _batch(tokenizer)
+    pairs = collate_shared_prompt([PreferenceExample((5, 6, 7), (8, 9, 2), (10, 2)),
+                                   PreferenceExample((5, 11), (12, 2), (13, 14, 2))], tokenizer.pad_token_id)
+    dpo_cfg = load_config(DPOConfig, None, ["model.name_or_path=posttrain/tiny", "output_dir=unused",
+                                            "data.train_files=[posttrain/arithmetic-preference]"])
+    dpo_loss = preference_objective(Reference(table=torch.tensor([[-3.0, -4.0], [-2.0, -5.0]])), dpo_cfg,
+                                    PreferenceLossConfig())(pairs, [0, 1])
+    ids = torch.tensor([[5, 6, 7, 8, 2], [5, 9, 10, 2, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 1, 0]]).float()
+    rollouts = RolloutBatch(ids, (ids != 0).long(), mask, torch.full((2, 5), -5.0) * mask, torch.tensor([1.0, 0.0]),
+                            {}, torch.ones(2, dtype=torch.bool), torch.zeros(2, dtype=torch.long),
+                            torch.zeros(2, dtype=torch.bool), torch.tensor([3, 2]))
+    pg_loss = policy_gradient_objective(torch.tensor([1.0, -1.0]), torch.full((2, 5), -5.0) * mask, None,
+                                        PolicyLossConfig(importance_correction="tis"))
+
+    reads = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "__index__", "nonzero"):
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *args, _original=original, _name=name, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if "posttrain" in caller and "/tests/" not in caller:
+                reads.append((_name, caller, sys._getframe(1).f_lineno))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    records = [policy.forward_backward(sft_batch, nll_objective, 10.0, outputs="target_logprobs"),
+               policy.forward_backward(pairs, dpo_loss, 2.0, outputs="target_logprobs"),
+               policy.forward_backward(rollouts, pg_loss, 5.0, outputs="target_scores", temperature=0.9)]
+    monkeypatch.undo()
+    assert reads == []
+    # ...and the step's metrics are all there, read back at once.
+    values = as_floats(reduce_metrics(records))
+    assert {"loss", "nll_sum", "reward_accuracy", "margin", "entropy", "ratio_max", "is_raw_weight_min"} <= set(values)
+    assert all(isinstance(v, float) for v in values.values()) and values["loss"] > 0

@@ -268,10 +268,10 @@ def policy_gradient_objective(advantages: torch.Tensor, old_logprobs: torch.Tens
             reference_logprobs=None if reference_logprobs is None else reference_logprobs.to(device),
         )
         valid = mask.bool()
-        metrics["entropy"] = scores.entropy[valid].sum() / valid.sum().clamp(min=1)
-        tokens = float(mask.sum())
+        metrics["entropy"] = torch.where(valid, scores.entropy, 0.0).sum() / valid.sum().clamp(min=1)
+        tokens = mask.sum()
         return loss, {name: Metric.min(value) if name.endswith("_min") else Metric.max(value) if name.endswith("_max")
-                      else Metric.mean(float(value), tokens) for name, value in metrics.items()}
+                      else Metric.mean(value, tokens) for name, value in metrics.items()}
 
     return loss_fn
 

@@ -121,7 +121,7 @@ def evaluate_pairs(policy: PolicyWorker, examples: Sequence[PreferenceExample], 
 
         def batch_metrics(model_outputs, batch: PairBatch, loss_fn=loss_fn, pairs=len(indices)) -> MetricDict:
             loss, metrics = loss_fn(model_outputs, batch, None)
-            return {**metrics, "loss": Metric.mean(loss.item(), pairs)}
+            return {**metrics, "loss": Metric.mean(loss, pairs)}
 
         records.append(policy.evaluate(batch, batch_metrics, outputs))
     totals = as_floats(reduce_metrics(records))

@@ -224,9 +224,9 @@ def value_objective(old_values: torch.Tensor, returns: torch.Tensor, clip: float
     def loss_fn(values: torch.Tensor, batch: RolloutBatch, normalizer: float) -> tuple[torch.Tensor, MetricDict]:
         loss, metrics = value_loss(values, old_values.to(values.device), returns.to(values.device),
                                    batch.loss_mask, clip, normalizer)
-        tokens = float(batch.loss_mask.sum())
+        tokens = batch.loss_mask.sum()
         # value_loss itself is the worker's `loss` (summed over micro-batches), logged as value/loss.
-        return loss, {f"value/{name.removeprefix('value_')}": Metric.mean(float(value), tokens)
+        return loss, {f"value/{name.removeprefix('value_')}": Metric.mean(value, tokens)
                       for name, value in metrics.items() if name != "value_loss"}
 
     return loss_fn

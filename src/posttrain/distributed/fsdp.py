@@ -102,7 +102,7 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
             return loss * world_size(), metrics
 
         metrics = super().forward_backward(batch, scaled, normalizer, outputs, temperature)
-        metrics["loss"] = Metric.sum(self._unscaled.item())
+        metrics["loss"] = Metric.sum(self._unscaled)
         return metrics
 
     def named_weights(self, adapters_only: bool = False):

@@ -463,14 +463,13 @@ def policy_gradient_loss(
 
     with torch.no_grad():
         ratio = ratio.detach()
-        any_valid = bool(valid.any())
         metrics.update(
             clip_fraction_low=_masked_mean(terms.clipped_low, valid),
             clip_fraction_high=_masked_mean(terms.clipped_high, valid),
             dual_clip_fraction=_masked_mean(terms.dual_clipped, valid),
             ratio_mean=_masked_mean(ratio, valid),
-            ratio_min=ratio[valid].min() if any_valid else ratio.new_tensor(1.0),
-            ratio_max=ratio[valid].max() if any_valid else ratio.new_tensor(1.0),
+            ratio_min=_masked_extreme(ratio, valid, "min"),
+            ratio_max=_masked_extreme(ratio, valid, "max"),
         )
     return loss, metrics
 
@@ -479,20 +478,27 @@ def _importance_metrics(correction: ImportanceWeights, log_w: Tensor, valid: Ten
     """Statistics of the applied weights over this micro-batch's valid tokens (see `policy_gradient_loss`)."""
     weights = torch.where(valid, correction.weights.double(), 0.0)  # float64 sums: (Σc)² ≤ n·Σc² holds to rounding
     count, total, squares = valid.sum(), weights.sum(), weights.square().sum()
-    if count == 0:
-        effective = weights.new_tensor(1.0)
-    else:  # (Σw)² / (n·Σw²); 0 when every weight is 0
-        effective = torch.where(squares > 0, total.square() / (count * squares).clamp(min=1e-300), 0.0)
-    effective = effective.to(correction.weights.dtype)
-    raw = log_w[valid].exp()
+    # (Σw)² / (n·Σw²); 0 when every weight is 0, 1 without valid tokens (no branch on a device value: no sync)
+    effective = torch.where(squares > 0, total.square() / (count * squares).clamp(min=1e-300), 0.0)
+    effective = torch.where(count == 0, 1.0, effective).to(correction.weights.dtype)
     return {
         "is_weight_mean": _masked_mean(correction.weights, valid),
         "is_masked_fraction": _masked_mean(correction.masked, valid),
         "is_truncated_fraction": _masked_mean(correction.truncated, valid),
         "is_effective_sample_size": effective,
-        "is_raw_weight_min": raw.min() if raw.numel() else weights.new_tensor(1.0),
-        "is_raw_weight_max": raw.max() if raw.numel() else weights.new_tensor(1.0),
+        # exp is increasing: the extreme of the raw weights is exp of the extreme log-weight
+        "is_raw_weight_min": _masked_extreme(log_w, valid, "min", empty=0.0).exp(),
+        "is_raw_weight_max": _masked_extreme(log_w, valid, "max", empty=0.0).exp(),
     }
+
+
+def _masked_extreme(values: Tensor, valid: Tensor, which: str, empty: float = 1.0) -> Tensor:
+    """0-dim min or max of `values` over `valid` positions, `empty` when there are none. Masked with ±inf rather
+    than indexed, so the device is never asked how many there are (no sync)."""
+    fill = float("inf") if which == "min" else float("-inf")
+    extreme = torch.where(valid, values, fill)
+    extreme = extreme.amin() if which == "min" else extreme.amax()
+    return torch.where(valid.any(), extreme, values.new_tensor(empty))
 
 
 def _masked_mean(values: Tensor, valid: Tensor) -> Tensor:

@@ -236,7 +236,7 @@ def preference_loss(
     rejected_lengths: torch.Tensor | None = None,
     chosen_nll: torch.Tensor | None = None,
     num_pairs_in_step: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The preference loss `cfg.type` over a batch of B (chosen, rejected) pairs.
 
     policy_chosen_logps, policy_rejected_logps: [B] log π(y_w|x), log π(y_l|x), summed or averaged over
@@ -249,8 +249,9 @@ def preference_loss(
         log-probabilities are averaged.
     num_pairs_in_step: pairs in the whole optimizer step (all micro-batches and ranks); the loss is then the
         sum over this batch's pairs divided by it. None: the mean over this batch.
-    Returns (loss, metrics). Metrics are batch means, as floats: `reward_accuracy` (fraction of pairs with
-    chosen_reward > rejected_reward, ties count as wrong), `chosen_reward`, `rejected_reward`, `margin`
+    Returns (loss, metrics). Metrics are batch means, as detached 0-dim tensors (read back once per step, not
+    here): `reward_accuracy` (fraction of pairs with chosen_reward > rejected_reward, ties count as wrong),
+    `chosen_reward`, `rejected_reward`, `margin`
     (their difference) and `loss`, plus each variant's extras and `sft_nll` when sft_weight > 0. The rewards
     are β·(π − ref) for reference-based losses, β·π/|y| for SimPO and ORPO (β × the mean token log-prob).
     """
@@ -278,13 +279,13 @@ def preference_loss(
     with torch.no_grad():
         chosen, rejected = terms.chosen_rewards, terms.rejected_rewards
         metrics = {
-            "loss": float(loss),
-            "reward_accuracy": float((chosen > rejected).float().mean()),
-            "chosen_reward": float(chosen.mean()),
-            "rejected_reward": float(rejected.mean()),
-            "margin": float((chosen - rejected).mean()),
+            "loss": loss.detach(),
+            "reward_accuracy": (chosen > rejected).float().mean(),
+            "chosen_reward": chosen.mean(),
+            "rejected_reward": rejected.mean(),
+            "margin": (chosen - rejected).mean(),
         }
-        metrics.update({name: float(value.mean()) for name, value in extras.items()})
+        metrics.update({name: value.detach().mean() for name, value in extras.items()})
     return loss, metrics
 
 

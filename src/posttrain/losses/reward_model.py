@@ -20,7 +20,7 @@ def bradley_terry_loss(
     num_pairs_in_step: float | None = None,
     *,
     center_rewards_coefficient: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """−log σ(r_c − r_r − margin) + center_rewards_coefficient·(r_c + r_r)², reduced over pairs.
 
     chosen_rewards, rejected_rewards: [B] scalar rewards r_c, r_r of the two completions of each pair.
@@ -29,8 +29,8 @@ def bradley_terry_loss(
         divided by it (the step-wide normalization). None: the mean over this batch.
     center_rewards_coefficient: weight of (r_c + r_r)², which keeps rewards centred on zero without
         changing their differences.
-    Returns (loss, metrics) with batch means as floats: `accuracy` (fraction with r_c > r_r, ties count as
-    wrong), `margin` (r_c − r_r, the learned margin, not the target), `chosen_reward`, `rejected_reward`,
+    Returns (loss, metrics) with batch means as detached 0-dim tensors: `accuracy` (fraction with r_c > r_r, ties
+    count as wrong), `margin` (r_c − r_r, the learned margin, not the target), `chosen_reward`, `rejected_reward`,
     `loss`.
     """
     if chosen_rewards.dim() != 1 or chosen_rewards.shape != rejected_rewards.shape:
@@ -47,10 +47,10 @@ def bradley_terry_loss(
     loss = reduce_over_step(losses, num_pairs_in_step)
     with torch.no_grad():
         metrics = {
-            "loss": float(loss),
-            "accuracy": float((difference > 0).float().mean()),
-            "margin": float(difference.mean()),
-            "chosen_reward": float(chosen_rewards.mean()),
-            "rejected_reward": float(rejected_rewards.mean()),
+            "loss": loss.detach(),
+            "accuracy": (difference > 0).float().mean(),
+            "margin": difference.mean(),
+            "chosen_reward": chosen_rewards.mean(),
+            "rejected_reward": rejected_rewards.mean(),
         }
     return loss, metrics

@@ -164,18 +164,26 @@ def outputs_of_logits(logits: torch.Tensor, batch: AnyBatch, kind: Outputs,
 def target_entropy(logits: torch.Tensor, batch: AnyBatch, temperature: float = 1.0,
                    chunk_tokens: int = 4096) -> torch.Tensor:
     """[B, T] float32 entropy of the distribution each target token was drawn from (logits [B, T, V] divided by
-    `temperature`), 0 off the targets; float32 copies of at most `chunk_tokens` positions' logits at a time. Logits
-    of −inf (forbidden tokens) contribute 0, not nan."""
-    rows, sources, columns = target_positions(batch)
-    entropy = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=logits.device)
+    `temperature`), 0 off the targets; float32 copies of at most `chunk_tokens` positions' logits at a time (whole
+    rows, at least one). Logits of −inf (forbidden tokens) contribute 0, not nan. Every position is computed and
+    the targets are selected by masking, not indexing, so the device is never asked where they are (no sync)."""
+    rows, length = batch.input_ids.shape
+    entropy = torch.zeros((rows, length), dtype=torch.float32, device=logits.device)
+    step = max(1, chunk_tokens // max(length - 1, 1))
     with torch.no_grad():
-        for r, s, c in zip(rows.split(chunk_tokens), sources.split(chunk_tokens), columns.split(chunk_tokens)):
-            chunk = logits[r, s].float()
+        for start in range(0, rows, step):
+            chunk = logits[start : start + step, :-1].float()
             if temperature != 1.0:
                 chunk = chunk / temperature
             probs = torch.softmax(chunk, dim=-1)
-            entropy[r, c] = -torch.special.xlogy(probs, probs).sum(-1)
-    return entropy
+            entropy[start : start + step, 1:] = -torch.special.xlogy(probs, probs).sum(-1)
+            del chunk, probs
+        if isinstance(batch, SharedPromptBatch):  # the first rejected token is drawn from the prompt's last position
+            index = torch.arange(rows, device=logits.device)
+            entropy = entropy.index_put((index, batch.rejected_starts), entropy[index, batch.prompt_ends + 1])
+        targets = (batch.chosen_mask + batch.rejected_mask) > 0 if isinstance(batch, SharedPromptBatch) \
+            else batch.loss_mask > 0
+    return torch.where(targets, entropy, 0.0)
 
 
 def token_logprobs_of(logits: torch.Tensor, batch: AnyBatch, temperature: float = 1.0) -> torch.Tensor:

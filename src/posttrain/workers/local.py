@@ -141,9 +141,10 @@ class LocalPolicyWorker(_LocalModel):
         batch = batch_to(batch, self.device)
         loss, metrics = loss_fn(self._outputs(batch, outputs, temperature), batch, normalizer)
         loss.backward()
-        value = loss.item()
-        self._nonfinite_loss |= not math.isfinite(value)
-        return {**metrics, "loss": Metric.sum(value)}
+        # Kept on the device (read once per step, in optim_step and with the step's metrics): no wait per micro-batch.
+        loss = loss.detach()
+        self._nonfinite_loss = self._nonfinite_loss | ~torch.isfinite(loss)
+        return {**metrics, "loss": Metric.sum(loss)}
 
     def optim_step(self) -> MetricDict:
         learning_rate = self.scheduler.get_last_lr()[0]
@@ -172,10 +173,10 @@ class LocalPolicyWorker(_LocalModel):
         from posttrain.distributed.env import is_distributed
 
         if not is_distributed():
-            return self._nonfinite_loss
+            return bool(self._nonfinite_loss)
         import torch.distributed as dist
 
-        flag = torch.tensor([float(self._nonfinite_loss)], device=self.device)
+        flag = torch.as_tensor(self._nonfinite_loss, device=self.device).float().reshape(1)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
