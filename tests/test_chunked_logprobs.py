@@ -225,6 +225,10 @@ def test_auto_chunks_only_large_logits_on_a_plain_head():
     assert 4 * 1024 * 151_936 * 4 >= AUTO_CHUNKED_HEAD_BYTES and uses_chunked_head("auto", large, 151_936, None)
     assert not uses_chunked_head("auto", large, 151_936, "soft-capped logits")  # never an inexact head
     assert not uses_chunked_head("full", large, 151_936, None) and uses_chunked_head("chunked", small, 260, None)
+    # A rollout piece of one row decides as the micro-batch it is cut from (rows=4), not as one row.
+    piece = SFTBatch.__new__(SFTBatch)
+    object.__setattr__(piece, "input_ids", torch.zeros(1, 256, dtype=torch.long))
+    assert not uses_chunked_head("auto", piece, 151_936, None) and uses_chunked_head("auto", piece, 151_936, None, 4)
 
 
 def test_chunked_head_on_an_architecture_it_would_not_match_is_refused(tmp_path):
@@ -268,3 +272,29 @@ def test_dpo_and_grpo_train_alike_with_the_chunked_head(tmp_path, tiny_model_dir
     for key in ("reward/mean", "loss", "entropy", "grad_norm"):
         full, chunked = (records(tmp_path / "grpo" / head, key) for head in ("full", "chunked"))
         assert len(full) == 3 and chunked == pytest.approx(full, rel=1e-4, abs=1e-5), key
+
+
+@pytest.mark.parametrize("head", ["full", "chunked"])
+def test_the_training_pass_scores_at_the_sampling_temperature(tiny_model_dir, head):
+    # The GRPO/PPO update hands the worker rollout.temperature: against old log-probabilities computed at that
+    # temperature the ratio is 1 to float32 rounding; at temperature 1 it would be far from 1.
+    from posttrain.algorithms.grpo import accumulate_policy_gradients
+    from posttrain.config import load_config
+    from posttrain.config.schema import GRPOConfig
+    from posttrain.losses.policy_gradient import PolicyLossConfig
+    from rl_configs import DIGITS, TINY_RL
+
+    cfg = load_config(GRPOConfig, None, [*TINY_RL, *DIGITS, "output_dir=unused", "rollout.temperature=0.7",
+                                         "trainer.micro_batch_size=2"])
+    _, full, chunked = _workers(tiny_model_dir, lm_head_chunk_size=3)
+    policy = full if head == "full" else chunked
+    batch = _rollouts()
+    ratios = {}
+    for temperature in (0.7, 1.0):
+        old = policy.logprobs(batch, temperature)
+        stats = accumulate_policy_gradients(policy, batch, torch.arange(3), torch.tensor([1.0, -0.5, 2.0]), old,
+                                            None, PolicyLossConfig(), cfg)
+        ratios[temperature] = (stats["ratio_min"].value, stats["ratio_max"].value)
+        policy.optimizer.zero_grad(set_to_none=True)
+    assert ratios[0.7] == pytest.approx((1.0, 1.0), abs=1e-5)
+    assert max(abs(r - 1.0) for r in ratios[1.0]) > 1e-2

@@ -27,6 +27,7 @@ from posttrain.errors import RunError
 from posttrain.generation.base import Generator, SamplingParams
 from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer, resolve_model_path
 from posttrain.workers import Metric, MetricDict, PolicyWorker, as_floats, reduce_metrics
+from posttrain.workers.metrics import materialized
 from posttrain.workers.local import LocalPolicyWorker
 
 
@@ -194,8 +195,8 @@ def per_update_schedule(trainer: TrainerConfig, updates_per_step: int) -> Traine
 
 def mean_over_updates(records: list[MetricDict]) -> dict[str, float]:
     """Each metric's mean over the step's optimizer updates (the extremes for ratio_min / ratio_max)."""
-    per_update = ({name: m if m.reduction in ("min", "max") else Metric.mean(m.value) for name, m in r.items()}
-                  for r in records)
+    per_update = ({name: m if m.reduction in ("min", "max") else Metric.mean(m.value)
+                   for name, m in materialized(r).items()} for r in records)
     return as_floats(reduce_metrics(per_update))
 
 

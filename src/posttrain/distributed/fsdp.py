@@ -89,9 +89,6 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
     def all_reduce(self, metrics: MetricDict) -> MetricDict:
         return all_reduce_metrics(metrics)
 
-    def _head_problem(self) -> str | None:
-        return "the LM head of an FSDP2-sharded model is sharded over the ranks; the chunked head runs in one process"
-
     def forward_backward(self, batch: AnyBatch, loss_fn: LossFn, normalizer: float,
                          outputs: Outputs = "logits", temperature: float = 1.0) -> MetricDict:
         # FSDP2 averages gradients over ranks; the loss contract wants their sum (the normalizer already counts

@@ -498,7 +498,7 @@ def _masked_extreme(values: Tensor, valid: Tensor, which: str, empty: float = 1.
     fill = float("inf") if which == "min" else float("-inf")
     extreme = torch.where(valid, values, fill)
     extreme = extreme.amin() if which == "min" else extreme.amax()
-    return torch.where(valid.any(), extreme, values.new_tensor(empty))
+    return torch.where(valid.any(), extreme, empty)
 
 
 def _masked_mean(values: Tensor, valid: Tensor) -> Tensor:

@@ -71,6 +71,10 @@ def forward_logits(model: torch.nn.Module, batch: AnyBatch) -> torch.Tensor:
 
 def lm_head_problem(model: torch.nn.Module) -> str | None:
     """Why the chunked LM head would not compute exactly what `model`'s forward does, or None."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
+        return "the LM head of an FSDP2-sharded model is sharded over the ranks; the chunked head runs in one process"
     model_type = model.config.model_type
     if model_type not in PLAIN_LM_HEAD_MODEL_TYPES:
         return (f"the chunked LM head is verified for the architectures whose logits are a plain linear map of the "
@@ -80,13 +84,18 @@ def lm_head_problem(model: torch.nn.Module) -> str | None:
     return None
 
 
-def uses_chunked_head(mode: str, batch: AnyBatch, vocab_size: int, problem: str | None) -> bool:
-    """Whether trainer.lm_head=`mode` chunks the LM head for `batch` (a model whose head has `problem`, or None)."""
+def uses_chunked_head(mode: str, batch: AnyBatch, vocab_size: int, problem: str | None,
+                      rows: int | None = None) -> bool:
+    """Whether trainer.lm_head=`mode` chunks the LM head for `batch` (a model whose head has `problem`, or None).
+    `rows`: decide as for a batch of that many rows of this length (a rollout batch's passes, old-policy, reference
+    and training alike, are cut to trainer.micro_batch_size rows of the same length, so all of them take the same
+    path); the batch's own row count otherwise."""
     if mode == "full":
         return False
     if mode == "chunked":
         return True  # the worker refused it at construction when there is a problem
-    return problem is None and batch.input_ids.numel() * vocab_size * 4 >= AUTO_CHUNKED_HEAD_BYTES
+    rows = batch.input_ids.shape[0] if rows is None else rows
+    return problem is None and rows * batch.input_ids.shape[1] * vocab_size * 4 >= AUTO_CHUNKED_HEAD_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,20 +173,22 @@ def outputs_of_logits(logits: torch.Tensor, batch: AnyBatch, kind: Outputs,
 def target_entropy(logits: torch.Tensor, batch: AnyBatch, temperature: float = 1.0,
                    chunk_tokens: int = 4096) -> torch.Tensor:
     """[B, T] float32 entropy of the distribution each target token was drawn from (logits [B, T, V] divided by
-    `temperature`), 0 off the targets; float32 copies of at most `chunk_tokens` positions' logits at a time (whole
-    rows, at least one). Logits of −inf (forbidden tokens) contribute 0, not nan. Every position is computed and
+    `temperature`), 0 off the targets; float32 copies of at most `chunk_tokens` positions' logits at a time. Logits of −inf (forbidden tokens) contribute 0, not nan. Every position is computed and
     the targets are selected by masking, not indexing, so the device is never asked where they are (no sync)."""
     rows, length = batch.input_ids.shape
     entropy = torch.zeros((rows, length), dtype=torch.float32, device=logits.device)
-    step = max(1, chunk_tokens // max(length - 1, 1))
+    row_step = max(1, chunk_tokens // max(length - 1, 1))
+    column_step = length - 1 if row_step > 1 else chunk_tokens  # rows longer than a chunk go in pieces
     with torch.no_grad():
-        for start in range(0, rows, step):
-            chunk = logits[start : start + step, :-1].float()
-            if temperature != 1.0:
-                chunk = chunk / temperature
-            probs = torch.softmax(chunk, dim=-1)
-            entropy[start : start + step, 1:] = -torch.special.xlogy(probs, probs).sum(-1)
-            del chunk, probs
+        for row in range(0, rows, row_step):
+            for column in range(0, length - 1, column_step):
+                chunk = logits[row : row + row_step, column : min(column + column_step, length - 1)].float()
+                if temperature != 1.0:
+                    chunk = chunk / temperature
+                probs = torch.softmax(chunk, dim=-1)
+                entropy[row : row + row_step, column + 1 : column + 1 + chunk.shape[1]] = \
+                    -torch.special.xlogy(probs, probs).sum(-1)
+                del chunk, probs
         if isinstance(batch, SharedPromptBatch):  # the first rejected token is drawn from the prompt's last position
             index = torch.arange(rows, device=logits.device)
             entropy = entropy.index_put((index, batch.rejected_starts), entropy[index, batch.prompt_ends + 1])

@@ -80,10 +80,11 @@ class _LocalModel:
 
     def _chunked_head(self, batch: AnyBatch) -> bool:
         head = self.model.get_output_embeddings()
-        return uses_chunked_head(self.trainer.lm_head, batch, head.weight.shape[0], self._head_problem())
+        rows = self.trainer.micro_batch_size if isinstance(batch, RolloutBatch) else None
+        return uses_chunked_head(self.trainer.lm_head, batch, head.weight.shape[0], self._head_problem(), rows)
 
     def _head_problem(self) -> str | None:
-        """Why this worker cannot chunk its LM head (lm_head_problem, and the FSDP2 workers' own reason), or None."""
+        """Why this worker cannot chunk its LM head (lm_head_problem: an inexact head, or a sharded one), or None."""
         return lm_head_problem(self.model)
 
     def _chunks(self, batch: AnyBatch) -> list[AnyBatch]:

@@ -77,7 +77,9 @@ class Metric:
             a, b = self.total, other.total
             if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
                 device = (a if isinstance(a, torch.Tensor) else b).device
-                a, b = (torch.as_tensor(x, dtype=torch.float64, device=device) for x in (a, b))
+                # A float becomes a tensor by a fill on the device, not a copy from the host (no sync).
+                a, b = (x if isinstance(x, torch.Tensor) else torch.full((), x, dtype=torch.float64, device=device)
+                        for x in (a, b))
                 return Metric(torch.minimum(a, b) if self.reduction == "min" else torch.maximum(a, b), 1.0,
                               self.reduction)
             return Metric(min(a, b) if self.reduction == "min" else max(a, b), 1.0, self.reduction)
