@@ -73,7 +73,7 @@ def lm_head_problem(model: torch.nn.Module) -> str | None:
     """Why the chunked LM head would not compute exactly what `model`'s forward does, or None."""
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
+    if any(isinstance(m, FSDPModule) for m in model.modules()):  # the root, or a LoRA base inside a sharded one
         return "the LM head of an FSDP2-sharded model is sharded over the ranks; the chunked head runs in one process"
     model_type = model.config.model_type
     if model_type not in PLAIN_LM_HEAD_MODEL_TYPES:
@@ -109,17 +109,23 @@ class TargetScores:
     entropy: torch.Tensor
 
 
-def target_positions(batch: AnyBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows, sources, columns) of every target token of `batch`, row-major: token [row, column] is predicted by
-    the hidden state at [row, source]. Targets are the loss_mask's tokens (a shared-prompt row's chosen and
-    rejected tokens); the source is the position before, except for a shared-prompt row's first rejected token,
-    which is predicted from the prompt's last position (see the module docstring). Position 0 is never a target."""
+def target_mask(batch: AnyBatch) -> torch.Tensor:
+    """[B, T] bool, the batch's target tokens: the loss_mask's (a shared-prompt row's chosen and rejected tokens),
+    never position 0 (no token precedes it)."""
     if isinstance(batch, SharedPromptBatch):
         targets = (batch.chosen_mask + batch.rejected_mask) > 0
     else:
         targets = batch.loss_mask > 0
     targets[:, 0] = False
-    rows, columns = targets.nonzero(as_tuple=True)
+    return targets
+
+
+def target_positions(batch: AnyBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows, sources, columns) of every target token of `batch`, row-major: token [row, column] is predicted by
+    the hidden state at [row, source]. Targets are the loss_mask's tokens (a shared-prompt row's chosen and
+    rejected tokens); the source is the position before, except for a shared-prompt row's first rejected token,
+    which is predicted from the prompt's last position (see the module docstring). Position 0 is never a target."""
+    rows, columns = target_mask(batch).nonzero(as_tuple=True)
     sources = columns - 1
     if isinstance(batch, SharedPromptBatch):
         first_rejected = columns == batch.rejected_starts[rows]
@@ -149,13 +155,12 @@ def chunked_head_outputs(model: torch.nn.Module, batch: AnyBatch, kind: Outputs,
     scored = chunked_token_logprobs(hidden[rows, sources], head.weight, batch.input_ids[rows, columns],
                                     bias=head.bias, temperature=temperature, chunk_size=chunk_size,
                                     return_entropy=kind == "target_scores")
-    shape = batch.input_ids.shape
+    def placed(values: torch.Tensor) -> torch.Tensor:  # [n] at the targets -> [B, T], 0 elsewhere
+        return values.new_zeros(batch.input_ids.shape).index_put((rows, columns), values)
+
     if kind == "target_logprobs":
-        return torch.zeros(shape, dtype=scored.dtype, device=scored.device).index_put((rows, columns), scored)
-    logprobs, entropy = scored
-    return TargetScores(torch.zeros(shape, dtype=logprobs.dtype, device=logprobs.device).index_put(
-        (rows, columns), logprobs), torch.zeros(shape, dtype=entropy.dtype, device=entropy.device).index_put(
-        (rows, columns), entropy))
+        return placed(scored)
+    return TargetScores(*(placed(values) for values in scored))
 
 
 def outputs_of_logits(logits: torch.Tensor, batch: AnyBatch, kind: Outputs,
@@ -173,8 +178,9 @@ def outputs_of_logits(logits: torch.Tensor, batch: AnyBatch, kind: Outputs,
 def target_entropy(logits: torch.Tensor, batch: AnyBatch, temperature: float = 1.0,
                    chunk_tokens: int = 4096) -> torch.Tensor:
     """[B, T] float32 entropy of the distribution each target token was drawn from (logits [B, T, V] divided by
-    `temperature`), 0 off the targets; float32 copies of at most `chunk_tokens` positions' logits at a time. Logits of −inf (forbidden tokens) contribute 0, not nan. Every position is computed and
-    the targets are selected by masking, not indexing, so the device is never asked where they are (no sync)."""
+    `temperature`), 0 off the targets; float32 copies of at most `chunk_tokens` positions' logits at a time. Logits
+    of −inf (forbidden tokens) contribute 0, not nan. Every position is computed and the targets are selected by
+    masking, not indexing, so the device is never asked where they are (no sync)."""
     rows, length = batch.input_ids.shape
     entropy = torch.zeros((rows, length), dtype=torch.float32, device=logits.device)
     row_step = max(1, chunk_tokens // max(length - 1, 1))
@@ -192,9 +198,7 @@ def target_entropy(logits: torch.Tensor, batch: AnyBatch, temperature: float = 1
         if isinstance(batch, SharedPromptBatch):  # the first rejected token is drawn from the prompt's last position
             index = torch.arange(rows, device=logits.device)
             entropy = entropy.index_put((index, batch.rejected_starts), entropy[index, batch.prompt_ends + 1])
-        targets = (batch.chosen_mask + batch.rejected_mask) > 0 if isinstance(batch, SharedPromptBatch) \
-            else batch.loss_mask > 0
-    return torch.where(targets, entropy, 0.0)
+    return torch.where(target_mask(batch), entropy, 0.0)
 
 
 def token_logprobs_of(logits: torch.Tensor, batch: AnyBatch, temperature: float = 1.0) -> torch.Tensor:

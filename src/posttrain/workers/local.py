@@ -84,8 +84,11 @@ class _LocalModel:
         return uses_chunked_head(self.trainer.lm_head, batch, head.weight.shape[0], self._head_problem(), rows)
 
     def _head_problem(self) -> str | None:
-        """Why this worker cannot chunk its LM head (lm_head_problem: an inexact head, or a sharded one), or None."""
-        return lm_head_problem(self.model)
+        """Why this worker cannot chunk its LM head (lm_head_problem: an inexact head, or a sharded one), or None;
+        found once per model (it walks the module tree), not once per micro-batch."""
+        if getattr(self, "_head_problem_of", (None,))[0] is not self.model:
+            self._head_problem_of = (self.model, lm_head_problem(self.model))
+        return self._head_problem_of[1]
 
     def _chunks(self, batch: AnyBatch) -> list[AnyBatch]:
         """A rollout batch in micro-batches of trainer.micro_batch_size rows; other batches are micro-batches."""
