@@ -153,6 +153,14 @@ class TrainerConfig(NumericSection):
     take 256 MiB or more (large vocabularies, long rows) and the architecture's head is a plain linear layer in
     one process; full otherwise (so the small embedded recipes run exactly as before)."""
 
+    packing: bool = False
+    """Run the decoder on each padded micro-batch's rows packed end to end (DPO and reward-model pairs, RL
+    episodes, padded SFT batches), with a block mask keeping them apart, and read every output back at its padded
+    position: the same results to float rounding, without computing the padding. Rows are packed first-fit
+    decreasing into rows no wider than the micro-batch's widest, so nothing needs tuning and no packed row costs
+    more attention than a padded one. Architectures whose custom masks are not verified exact are refused (docs/
+    data.md, "Batching and packing"). SFT's data.packing packs examples into data.max_length rows at collation."""
+
     lm_head_chunk_size: int = Field(1024, gt=0)
     """Positions per chunk of the chunked LM head (1,024 × a 152k vocabulary is 0.6 GB of float32 logits)."""
 
@@ -419,7 +427,8 @@ def check_pair_data(data: DataConfig, recipe: str) -> None:
     if data.format not in ("auto", "preference"):
         raise ValueError(f"data.format={data.format!r}: {recipe} uses preference rows; use auto or preference")
     if data.packing:
-        raise ValueError(f"data.packing=true is not supported by {recipe} (pairs are padded); set data.packing=false")
+        raise ValueError(f"data.packing=true is not supported by {recipe}: pairs are collated as pairs; set "
+                         "data.packing=false and trainer.packing=true to pack each micro-batch's rows")
 
 
 class RolloutSection(NumericSection):

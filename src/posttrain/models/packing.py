@@ -24,10 +24,10 @@ def block_causal_mask(position_ids: torch.Tensor, attn_implementation: str, dtyp
     width = position_ids.shape[1]
     causal = torch.ones(width, width, dtype=torch.bool, device=position_ids.device).tril()
     allowed = ((segments[:, :, None] == segments[:, None, :]) & causal)[:, None]
-    return _in_attention_form(allowed, attn_implementation, dtype)
+    return attention_form(allowed, attn_implementation, dtype)
 
 
-def _in_attention_form(allowed: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
+def attention_form(allowed: torch.Tensor, attn_implementation: str, dtype: torch.dtype) -> torch.Tensor:
     if attn_implementation == "sdpa":
         return allowed
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
@@ -44,7 +44,7 @@ def shared_prompt_mask(segments: torch.Tensor, attn_implementation: str, dtype: 
     causal = torch.ones(width, width, dtype=torch.bool, device=segments.device).tril()
     same = segments[:, :, None] == segments[:, None, :]
     allowed = ((same | (segments[:, None, :] == PROMPT)) & causal)[:, None]
-    return _in_attention_form(allowed, attn_implementation, dtype)
+    return attention_form(allowed, attn_implementation, dtype)
 
 
 # ---- which architectures take these masks exactly -------------------------------------------------------------
@@ -62,13 +62,21 @@ rows are refused for them rather than silently different."""
 def custom_mask_problem(model_config, max_length: int) -> str | None:
     """Why packed or shared-prompt rows of up to `max_length` tokens would not be exact for the model with this
     transformers config, or None when they are."""
-    model_type = getattr(model_config, "model_type", None)
-    if model_type not in VERIFIED_MASK_MODEL_TYPES:
-        return (f"architecture {model_type!r} is not among those whose custom attention masks are verified exact "
-                f"({', '.join(sorted(VERIFIED_MASK_MODEL_TYPES))})")
+    if problem := unverified_architecture(model_config):
+        return problem
+    model_type = model_config.model_type
     window = getattr(model_config, "sliding_window", None)
     uses_window = window is not None and getattr(model_config, "use_sliding_window", True) is not False
     if uses_window and window < max_length:
         return (f"{model_type} attends within a sliding window of {window} tokens, shorter than data.max_length="
                 f"{max_length}; a custom mask would replace the window")
+    return None
+
+
+def unverified_architecture(model_config) -> str | None:
+    """Why this architecture's custom masks are not trusted (not among VERIFIED_MASK_MODEL_TYPES), or None."""
+    model_type = getattr(model_config, "model_type", None)
+    if model_type not in VERIFIED_MASK_MODEL_TYPES:
+        return (f"architecture {model_type!r} is not among those whose custom attention masks are verified exact "
+                f"({', '.join(sorted(VERIFIED_MASK_MODEL_TYPES))})")
     return None

@@ -133,7 +133,7 @@ def target_positions(batch: AnyBatch) -> tuple[torch.Tensor, torch.Tensor, torch
     return rows, sources, columns
 
 
-def _identity(hidden: torch.Tensor) -> torch.Tensor:
+def identity(hidden: torch.Tensor) -> torch.Tensor:
     return hidden
 
 
@@ -146,7 +146,7 @@ def chunked_head_outputs(model: torch.nn.Module, batch: AnyBatch, kind: Outputs,
     The hidden states come from the model's own forward, its LM head's forward replaced by the identity for that
     pass (so the head multiplies nothing there), so masks and positions are exactly those of `forward_logits`."""
     head = model.get_output_embeddings()
-    head.forward = _identity  # an instance attribute: for this pass the head returns its input, computing nothing
+    head.forward = identity  # an instance attribute: for this pass the head returns its input, computing nothing
     try:
         hidden = forward_logits(model, batch)
     finally:

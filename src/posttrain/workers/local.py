@@ -27,8 +27,9 @@ from posttrain.checkpoint import (
     save_model_state,
 )
 from posttrain.config.schema import LoraSection, ModelConfig, TrainerConfig
-from posttrain.data.types import RolloutBatch
+from posttrain.data.types import RolloutBatch, SFTBatch
 from posttrain.models.loading import load_causal_lm, load_trainable_model
+from posttrain.models.packing import unverified_architecture
 from posttrain.models.lora import ADAPTER_DIR, TaskKind, adapters_disabled, is_lora_model, merged_model, save_adapter
 from posttrain.optim import build_optimizer, build_scheduler
 from posttrain.workers.base import Exported, LossFn, MetricsFn
@@ -45,6 +46,7 @@ from posttrain.workers.forward import (
     uses_chunked_head,
 )
 from posttrain.workers.metrics import Metric, MetricDict
+from posttrain.workers.packed import packed_logits, packed_target_outputs
 
 
 class _LocalModel:
@@ -71,12 +73,27 @@ class _LocalModel:
 
     def _outputs(self, batch: AnyBatch, kind: Outputs = "logits", temperature: float = 1.0):
         """`kind` (workers/forward.py's Outputs) of `batch`, log-probabilities under `temperature`."""
+        if self._packs(batch):
+            with autocast(self.trainer, self.device):
+                if kind == "logits":
+                    return packed_logits(self.model, batch)
+                return packed_target_outputs(self.model, batch, kind, self._chunked_head(batch),
+                                             self.trainer.lm_head_chunk_size, temperature)
         if kind != "logits" and self._chunked_head(batch):
             with autocast(self.trainer, self.device):
                 return chunked_head_outputs(self.model, batch, kind, self.trainer.lm_head_chunk_size, temperature)
         with autocast(self.trainer, self.device):
             logits = forward_logits(self.model, batch)
         return outputs_of_logits(logits, batch, kind, temperature)
+
+    def _refuse_inexact_packing(self) -> None:
+        """RunError at construction when trainer.packing is on for an architecture whose masks are not verified."""
+        if self.trainer.packing and (problem := unverified_architecture(self.model.config)):
+            raise RunError(f"trainer.packing=true would not be exact: {problem}; set trainer.packing=false")
+
+    def _packs(self, batch: AnyBatch) -> bool:
+        """Whether trainer.packing packs `batch`: a padded one (an SFT batch packed at collation is left alone)."""
+        return self.trainer.packing and not (isinstance(batch, SFTBatch) and batch.attention_mask is None)
 
     def _chunked_head(self, batch: AnyBatch) -> bool:
         head = self.model.get_output_embeddings()
@@ -124,6 +141,7 @@ class LocalPolicyWorker(_LocalModel):
         self.optimizer = build_optimizer(model, trainer)
         self.scheduler = build_scheduler(self.optimizer, schedule or trainer)
         self._nonfinite_loss = False
+        self._refuse_inexact_packing()
         has_lm_head = getattr(model, "get_output_embeddings", lambda: None)() is not None  # not critics, not RMs
         if trainer.lm_head == "chunked" and has_lm_head and (problem := self._head_problem()):
             raise RunError(f"trainer.lm_head=chunked: {problem}; use trainer.lm_head=auto or full")
@@ -228,6 +246,7 @@ class LocalScoringWorker(_LocalModel):
     def __init__(self, model: torch.nn.Module, trainer: TrainerConfig, role: str = "reference",
                  adapters_off: bool = False):
         self.model, self.trainer, self.role, self.adapters_off = model, trainer, role, adapters_off
+        self._refuse_inexact_packing()
         if not adapters_off:
             self.model.eval()
             self.model.requires_grad_(False)

@@ -30,6 +30,7 @@ from posttrain.models.loading import load_trainable_model
 from posttrain.models.value_head import token_scores
 from posttrain.workers.forward import autocast, batch_to
 from posttrain.workers.local import LocalPolicyWorker
+from posttrain.workers.packed import pack_batch, packed_token_scores
 
 CRITIC = "critic"
 
@@ -49,7 +50,11 @@ class ValueOutputs:
         if kind != "logits":
             raise TypeError(f"a critic's outputs are its values; it has no {kind}")
         with autocast(self.trainer, self.device):
-            scores = token_scores(self.model, batch.input_ids, batch.attention_mask)[..., 0]
+            if self.trainer.packing:
+                packed = pack_batch(batch)
+                scores = packed.gather(packed_token_scores(self.model, packed))[..., 0]
+            else:
+                scores = token_scores(self.model, batch.input_ids, batch.attention_mask)[..., 0]
         # The head at position p has read tokens ≤ p: the value of the state before token p + 1.
         return F.pad(scores.float()[:, :-1], (1, 0))
 

@@ -1,0 +1,191 @@
+"""trainer.packing: padded micro-batches (SFT rows, DPO/RM pairs in both layouts, RL rollouts) run packed and give
+the padded results to 1e-5 (values and gradients), for every architecture whose custom masks are verified; others
+are refused by name."""
+
+import copy
+
+import pytest
+import torch
+import transformers as T
+
+from posttrain.algorithms import dpo
+from posttrain.config.schema import TrainerConfig
+from posttrain.data.collate import collate_padded
+from posttrain.data.preference import collate_preference, collate_shared_prompt
+from posttrain.data.types import PreferenceExample, RolloutBatch, TokenizedExample
+from posttrain.errors import RunError
+from posttrain.workers.forward import target_mask
+from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker
+from posttrain.workers.packed import pack_batch
+from posttrain.workers.value import ValueWorker
+from test_architecture_masks import CONFIGS, SIZES, V, random_ids
+
+
+def examples(g, lengths=(5, 11, 3, 8, 2)):
+    return [TokenizedExample(ids, (0,) * 2 + (1,) * (len(ids) - 2), "x") for ids in
+            (random_ids(n, g) for n in lengths)]
+
+
+def pairs(g):
+    return [PreferenceExample(random_ids(p, g), random_ids(c, g), random_ids(r, g), "x")
+            for p, c, r in ((4, 3, 5), (9, 2, 2), (2, 6, 3), (3, 1, 1))]
+
+
+def rollouts(g, lengths=(6, 12, 4, 9)):
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    loss_mask = torch.zeros(len(lengths), width)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = torch.tensor(random_ids(n, g))
+        loss_mask[row, 3:n] = 1.0  # a 3-token prompt, then sampled tokens
+    n = len(lengths)
+    return RolloutBatch(ids, (torch.arange(width) < torch.tensor(lengths)[:, None]).long(), loss_mask,
+                        torch.zeros(n, width), torch.zeros(n), {}, torch.ones(n, dtype=torch.bool),
+                        torch.arange(n), torch.zeros(n, dtype=torch.bool), torch.tensor(lengths) - 3)
+
+
+def batches(g):
+    return {"sft": collate_padded(examples(g), 0), "pair_rows": collate_preference(pairs(g), 0),
+            "shared_prompt": collate_shared_prompt(pairs(g), 0), "rollout": rollouts(g)}
+
+
+def policy(model, **trainer):
+    return LocalPolicyWorker(copy.deepcopy(model), None, TrainerConfig(micro_batch_size=8, **trainer))
+
+
+def sum_of_targets(outputs, batch, normalizer):
+    logprobs = outputs.logprobs if hasattr(outputs, "logprobs") else outputs
+    loss = -(logprobs * target_mask(batch)).sum() / normalizer
+    return loss, {}
+
+
+def test_the_packed_layout_fits_rows_no_wider_than_the_widest():
+    g = torch.Generator().manual_seed(0)
+    batch = collate_padded(examples(g, (5, 11, 3, 8, 2)), 0)
+    packed = pack_batch(batch)
+    assert packed.input_ids.shape == (3, 11)  # 11 | 8 + 3 | 5 + 2
+    real = batch.attention_mask > 0
+    assert torch.equal(packed.gather(packed.input_ids)[real], batch.input_ids[real])
+    assert torch.equal(packed.gather(packed.position_ids)[real], batch.position_ids[real])
+    assert torch.equal(packed.gather(packed.blocks)[real], torch.arange(5)[:, None].expand(5, 11)[real])
+
+
+@pytest.mark.parametrize("lm_head", ["full", "chunked"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_packed_batches_give_the_padded_logprobs_entropies_and_gradients(attention, lm_head):
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(T.LlamaConfig(**SIZES), attn_implementation=attention)
+    g = torch.Generator().manual_seed(1)
+    for name, batch in batches(g).items():
+        results = {}
+        for packing in (False, True):
+            worker = policy(model, packing=packing, lm_head=lm_head, lm_head_chunk_size=5)
+            targets = target_mask(batch)
+            logprobs = worker.logprobs(batch, temperature=0.7)
+            worker.forward_backward(batch, sum_of_targets, 10.0, outputs="target_logprobs")
+            grads = [p.grad.clone() for p in worker.model.parameters()]
+            scores = worker.evaluate(batch, lambda out, b: {"entropy": out.entropy}, outputs="target_scores")
+            results[packing] = logprobs[targets], scores["entropy"][targets], grads
+        (lp, entropy, grads), (packed_lp, packed_entropy, packed_grads) = results[False], results[True]
+        torch.testing.assert_close(packed_lp, lp, atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(packed_entropy, entropy, atol=1e-5, rtol=1e-5, msg=name)
+        for a, b in zip(packed_grads, grads):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_packed_pairs_give_the_padded_completion_scores():
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(T.LlamaConfig(**SIZES)).eval()
+    g = torch.Generator().manual_seed(2)
+    data = pairs(g)
+    for collate in (collate_preference, collate_shared_prompt):
+        batch = collate(data, 0)
+        scored = [dpo.completion_logps(LocalScoringWorker(model, TrainerConfig(packing=packing)).logprobs(batch),
+                                       batch, average=False) for packing in (False, True)]
+        torch.testing.assert_close(scored[1].chosen, scored[0].chosen, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(scored[1].rejected, scored[0].rejected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_every_verified_architecture_packs_exactly(model_type):
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(CONFIGS[model_type](), attn_implementation="sdpa").eval()
+    g = torch.Generator().manual_seed(3)
+    for name in ("shared_prompt", "rollout"):
+        batch = batches(g)[name]
+        padded, packed = (LocalScoringWorker(model, TrainerConfig(packing=packing)).logprobs(batch)
+                          for packing in (False, True))
+        targets = target_mask(batch)
+        torch.testing.assert_close(packed[targets], padded[targets], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_packed_reward_model_scores_are_read_where_the_classifier_pools():
+    torch.manual_seed(0)
+    model = T.AutoModelForSequenceClassification.from_config(T.LlamaConfig(**SIZES, num_labels=1, pad_token_id=0))
+    g = torch.Generator().manual_seed(4)
+    rows = examples(g)
+    # A real last token equal to the pad id: the classifier reads the token before it, and so must packing.
+    rows[1] = TokenizedExample(rows[1].input_ids[:-1] + (0,), rows[1].loss_mask, "x")
+    batch = collate_padded(rows, 0)
+    padded, packed = (LocalScoringWorker(model, TrainerConfig(packing=packing), role="reward").sequence_scores(batch)
+                      for packing in (False, True))
+    assert padded.shape == (5,)
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_critic_values_match_the_padded_ones_up_to_the_bootstrap_position():
+    torch.manual_seed(0)
+    model = T.AutoModelForSequenceClassification.from_config(T.LlamaConfig(**SIZES, num_labels=1, pad_token_id=0))
+    batch = rollouts(torch.Generator().manual_seed(5))
+    padded, packed = (ValueWorker(copy.deepcopy(model), None, TrainerConfig(packing=packing)).values(batch)
+                      for packing in (False, True))
+    # V(s_t) for t = 1 .. length: every state an episode passes through, the one after its last token included.
+    read = torch.arange(batch.input_ids.shape[1]) <= batch.attention_mask.sum(-1, keepdim=True)
+    read[:, 0] = False
+    torch.testing.assert_close(packed[read], padded[read], atol=1e-5, rtol=1e-5)
+
+
+def test_packing_is_refused_by_name_for_an_unverified_architecture():
+    config = T.BloomConfig(vocab_size=V, hidden_size=32, n_layer=2, n_head=4)
+    model = T.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    for build in (lambda trainer: LocalScoringWorker(model, trainer), lambda trainer: LocalPolicyWorker(model, None, trainer)):
+        with pytest.raises(RunError, match="trainer.packing=true would not be exact: architecture 'bloom'"):
+            build(TrainerConfig(packing=True))
+    worker = LocalScoringWorker(model, TrainerConfig(packing=False))
+    worker.trainer = TrainerConfig(packing=True)  # the forward pass's own guard, past construction
+    with pytest.raises(RunError, match="trainer.packing=true would not be exact: architecture 'bloom'"):
+        worker.logprobs(batches(torch.Generator().manual_seed(6))["rollout"])
+
+
+def test_dpo_rm_and_ppo_train_alike_packed(tmp_path, tiny_model_dir):
+    # The recipes' workers (policy, reference, reward model, critic) pack every padded micro-batch: the same
+    # losses step by step, to float32 rounding.
+    from posttrain.algorithms.dpo import train_dpo
+    from posttrain.algorithms.ppo import train_ppo
+    from posttrain.algorithms.rm import train_rm
+    from posttrain.config import DPOConfig, RMConfig, load_config
+    from posttrain.config.schema import PPOConfig
+    from posttrain.logging import read_metrics
+    from rl_configs import DIGITS, TINY_RL
+    from test_dpo import BASE as DPO_BASE
+    from test_rm import BASE as RM_BASE
+
+    def records(directory, key):
+        return [r[key] for r in read_metrics(directory / "metrics.jsonl") if key in r]
+
+    runs = {
+        "dpo": (train_dpo, DPOConfig, [*DPO_BASE, "trainer.max_steps=3"]),
+        "rm": (train_rm, RMConfig, [*RM_BASE, "data.train_files=['posttrain/arithmetic-preference[:128]']",
+                                    "trainer.max_steps=3"]),
+        "ppo": (train_ppo, PPOConfig, [*TINY_RL, *DIGITS, "critic.learning_rate=1e-3", "trainer.max_steps=2",
+                                       "rollout.temperature=0.8"]),
+    }
+    for name, (train, schema, overrides) in runs.items():
+        for packing in (False, True):
+            train(load_config(schema, None, [*overrides, f"output_dir={tmp_path / name / str(packing)}",
+                                             f"trainer.packing={str(packing).lower()}"]))
+        rl_keys = ("value/loss", "value/mean", "entropy", "reward/mean") if name == "ppo" else ()
+        for key in ("loss", "grad_norm", *rl_keys):
+            padded, packed = (records(tmp_path / name / str(packing), key) for packing in (False, True))
+            assert len(padded) == (2 if name == "ppo" else 3), (name, key)
+            assert packed == pytest.approx(padded, rel=1e-4, abs=1e-5), (name, key)
