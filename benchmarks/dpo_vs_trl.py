@@ -267,6 +267,8 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
             "keep_last": 1,
             "num_threads": spec["threads"],
             "lm_head": spec.get("lm_head", "auto"),
+            "packing": spec.get("packing", False),
+            "lm_head_chunk_size": spec.get("lm_head_chunk_size", 1024),
         },
         "logging": {"progress": "none", "plot": False},
     }
@@ -699,6 +701,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="model directory or embedded name (default: the shape's)")
     parser.add_argument("--lm-head", choices=["auto", "chunked", "full"], default="auto",
                         help="posttrain's trainer.lm_head (default auto)")
+    parser.add_argument("--packing", action="store_true",
+                        help="posttrain's trainer.packing=true: each padded micro-batch runs packed (default off)")
+    parser.add_argument("--lm-head-chunk-size", type=int, default=1024,
+                        help="posttrain's trainer.lm_head_chunk_size (default 1024)")
     parser.add_argument("--pairs-per-step", type=int, default=32, help="preference pairs per optimizer step (default 32)")
     parser.add_argument("--accumulation", type=int, default=1,
                         help="micro-batches per optimizer step; must divide --pairs-per-step (default 1)")
@@ -787,6 +793,8 @@ def main(argv: list[str] | None = None) -> int:
                     "trl_optim": args.trl_optim,
                     "share_prompt": args.share_prompt,
                     "lm_head": args.lm_head,
+                    "packing": args.packing,
+                    "lm_head_chunk_size": args.lm_head_chunk_size,
                 }
                 spec_path = work_dir / f"{framework}-{repeat}.spec.json"
                 result_path = work_dir / f"{framework}-{repeat}.result.json"
@@ -821,7 +829,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.accumulation}), sigmoid DPO beta {args.beta} against a frozen reference copy, no SFT term, lr "
           f"{args.learning_rate} {args.lr_scheduler} (warm-up {args.warmup_steps}), fp32 on CPU, {args.steps} steps, "
           f"step times over steps {args.skip_steps + 1}-{args.steps}, medians of {args.repeats} repeat(s), order "
-          f"alternating, posttrain trainer.lm_head={args.lm_head}. Ratios are TRL/posttrain.")
+          f"alternating, posttrain trainer.lm_head={args.lm_head} trainer.packing={str(args.packing).lower()} "
+          f"trainer.lm_head_chunk_size={args.lm_head_chunk_size}. "
+          "Ratios are TRL/posttrain.")
     print()
     print(text)
     print()

@@ -224,6 +224,8 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
             "keep_last": 1,
             "num_threads": spec["threads"],
             "lm_head": spec.get("lm_head", "auto"),
+            "packing": spec.get("packing", False),
+            "lm_head_chunk_size": spec.get("lm_head_chunk_size", 1024),
         },
         "logging": {"progress": "none", "plot": False},
     }
@@ -489,6 +491,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="model directory or embedded name (default: the shape's)")
     parser.add_argument("--lm-head", choices=["auto", "chunked", "full"], default="auto",
                         help="posttrain's trainer.lm_head (default auto)")
+    parser.add_argument("--packing", action="store_true",
+                        help="posttrain's trainer.packing=true: each padded micro-batch runs packed (default off)")
+    parser.add_argument("--lm-head-chunk-size", type=int, default=1024,
+                        help="posttrain's trainer.lm_head_chunk_size (default 1024)")
     parser.add_argument("--prompts-per-step", type=int, default=16, help="prompts per optimizer step (default 16)")
     parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (default 8)")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="completion budget in tokens (default 8)")
@@ -561,6 +567,8 @@ def main(argv: list[str] | None = None) -> int:
                     "threads": args.threads,
                     "max_prompt_length": max_prompt_length,
                     "lm_head": args.lm_head,
+                    "packing": args.packing,
+                    "lm_head_chunk_size": args.lm_head_chunk_size,
                     "trl_optim": args.trl_optim,
                 }
                 spec_path = work_dir / f"{framework}-{repeat}.spec.json"
@@ -594,7 +602,9 @@ def main(argv: list[str] | None = None) -> int:
           f"completions of at most {args.max_new_tokens} tokens per step, exact-match reward, group-normalized "
           f"advantages, token-mean clipped loss, no KL, lr {args.learning_rate} constant, fp32 on CPU, "
           f"{args.steps} steps, step times over steps {args.skip_steps + 1}-{args.steps}, medians of "
-          f"{args.repeats} repeat(s), order alternating. Ratios are TRL/posttrain.")
+          f"{args.repeats} repeat(s), order alternating, posttrain trainer.lm_head={args.lm_head} trainer.packing="
+          f"{str(args.packing).lower()} trainer.lm_head_chunk_size={args.lm_head_chunk_size}. Ratios are "
+          "TRL/posttrain.")
     print()
     print(text)
     print()

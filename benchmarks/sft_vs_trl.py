@@ -167,6 +167,8 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
             "keep_last": 1,
             "num_threads": spec["threads"],
             "lm_head": spec["lm_head"],
+            "packing": spec.get("packing", False),
+            "lm_head_chunk_size": spec.get("lm_head_chunk_size", 1024),
         },
         "logging": {"progress": "none", "plot": False},
     }
@@ -488,6 +490,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="max tokens per example (default: the shape's, 32 for tiny, 2080 for vocab152k)")
     parser.add_argument("--lm-head", choices=["auto", "chunked", "full"], default="auto",
                         help="posttrain's trainer.lm_head (default auto)")
+    parser.add_argument("--packing", action="store_true",
+                        help="posttrain's trainer.packing=true: each padded micro-batch runs packed (default off)")
+    parser.add_argument("--lm-head-chunk-size", type=int, default=1024,
+                        help="posttrain's trainer.lm_head_chunk_size (default 1024)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads in both workers (default: torch's default, the same in both)")
@@ -562,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
                         "threads": args.threads,
                         "trl_optim": args.trl_optim,
                         "lm_head": args.lm_head,
+                        "packing": args.packing,
+                        "lm_head_chunk_size": args.lm_head_chunk_size,
                     }
                     spec_path = setting_dir / f"{framework}-{repeat}.spec.json"
                     result_path = setting_dir / f"{framework}-{repeat}.result.json"
@@ -598,8 +606,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"## posttrain SFT vs TRL {versions['trl']} SFTTrainer (torch {versions['torch']}, "
           f"transformers {versions['transformers']}, accelerate {versions['accelerate']})")
     print()
-    print(f"{model_name}, {dataset}, fp32 on CPU, completion-only loss, no packing, posttrain trainer.lm_head="
-          f"{args.lm_head}, lr {args.learning_rate} "
+    print(f"{model_name}, {dataset}, fp32 on CPU, completion-only loss, no collation packing, posttrain trainer.lm_head="
+          f"{args.lm_head} trainer.packing={str(args.packing).lower()} "
+          f"trainer.lm_head_chunk_size={args.lm_head_chunk_size}, lr {args.learning_rate} "
           f"{args.lr_scheduler} (warm-up {args.warmup_steps}), {args.steps} steps, throughput over steps "
           f"{args.skip_steps + 1}-{args.steps}, medians of {args.repeats} repeat(s), order alternating.")
     print()
