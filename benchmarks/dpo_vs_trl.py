@@ -268,6 +268,7 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
             "num_threads": spec["threads"],
             "lm_head": spec.get("lm_head", "auto"),
             "packing": spec.get("packing", False),
+            "compile": spec.get("compile", False),
             "lm_head_chunk_size": spec.get("lm_head_chunk_size", 1024),
         },
         "logging": {"progress": "none", "plot": False},
@@ -705,6 +706,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="posttrain's trainer.packing=true: each padded micro-batch runs packed (default off)")
     parser.add_argument("--lm-head-chunk-size", type=int, default=1024,
                         help="posttrain's trainer.lm_head_chunk_size (default 1024)")
+    parser.add_argument("--compile", action="store_true",
+                        help="posttrain's trainer.compile=true: torch.compile the model (default off)")
     parser.add_argument("--pairs-per-step", type=int, default=32, help="preference pairs per optimizer step (default 32)")
     parser.add_argument("--accumulation", type=int, default=1,
                         help="micro-batches per optimizer step; must divide --pairs-per-step (default 1)")
@@ -794,6 +797,7 @@ def main(argv: list[str] | None = None) -> int:
                     "share_prompt": args.share_prompt,
                     "lm_head": args.lm_head,
                     "packing": args.packing,
+                    "compile": args.compile,
                     "lm_head_chunk_size": args.lm_head_chunk_size,
                 }
                 spec_path = work_dir / f"{framework}-{repeat}.spec.json"
@@ -830,6 +834,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.learning_rate} {args.lr_scheduler} (warm-up {args.warmup_steps}), fp32 on CPU, {args.steps} steps, "
           f"step times over steps {args.skip_steps + 1}-{args.steps}, medians of {args.repeats} repeat(s), order "
           f"alternating, posttrain trainer.lm_head={args.lm_head} trainer.packing={str(args.packing).lower()} "
+          f"trainer.compile={str(args.compile).lower()} "
           f"trainer.lm_head_chunk_size={args.lm_head_chunk_size}. "
           "Ratios are TRL/posttrain.")
     print()

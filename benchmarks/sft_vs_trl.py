@@ -168,6 +168,7 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
             "num_threads": spec["threads"],
             "lm_head": spec["lm_head"],
             "packing": spec.get("packing", False),
+            "compile": spec.get("compile", False),
             "lm_head_chunk_size": spec.get("lm_head_chunk_size", 1024),
         },
         "logging": {"progress": "none", "plot": False},
@@ -494,6 +495,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="posttrain's trainer.packing=true: each padded micro-batch runs packed (default off)")
     parser.add_argument("--lm-head-chunk-size", type=int, default=1024,
                         help="posttrain's trainer.lm_head_chunk_size (default 1024)")
+    parser.add_argument("--compile", action="store_true",
+                        help="posttrain's trainer.compile=true: torch.compile the model (default off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads in both workers (default: torch's default, the same in both)")
@@ -569,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
                         "trl_optim": args.trl_optim,
                         "lm_head": args.lm_head,
                         "packing": args.packing,
+                        "compile": args.compile,
                         "lm_head_chunk_size": args.lm_head_chunk_size,
                     }
                     spec_path = setting_dir / f"{framework}-{repeat}.spec.json"
@@ -608,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{model_name}, {dataset}, fp32 on CPU, completion-only loss, no collation packing, posttrain trainer.lm_head="
           f"{args.lm_head} trainer.packing={str(args.packing).lower()} "
+          f"trainer.compile={str(args.compile).lower()} "
           f"trainer.lm_head_chunk_size={args.lm_head_chunk_size}, lr {args.learning_rate} "
           f"{args.lr_scheduler} (warm-up {args.warmup_steps}), {args.steps} steps, throughput over steps "
           f"{args.skip_steps + 1}-{args.steps}, medians of {args.repeats} repeat(s), order alternating.")

@@ -189,3 +189,63 @@ def test_dpo_rm_and_ppo_train_alike_packed(tmp_path, tiny_model_dir):
             padded, packed = (records(tmp_path / name / str(packing), key) for packing in (False, True))
             assert len(padded) == (2 if name == "ppo" else 3), (name, key)
             assert packed == pytest.approx(padded, rel=1e-4, abs=1e-5), (name, key)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_chunked_topk_is_the_full_topk_at_the_positions_that_predict_a_target(packing):
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(T.LlamaConfig(**SIZES)).eval()
+    g = torch.Generator().manual_seed(7)
+    for name, batch in batches(g).items():
+        full_values, full_ids = LocalScoringWorker(model, TrainerConfig(lm_head="full")).topk_logprobs(
+            batch, k=4, temperature=0.8)
+        values, ids = LocalScoringWorker(model, TrainerConfig(lm_head="chunked", lm_head_chunk_size=3,
+                                                              packing=packing)).topk_logprobs(batch, k=4,
+                                                                                               temperature=0.8)
+        rows, columns = target_mask(batch).nonzero(as_tuple=True)
+        sources = torch.zeros(batch.input_ids.shape, dtype=torch.bool)
+        sources[rows, columns - 1] = True
+        if name == "shared_prompt":  # the first rejected token is predicted from the prompt's last position
+            sources[torch.arange(len(batch.prompt_ends)), batch.rejected_starts - 1] = False
+            sources[torch.arange(len(batch.prompt_ends)), batch.prompt_ends] = True
+        torch.testing.assert_close(values[sources], full_values[sources], atol=1e-5, rtol=1e-5, msg=name)
+        assert torch.equal(ids[sources], full_ids[sources]), name
+        assert (values[~sources] == 0).all() and (ids[~sources] == 0).all(), name
+
+
+def test_compile_is_refused_where_it_is_not_available():
+    from posttrain.config import ConfigError, load_config
+    from posttrain.config.schema import GRPOConfig
+    from posttrain.distributed.fsdp import FSDP2PolicyWorker, FSDP2ScoringWorker
+    from rl_configs import TINY_RL
+
+    with pytest.raises(ConfigError, match="trainer.compile=true is not available to the RL recipes"):
+        load_config(GRPOConfig, None, [*TINY_RL, "output_dir=unused", "trainer.compile=true"])
+    model = T.AutoModelForCausalLM.from_config(T.LlamaConfig(**SIZES))
+    for build in (lambda: FSDP2PolicyWorker(model, None, TrainerConfig(compile=True)),
+                  lambda: FSDP2ScoringWorker(model, TrainerConfig(compile=True))):
+        with pytest.raises(RunError, match="trainer.compile=true is not available with several processes"):
+            build()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lm_head", ["full", "chunked"])
+def test_a_compiled_policy_computes_what_an_eager_one_does(lm_head):
+    # trainer.compile compiles the module in place: the same losses and gradients (to float32 rounding, inductor
+    # reorders some reductions), the chunked head's identity-head pass included, and unchanged parameter names.
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(T.LlamaConfig(**SIZES))
+    g = torch.Generator().manual_seed(8)
+    # Two shapes: dynamic, not one graph per shape.
+    data = [collate_padded(examples(g, lengths), 0) for lengths in ((5, 11, 3, 8, 2), (7, 4, 9, 13, 6))]
+    results = {}
+    for compiled in (False, True):
+        worker = policy(model, compile=compiled, lm_head=lm_head, lm_head_chunk_size=5)
+        losses = []
+        for batch in data:
+            losses.append(worker.forward_backward(batch, sum_of_targets, 10.0, outputs="target_logprobs")["loss"])
+        results[compiled] = [float(loss.total) for loss in losses], [p.grad.clone() for p in worker.model.parameters()]
+        assert set(worker.model.state_dict()) == set(model.state_dict())
+    assert results[True][0] == pytest.approx(results[False][0], rel=1e-5, abs=1e-6)
+    for a, b in zip(results[True][1], results[False][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -161,6 +161,12 @@ class TrainerConfig(NumericSection):
     more attention than a padded one. Architectures whose custom masks are not verified exact are refused (docs/
     data.md, "Batching and packing"). SFT's data.packing packs examples into data.max_length rows at collation."""
 
+    compile: bool = False
+    """torch.compile the model's forward (dynamic shapes) for the training and scoring passes of SFT, DPO and
+    reward-model training. Off by default: on CPU it needs a C++ compiler and costs minutes of compilation before
+    the first step; measured speed-ups are in BENCHMARKS.md. Not available to the RL recipes, whose generator
+    calls the same module with ever-changing cache shapes."""
+
     lm_head_chunk_size: int = Field(1024, gt=0)
     """Positions per chunk of the chunked LM head (1,024 × a 152k vocabulary is 0.6 GB of float32 logits)."""
 
@@ -947,6 +953,9 @@ class GRPOConfig(RecipeConfig):
     @model_validator(mode="after")
     def _check(self) -> GRPOConfig:
         check_evaluation_names(self.evaluation)
+        if self.trainer.compile:
+            raise ValueError("trainer.compile=true is not available to the RL recipes: the rollout generator runs "
+                             "the same module, whose cache shapes change every token; set trainer.compile=false")
         if not self.data.train_files:
             raise ValueError("data.train_files is empty: give at least one file or dataset of prompts")
         if self.data.format not in ("auto", "prompt_only"):

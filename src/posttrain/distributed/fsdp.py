@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from posttrain.errors import RunError
 from posttrain.checkpoint import export_final, is_sharded, load_sharded_state, save_sharded_state
 from posttrain.config.schema import TrainerConfig
 from posttrain.distributed.env import barrier, is_main, rank, world_size
@@ -76,6 +77,7 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
                  unsharded: Callable[[], torch.nn.Module] | None = None):
         """unsharded: builds a plain copy of the starting model (with fresh adapters for LoRA) on the CPU, which
         rank 0 fills with the gathered weights to export a LoRA model (merging needs the peft module whole)."""
+        refuse_compile(trainer)
         self._unsharded = unsharded
         self._plain: torch.nn.Module | None = None
         shard_module(model, trainer, cpu_offload)
@@ -176,10 +178,18 @@ class FSDP2ScoringWorker(LocalScoringWorker):
 
     def __init__(self, model: torch.nn.Module, trainer: TrainerConfig, role: str = "reference",
                  cpu_offload: bool = False):
+        refuse_compile(trainer)
         model.eval()
         model.requires_grad_(False)
         shard_module(model, trainer, cpu_offload)
         super().__init__(model, trainer, role)
+
+
+def refuse_compile(trainer: TrainerConfig) -> None:
+    """trainer.compile is measured and tested in one process only."""
+    if trainer.compile:
+        raise RunError("trainer.compile=true is not available with several processes (FSDP2) yet; set "
+                       "trainer.compile=false")
 
 
 def load_exactly(plain: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:

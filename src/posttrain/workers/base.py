@@ -113,7 +113,8 @@ class ScoringWorker(Protocol):
 
     def topk_logprobs(self, batch: AnyBatch, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         """([N, T, k] log-probabilities, [N, T, k] token ids) of the k most likely next tokens at every position
-        (position t predicts token t + 1), on CPU."""
+        (position t predicts token t + 1), on CPU. With a chunked LM head (trainer.lm_head), only at the positions
+        that predict a target token (the batch's loss_mask: a student's positions), 0 at the others."""
         ...
 
     def sequence_scores(self, batch: AnyBatch) -> torch.Tensor:

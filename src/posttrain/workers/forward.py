@@ -145,14 +145,9 @@ def chunked_head_outputs(model: torch.nn.Module, batch: AnyBatch, kind: Outputs,
 
     The hidden states come from the model's own forward, its LM head's forward replaced by the identity for that
     pass (so the head multiplies nothing there), so masks and positions are exactly those of `forward_logits`."""
+    hidden, (rows, sources, columns) = target_hidden(model, batch)
     head = model.get_output_embeddings()
-    head.forward = identity  # an instance attribute: for this pass the head returns its input, computing nothing
-    try:
-        hidden = forward_logits(model, batch)
-    finally:
-        del head.forward
-    rows, sources, columns = target_positions(batch)
-    scored = chunked_token_logprobs(hidden[rows, sources], head.weight, batch.input_ids[rows, columns],
+    scored = chunked_token_logprobs(hidden, head.weight, batch.input_ids[rows, columns],
                                     bias=head.bias, temperature=temperature, chunk_size=chunk_size,
                                     return_entropy=kind == "target_scores")
     def placed(values: torch.Tensor) -> torch.Tensor:  # [n] at the targets -> [B, T], 0 elsewhere
@@ -161,6 +156,39 @@ def chunked_head_outputs(model: torch.nn.Module, batch: AnyBatch, kind: Outputs,
     if kind == "target_logprobs":
         return placed(scored)
     return TargetScores(*(placed(values) for values in scored))
+
+
+def target_hidden(model: torch.nn.Module, batch: AnyBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """([n, H] the last hidden states at the positions that predict the batch's n targets, `target_positions`),
+    from one forward pass whose LM head computes nothing."""
+    head = model.get_output_embeddings()
+    head.forward = identity  # an instance attribute: for this pass the head returns its input, computing nothing
+    try:
+        hidden = forward_logits(model, batch)
+    finally:
+        del head.forward
+    positions = target_positions(batch)
+    rows, sources, _ = positions
+    return hidden[rows, sources], positions
+
+
+@torch.no_grad()
+def topk_at_targets(hidden: torch.Tensor, head: torch.nn.Module, positions: tuple[torch.Tensor, ...],
+                    shape: torch.Size, k: int, chunk_size: int, temperature: float = 1.0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, T, k] log-probabilities, [B, T, k] ids) of the k likeliest tokens at each position that predicts a
+    target (the position before it, as in `topk_logprobs`), 0 elsewhere, from the hidden states there ([n, H],
+    `target_hidden`): the LM head on chunk_size positions at a time, never on the others."""
+    rows, sources, _ = positions
+    values = torch.zeros((*shape, k), dtype=torch.float32, device=hidden.device)
+    ids = torch.zeros((*shape, k), dtype=torch.long, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        logits = F.linear(hidden[start : start + chunk_size], head.weight, head.bias).float() / temperature
+        top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+        at = (rows[start : start + chunk_size], sources[start : start + chunk_size])
+        values.index_put_(at, top.values)
+        ids.index_put_(at, top.indices)
+    return values, ids
 
 
 def outputs_of_logits(logits: torch.Tensor, batch: AnyBatch, kind: Outputs,

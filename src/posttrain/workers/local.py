@@ -43,10 +43,12 @@ from posttrain.workers.forward import (
     forward_logits,
     lm_head_problem,
     outputs_of_logits,
+    target_hidden,
+    topk_at_targets,
     uses_chunked_head,
 )
 from posttrain.workers.metrics import Metric, MetricDict
-from posttrain.workers.packed import packed_logits, packed_target_outputs
+from posttrain.workers.packed import packed_logits, packed_target_hidden, packed_target_outputs
 
 
 class _LocalModel:
@@ -90,6 +92,12 @@ class _LocalModel:
         """RunError at construction when trainer.packing is on for an architecture whose masks are not verified."""
         if self.trainer.packing and (problem := unverified_architecture(self.model.config)):
             raise RunError(f"trainer.packing=true would not be exact: {problem}; set trainer.packing=false")
+
+    def _compile_if_asked(self) -> None:
+        """trainer.compile: torch.compile the module's forward in place (state_dict names unchanged), with dynamic
+        shapes so that variable-length batches reuse one graph."""
+        if self.trainer.compile:
+            self.model.compile(dynamic=True)
 
     def _packs(self, batch: AnyBatch) -> bool:
         """Whether trainer.packing packs `batch`: a padded one (an SFT batch packed at collation is left alone)."""
@@ -142,6 +150,7 @@ class LocalPolicyWorker(_LocalModel):
         self.scheduler = build_scheduler(self.optimizer, schedule or trainer)
         self._nonfinite_loss = False
         self._refuse_inexact_packing()
+        self._compile_if_asked()
         has_lm_head = getattr(model, "get_output_embeddings", lambda: None)() is not None  # not critics, not RMs
         if trainer.lm_head == "chunked" and has_lm_head and (problem := self._head_problem()):
             raise RunError(f"trainer.lm_head=chunked: {problem}; use trainer.lm_head=auto or full")
@@ -247,6 +256,8 @@ class LocalScoringWorker(_LocalModel):
                  adapters_off: bool = False):
         self.model, self.trainer, self.role, self.adapters_off = model, trainer, role, adapters_off
         self._refuse_inexact_packing()
+        if not adapters_off:  # a LoRA policy's base is the policy's own module, compiled (or not) with it
+            self._compile_if_asked()
         if not adapters_off:
             self.model.eval()
             self.model.requires_grad_(False)
@@ -255,10 +266,18 @@ class LocalScoringWorker(_LocalModel):
         values, indices = [], []
         with self._frozen_pass():
             for chunk in self._chunks(batch):
-                logits = self._outputs(batch_to(chunk, self.device)).float() / temperature
-                top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
-                values.append(top.values.cpu())
-                indices.append(top.indices.cpu())
+                chunk = batch_to(chunk, self.device)
+                if self._chunked_head(chunk):  # only the positions that predict a target, chunk by chunk
+                    with autocast(self.trainer, self.device):
+                        hidden, positions = (packed_target_hidden if self._packs(chunk) else target_hidden)(
+                            self.model, chunk)
+                    top = topk_at_targets(hidden, self.model.get_output_embeddings(), positions,
+                                          chunk.input_ids.shape, k, self.trainer.lm_head_chunk_size, temperature)
+                else:
+                    logits = self._outputs(chunk).float() / temperature
+                    top = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+                values.append(top[0].cpu())
+                indices.append(top[1].cpu())
         return torch.cat(values), torch.cat(indices)
 
     def sequence_scores(self, batch: AnyBatch) -> torch.Tensor:

@@ -148,18 +148,17 @@ def packed_target_outputs(model: torch.nn.Module, batch: AnyBatch, kind: str, ch
     each target's log-probability (and entropy) from the packed position that predicts it, placed at its padded
     [B, T] position, 0 elsewhere. `chunked`: the LM head on those positions only (posttrain.losses.chunked);
     else the model's own logits, gathered there."""
-    packed = pack_batch(batch)
     rows, sources, columns = target_positions(batch)
-    packed_sources = packed.index[rows, sources]
     tokens = batch.input_ids[rows, columns]
     want_entropy = kind == "target_scores"
     if chunked:
         head = model.get_output_embeddings()
-        hidden = run_packed(model, packed, head_identity=True).flatten(0, 1)[packed_sources]
+        hidden, _ = packed_target_hidden(model, batch)
         scored = chunked_token_logprobs(hidden, head.weight, tokens, bias=head.bias, temperature=temperature,
                                         chunk_size=chunk_size, return_entropy=want_entropy)
     else:
-        logits = run_packed(model, packed).flatten(0, 1)[packed_sources].float()
+        packed = pack_batch(batch)
+        logits = run_packed(model, packed).flatten(0, 1)[packed.index[rows, sources]].float()
         if temperature != 1.0:
             logits = logits / temperature
         logprobs = -F.cross_entropy(logits, tokens, reduction="none")
@@ -171,6 +170,15 @@ def packed_target_outputs(model: torch.nn.Module, batch: AnyBatch, kind: str, ch
     if kind == "target_logprobs":
         return placed(scored)
     return TargetScores(*(placed(values) for values in scored))
+
+
+def packed_target_hidden(model: torch.nn.Module, batch: AnyBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """`forward.target_hidden` from one packed pass: the last hidden states [n, H] at the positions that predict
+    the batch's targets, and those positions (`target_positions`, padded coordinates)."""
+    packed = pack_batch(batch)
+    positions = target_positions(batch)
+    rows, sources, _ = positions
+    return run_packed(model, packed, head_identity=True).flatten(0, 1)[packed.index[rows, sources]], positions
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
