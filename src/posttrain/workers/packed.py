@@ -72,19 +72,20 @@ class PackedRows:
         return packed.flatten(0, 1)[self.index]
 
 
-def real_lengths(batch: AnyBatch) -> torch.Tensor:
-    """[B] real (non-padding) tokens of each right-padded row."""
+def real_tokens(batch: AnyBatch) -> torch.Tensor:
+    """[B, T] bool, the batch's real (non-padding) tokens."""
     if isinstance(batch, SharedPromptBatch):
-        return (batch.segments != PADDING).sum(-1)
+        return batch.segments != PADDING
     if batch.attention_mask is None:
         raise ValueError("this batch is packed already (attention_mask None); trainer.packing packs padded batches")
-    return batch.attention_mask.sum(-1)
+    return batch.attention_mask > 0
 
 
 def pack_batch(batch: AnyBatch) -> PackedRows:
     """The packed layout of a right-padded batch: its rows first-fit decreasing into rows no wider than its widest
     (`data.collate.pack_rows`), tokens in order within each."""
-    lengths = real_lengths(batch)
+    real = real_tokens(batch)
+    lengths = real.sum(-1)
     host_lengths = lengths.tolist()  # the layout is chosen on the host (a device batch waits here once)
     groups = pack_rows(host_lengths, max(host_lengths))
     width = max(sum(host_lengths[i] for i in group) for group in groups)
@@ -100,7 +101,9 @@ def pack_batch(batch: AnyBatch) -> PackedRows:
             blocks[packed_row, start : start + n] = row
             start += n
     flat_index = flat_index.to(device)
-    real = torch.arange(length, device=device)[None, :] < lengths[:, None]
+    if not torch.equal(real, torch.arange(length, device=device)[None, :] < lengths[:, None]):
+        raise ValueError("trainer.packing packs right-padded rows (real tokens first, then padding); this batch has "
+                         "padding between real tokens")
     sources, targets = flat_index[real], real.nonzero(as_tuple=True)
 
     def scattered(values: torch.Tensor, fill: int) -> torch.Tensor:
