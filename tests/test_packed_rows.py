@@ -28,7 +28,7 @@ def examples(g, lengths=(5, 11, 3, 8, 2)):
 
 def pairs(g):
     return [PreferenceExample(random_ids(p, g), random_ids(c, g), random_ids(r, g), "x")
-            for p, c, r in ((4, 3, 5), (9, 2, 2), (2, 6, 3), (3, 1, 1))]
+            for p, c, r in ((4, 3, 5), (9, 2, 2), (2, 6, 3), (3, 1, 1), (2, 2, 2))]  # the last two share a row
 
 
 def rollouts(g, lengths=(6, 12, 4, 9)):
@@ -77,6 +77,7 @@ def test_packed_batches_give_the_padded_logprobs_entropies_and_gradients(attenti
     model = T.AutoModelForCausalLM.from_config(T.LlamaConfig(**SIZES), attn_implementation=attention)
     g = torch.Generator().manual_seed(1)
     for name, batch in batches(g).items():
+        assert pack_batch(batch).input_ids.shape[0] < batch.input_ids.shape[0], name  # rows do share rows
         results = {}
         for packing in (False, True):
             worker = policy(model, packing=packing, lm_head=lm_head, lm_head_chunk_size=5)
@@ -113,6 +114,7 @@ def test_every_verified_architecture_packs_exactly(model_type):
     g = torch.Generator().manual_seed(3)
     for name in ("shared_prompt", "rollout"):
         batch = batches(g)[name]
+        assert pack_batch(batch).input_ids.shape[0] < batch.input_ids.shape[0], name
         padded, packed = (LocalScoringWorker(model, TrainerConfig(packing=packing)).logprobs(batch)
                           for packing in (False, True))
         targets = target_mask(batch)
@@ -127,6 +129,7 @@ def test_packed_reward_model_scores_are_read_where_the_classifier_pools():
     # A real last token equal to the pad id: the classifier reads the token before it, and so must packing.
     rows[1] = TokenizedExample(rows[1].input_ids[:-1] + (0,), rows[1].loss_mask, "x")
     batch = collate_padded(rows, 0)
+    assert pack_batch(batch).input_ids.shape[0] < batch.input_ids.shape[0]
     padded, packed = (LocalScoringWorker(model, TrainerConfig(packing=packing), role="reward").sequence_scores(batch)
                       for packing in (False, True))
     assert padded.shape == (5,)
@@ -137,6 +140,7 @@ def test_packed_critic_values_match_the_padded_ones_up_to_the_bootstrap_position
     torch.manual_seed(0)
     model = T.AutoModelForSequenceClassification.from_config(T.LlamaConfig(**SIZES, num_labels=1, pad_token_id=0))
     batch = rollouts(torch.Generator().manual_seed(5))
+    assert pack_batch(batch).input_ids.shape[0] < batch.input_ids.shape[0]
     padded, packed = (ValueWorker(copy.deepcopy(model), None, TrainerConfig(packing=packing)).values(batch)
                       for packing in (False, True))
     # V(s_t) for t = 1 .. length: every state an episode passes through, the one after its last token included.
@@ -157,9 +161,14 @@ def test_packing_is_refused_by_name_for_an_unverified_architecture():
         worker.logprobs(batches(torch.Generator().manual_seed(6))["rollout"])
 
 
-def test_dpo_rm_and_ppo_train_alike_packed(tmp_path, tiny_model_dir):
+def test_dpo_rm_and_ppo_train_alike_packed(tmp_path, tiny_model_dir, monkeypatch):
     # The recipes' workers (policy, reference, reward model, critic) pack every padded micro-batch: the same
-    # losses step by step, to float32 rounding.
+    # losses step by step, to float32 rounding. The rows' lengths spread 4-fold, so rows do share packed rows.
+    import json
+    import random
+
+    import posttrain.workers.packed as packed_module
+    import posttrain.workers.value as value_module
     from posttrain.algorithms.dpo import train_dpo
     from posttrain.algorithms.ppo import train_ppo
     from posttrain.algorithms.rm import train_rm
@@ -173,17 +182,37 @@ def test_dpo_rm_and_ppo_train_alike_packed(tmp_path, tiny_model_dir):
     def records(directory, key):
         return [r[key] for r in read_metrics(directory / "metrics.jsonl") if key in r]
 
+    rng = random.Random(0)
+
+    def text(low, high):
+        return "".join(rng.choice("abcdefgh ") for _ in range(rng.randint(low, high)))
+
+    pairs_file, prompts_file = tmp_path / "pairs.jsonl", tmp_path / "prompts.jsonl"
+    pairs_file.write_text("".join(json.dumps({"prompt": text(2, 12), "chosen": text(1, 8) + "1",
+                                              "rejected": text(1, 8) + "2"}) + "\n" for _ in range(64)))
+    prompts_file.write_text("".join(json.dumps({"prompt": text(2, 20)}) + "\n" for _ in range(64)))
+    shared_rows = []
+    original = packed_module.pack_batch
+
+    def spy(batch):
+        layout = original(batch)
+        shared_rows.append(layout.input_ids.shape[0] < batch.input_ids.shape[0])
+        return layout
+
+    monkeypatch.setattr(packed_module, "pack_batch", spy)
+    monkeypatch.setattr(value_module, "pack_batch", spy)
     runs = {
-        "dpo": (train_dpo, DPOConfig, [*DPO_BASE, "trainer.max_steps=3"]),
-        "rm": (train_rm, RMConfig, [*RM_BASE, "data.train_files=['posttrain/arithmetic-preference[:128]']",
-                                    "trainer.max_steps=3"]),
-        "ppo": (train_ppo, PPOConfig, [*TINY_RL, *DIGITS, "critic.learning_rate=1e-3", "trainer.max_steps=2",
-                                       "rollout.temperature=0.8"]),
+        "dpo": (train_dpo, DPOConfig, [*DPO_BASE, f"data.train_files=['{pairs_file}']", "trainer.max_steps=3"]),
+        "rm": (train_rm, RMConfig, [*RM_BASE, f"data.train_files=['{pairs_file}']", "trainer.max_steps=3"]),
+        "ppo": (train_ppo, PPOConfig, [*TINY_RL, *DIGITS, f"data.train_files=['{prompts_file}']",
+                                       "critic.learning_rate=1e-3", "trainer.max_steps=2", "rollout.temperature=0.8"]),
     }
     for name, (train, schema, overrides) in runs.items():
         for packing in (False, True):
+            shared_rows.clear()
             train(load_config(schema, None, [*overrides, f"output_dir={tmp_path / name / str(packing)}",
                                              f"trainer.packing={str(packing).lower()}"]))
+            assert any(shared_rows) == packing, name  # packing on: some micro-batch did pack rows together
         rl_keys = ("value/loss", "value/mean", "entropy", "reward/mean") if name == "ppo" else ()
         for key in ("loss", "grad_norm", *rl_keys):
             padded, packed = (records(tmp_path / name / str(packing), key) for packing in (False, True))
@@ -219,8 +248,14 @@ def test_compile_is_refused_where_it_is_not_available():
     from posttrain.distributed.fsdp import FSDP2PolicyWorker, FSDP2ScoringWorker
     from rl_configs import TINY_RL
 
+    from posttrain.config.schema import SFTConfig
+
     with pytest.raises(ConfigError, match="trainer.compile=true is not available to the RL recipes"):
         load_config(GRPOConfig, None, [*TINY_RL, "output_dir=unused", "trainer.compile=true"])
+    sft = ["model.name_or_path=posttrain/tiny", "data.train_files=['posttrain/arithmetic']", "trainer.compile=true"]
+    load_config(SFTConfig, None, sft)
+    with pytest.raises(ConfigError, match="trainer.compile=true cannot be combined with evaluation sets"):
+        load_config(SFTConfig, None, [*sft, "evaluation=[{name: a, data: {files: ['posttrain/arithmetic']}}]"])
     model = T.AutoModelForCausalLM.from_config(T.LlamaConfig(**SIZES))
     for build in (lambda: FSDP2PolicyWorker(model, None, TrainerConfig(compile=True)),
                   lambda: FSDP2ScoringWorker(model, TrainerConfig(compile=True))):
@@ -249,3 +284,29 @@ def test_a_compiled_policy_computes_what_an_eager_one_does(lm_head):
     assert results[True][0] == pytest.approx(results[False][0], rel=1e-5, abs=1e-6)
     for a, b in zip(results[True][1], results[False][1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_flash_attention_gets_packed_rows_as_one_row():
+    # transformers' flash-attention-2 path finds example boundaries from position ids only in a batch of one row:
+    # packed rows are laid end to end for the call, and the outputs cut back into rows.
+    from types import SimpleNamespace
+
+    from posttrain.workers.forward import call_with_positions
+
+    calls = []
+
+    class Recorder(torch.nn.Module):
+        config = SimpleNamespace(_attn_implementation="flash_attention_2")
+
+        def forward(self, input_ids, position_ids, attention_mask=None, use_cache=False):
+            calls.append((tuple(input_ids.shape), position_ids.clone(), attention_mask))
+            return SimpleNamespace(logits=input_ids.float()[..., None].expand(*input_ids.shape, 3))
+
+    ids = torch.arange(12).view(2, 6)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 0, 1]])
+    out = call_with_positions(Recorder(), ids, positions, None)
+    assert calls[0][0] == (1, 12) and calls[0][2] is None
+    assert torch.equal(calls[0][1], positions.view(1, -1))
+    assert out.shape == (2, 6, 3) and torch.equal(out[..., 0], ids.float())
+    call_with_positions(Recorder(), ids, positions, torch.ones(2, 1, 6, 6, dtype=torch.bool))  # a mask: rows as given
+    assert calls[1][0] == (2, 6)

@@ -9,7 +9,9 @@ memory against a full log-softmax at T = 16,384.
    rows of 4,096 tokens, `trainer.precision=bf16`, the default `trainer.lm_head=auto` (chunked at this size),
    micro-batch 32 examples. Throughput is the median over the steps after the first 5 of the non-padding tokens/s
    that SFT logs. Model FLOPs per token: 6 × (parameters of the decoder layers + the LM head's V × H), plus
-   attention 6 × layers × hidden × (mean example length), the causal half of 12 × L × H × T. MFU is that against
+   attention 12 × layers × hidden × c, where c = E[n²] / (2 E[n]) is the mean causal context of a token over the
+   examples' lengths n (packing's block mask keeps each example to itself). sdpa with an explicit block mask may
+   not reach the fused flash kernel, which is part of what this measures. MFU is that against
    the device's dense bf16 peak (989 TFLOP/s for H100 and H200 SXM; pass `--peak-tflops` for another device).
 2. **Memory.** One row of T = 16,384 positions, hidden 896, V = 151,936, float32: the token log-probabilities
    and their backward into the hidden states and the head, computed once as a full log-softmax (logits of
@@ -64,15 +66,17 @@ def sft(model: Path, output: Path, steps: int) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "posttrain", *args], capture_output=True, text=True)
 
 
-def mean_example_length() -> float:
-    """Mean tokens per example of the rows the run trains on (the byte tokenizer: one token per character)."""
+def attention_context(model: Path) -> float:
+    """The mean context a token attends over, as the run's examples give it: with causal attention a token of an
+    n-token example sees n / 2 tokens on average, so over all tokens the mean is E[n²] / (2 E[n])."""
     from posttrain.config.schema import DataConfig, ModelConfig
     from posttrain.data.dataset import load_sft_examples
     from posttrain.models.loading import load_tokenizer
 
-    tokenizer = load_tokenizer(ModelConfig(name_or_path="posttrain/bench-vocab152k"))
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(model)))
     examples, _ = load_sft_examples(["posttrain/bench-lengths:train"], tokenizer, DataConfig(max_length=4096))
-    return statistics.fmean(len(e) for e in examples)
+    lengths = [len(e) for e in examples]
+    return sum(n * n for n in lengths) / (2 * sum(lengths))
 
 
 def memory_comparison(tokens: int = 16_384, hidden: int = 896, vocab: int = 151_936) -> dict:
@@ -114,6 +118,8 @@ def main() -> int:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's dense bf16 peak (default: known for H100/H200)")
     args = parser.parse_args()
+    if args.steps <= SKIP_STEPS:
+        parser.error(f"--steps must be above {SKIP_STEPS}: the first {SKIP_STEPS} steps are left out of the rate")
     if not torch.cuda.is_available():
         print(json.dumps({"error": "no CUDA device"}))
         return 2
@@ -136,10 +142,12 @@ def main() -> int:
             records = [json.loads(line) for line in (tmp / "sft" / "metrics.jsonl").read_text().splitlines()]
             steps = [r for r in records if "tokens_per_second" in r]
             rate = statistics.median(r["tokens_per_second"] for r in steps[SKIP_STEPS:])
-            mean_length = mean_example_length()
+            context = attention_context(tmp / "model")
+            # Per token: 6 x parameters for the matmuls (forward 2, backward 4), and for attention's QK^T and AV
+            # 2 x 2 x layers x hidden x context forward, three times that with the backward.
             flops_per_token = (6 * (layer_params + SHAPE["vocab_size"] * SHAPE["hidden_size"])
-                               + 6 * SHAPE["num_hidden_layers"] * SHAPE["hidden_size"] * mean_length)
-            results["sft"] = {"tokens_per_second": rate, "mean_example_length": mean_length,
+                               + 12 * SHAPE["num_hidden_layers"] * SHAPE["hidden_size"] * context)
+            results["sft"] = {"tokens_per_second": rate, "mean_attention_context": context,
                               "flops_per_token": flops_per_token, "first_loss": steps[0]["loss"],
                               "last_loss": steps[-1]["loss"]}
             checks["loss_falls"] = steps[-1]["loss"] < steps[0]["loss"]

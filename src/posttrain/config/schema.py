@@ -299,7 +299,7 @@ class SFTConfig(RecipeConfig):
 
     @model_validator(mode="after")
     def _check(self) -> SFTConfig:
-        check_evaluation_names(self.evaluation)
+        check_evaluation_sets(self.evaluation, self.trainer)
         if not self.data.train_files:
             raise ValueError("data.train_files is empty: give at least one training file or dataset name")
         if self.data.format in ("preference", "prompt_only"):
@@ -382,7 +382,7 @@ class DPOConfig(RecipeConfig):
 
     @model_validator(mode="after")
     def _check(self) -> DPOConfig:
-        check_evaluation_names(self.evaluation)
+        check_evaluation_sets(self.evaluation, self.trainer)
         check_pair_data(self.data, "DPO")
         if self.share_prompt and self.model.attn_implementation == "flash_attention_2":
             raise ValueError("share_prompt=true needs an attention mask that flash_attention_2 cannot take; set "
@@ -785,6 +785,16 @@ class EvaluationSet(EvaluationSettings):
             raise ValueError(f"evaluation set {self.name!r}: data.files is empty; give the files of its prompts")
         self.check_sampling()
         return self
+
+
+def check_evaluation_sets(sets: list[EvaluationSet], trainer: TrainerConfig) -> None:
+    """Distinct set names; no trainer.compile, since the sets are sampled from the trained module itself, whose
+    generation cache changes shape every token."""
+    check_evaluation_names(sets)
+    if sets and trainer.compile:
+        raise ValueError("trainer.compile=true cannot be combined with evaluation sets: they are sampled from the "
+                         "compiled module, with a cache of a new shape every token; remove evaluation or set "
+                         "trainer.compile=false")
 
 
 def check_evaluation_names(sets: list[EvaluationSet]) -> None:

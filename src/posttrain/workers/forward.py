@@ -43,7 +43,7 @@ def forward_logits(model: torch.nn.Module, batch: AnyBatch) -> torch.Tensor:
     """Model outputs for `batch`: logits [B, T, V] of a causal LM ([B, 1] of a reward model).
 
     Packed batches (attention_mask None) get a block-diagonal causal mask built from their position ids;
-    flash-attention-2 instead reads the example boundaries from position_ids itself. Shared-prompt batches get
+    flash-attention-2 instead reads the example boundaries from position_ids itself (`call_with_positions`). Shared-prompt batches get
     their tree-shaped mask from their segments (sdpa and eager attention only). Rollout batches are right-padded
     rows with default positions.
     """
@@ -61,12 +61,22 @@ def forward_logits(model: torch.nn.Module, batch: AnyBatch) -> torch.Tensor:
         attention_mask = batch.attention_mask
         if attention_mask is None and implementation != "flash_attention_2":
             attention_mask = block_causal_mask(batch.position_ids, implementation, model.dtype)
-    return model(
-        input_ids=batch.input_ids,
-        attention_mask=attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-    ).logits
+    return call_with_positions(model, batch.input_ids, batch.position_ids, attention_mask)
+
+
+def call_with_positions(model: torch.nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                        attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """model(...).logits of rows with explicit position ids. Packed rows under flash-attention-2 (no mask: it reads
+    the example boundaries from the position ids) are laid end to end into one row for the call and the outputs
+    cut back into rows, because transformers (5.2x, `_is_packed_sequence`) reads the boundaries only when the
+    batch has a single row; with several it would let each row's examples attend to each other."""
+    rows, width = input_ids.shape
+    if attention_mask is None and model.config._attn_implementation == "flash_attention_2" and rows > 1:
+        out = model(input_ids=input_ids.reshape(1, -1), position_ids=position_ids.reshape(1, -1),
+                    use_cache=False).logits
+        return out.reshape(rows, width, *out.shape[2:]) if out.dim() == 3 else out
+    return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                 use_cache=False).logits
 
 
 def lm_head_problem(model: torch.nn.Module) -> str | None:
@@ -251,14 +261,14 @@ def batch_to(batch: Batch, device: torch.device) -> Batch:
     for field in dataclasses.fields(batch):
         value = getattr(batch, field.name)
         if isinstance(value, torch.Tensor):
-            moved[field.name] = _to_device(value, device)
+            moved[field.name] = to_device(value, device)
         elif isinstance(value, dict):
-            moved[field.name] = {k: _to_device(v, device) if isinstance(v, torch.Tensor) else v
+            moved[field.name] = {k: to_device(v, device) if isinstance(v, torch.Tensor) else v
                                  for k, v in value.items()}
     return dataclasses.replace(batch, **moved)
 
 
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor copied to a CUDA device from pinned memory without waiting for the copy (the next kernel on
     the stream waits for it); anything else moved as usual."""
     if device.type == "cuda" and tensor.device.type == "cpu":

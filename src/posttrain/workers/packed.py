@@ -29,7 +29,14 @@ from posttrain.data.types import PADDING, PROMPT, RolloutBatch, SharedPromptBatc
 from posttrain.errors import RunError
 from posttrain.losses.chunked import chunked_token_logprobs
 from posttrain.models.packing import attention_form, custom_mask_problem
-from posttrain.workers.forward import AnyBatch, TargetScores, identity, target_positions
+from posttrain.workers.forward import (
+    AnyBatch,
+    TargetScores,
+    to_device,
+    call_with_positions,
+    identity,
+    target_positions,
+)
 
 ENTROPY_CHUNK_ROWS = 4096
 """Target positions whose float32 logits the full-head path turns into entropies at a time."""
@@ -83,14 +90,17 @@ def real_tokens(batch: AnyBatch) -> torch.Tensor:
 
 def pack_batch(batch: AnyBatch) -> PackedRows:
     """The packed layout of a right-padded batch: its rows first-fit decreasing into rows no wider than its widest
-    (`data.collate.pack_rows`), tokens in order within each."""
-    real = real_tokens(batch)
+    (`data.collate.pack_rows`), tokens in order within each. The layout is worked out on the host from the rows'
+    real tokens (for a batch on a GPU, the one read-back of this function) and copied to the batch's device."""
+    real = real_tokens(batch).cpu()
+    rows, length = real.shape
     lengths = real.sum(-1)
-    host_lengths = lengths.tolist()  # the layout is chosen on the host (a device batch waits here once)
+    if not torch.equal(real, torch.arange(length)[None, :] < lengths[:, None]):
+        raise ValueError("trainer.packing packs right-padded rows (real tokens first, then padding); this batch has "
+                         "padding between real tokens")
+    host_lengths = lengths.tolist()
     groups = pack_rows(host_lengths, max(host_lengths))
     width = max(sum(host_lengths[i] for i in group) for group in groups)
-    rows, length = batch.input_ids.shape
-    device = batch.input_ids.device
     flat_index = torch.zeros(rows, length, dtype=torch.long)
     blocks = torch.full((len(groups), width), -1, dtype=torch.long)
     for packed_row, group in enumerate(groups):
@@ -100,26 +110,25 @@ def pack_batch(batch: AnyBatch) -> PackedRows:
             flat_index[row, :n] = torch.arange(packed_row * width + start, packed_row * width + start + n)
             blocks[packed_row, start : start + n] = row
             start += n
-    flat_index = flat_index.to(device)
-    if not torch.equal(real, torch.arange(length, device=device)[None, :] < lengths[:, None]):
-        raise ValueError("trainer.packing packs right-padded rows (real tokens first, then padding); this batch has "
-                         "padding between real tokens")
-    sources, targets = flat_index[real], real.nonzero(as_tuple=True)
+    tail = blocks < 0  # a packed row's empty end: positions 0, 1, ... of its own
+    tail_positions = torch.cumsum(tail, -1) - 1
+    sources, (target_rows, target_columns) = flat_index[real], real.nonzero(as_tuple=True)
+    device = batch.input_ids.device
+    sources, target_rows, target_columns, flat_index, blocks, tail, tail_positions, lengths = (
+        to_device(t, device) for t in (sources, target_rows, target_columns, flat_index, blocks, tail,
+                                        tail_positions, lengths))
 
     def scattered(values: torch.Tensor, fill: int) -> torch.Tensor:
         packed = torch.full((len(groups) * width,), fill, dtype=values.dtype, device=device)
-        return packed.index_put((sources,), values[targets]).view(len(groups), width)
+        return packed.index_put((sources,), values[target_rows, target_columns]).view(len(groups), width)
 
     if isinstance(batch, RolloutBatch):  # right-padded rows with default positions
         position_ids = torch.arange(length, device=device).expand(rows, length)
     else:
         position_ids = batch.position_ids
-    packed_positions = scattered(position_ids, 0)
-    tail = blocks.to(device) < 0  # a packed row's empty end: positions 0, 1, ... of its own
-    packed_positions = torch.where(tail, torch.cumsum(tail, -1) - 1, packed_positions)
+    packed_positions = torch.where(tail, tail_positions, scattered(position_ids, 0))
     segments = scattered(batch.segments, PADDING) if isinstance(batch, SharedPromptBatch) else None
-    return PackedRows(scattered(batch.input_ids, 0), packed_positions, blocks.to(device), segments, flat_index,
-                      lengths)
+    return PackedRows(scattered(batch.input_ids, 0), packed_positions, blocks, segments, flat_index, lengths)
 
 
 def packing_problem(model: torch.nn.Module, width: int) -> str | None:
@@ -138,8 +147,7 @@ def run_packed(model: torch.nn.Module, packed: PackedRows, head_identity: bool =
     if head is not None:
         head.forward = identity
     try:
-        return model(input_ids=packed.input_ids, attention_mask=mask, position_ids=packed.position_ids,
-                     use_cache=False).logits
+        return call_with_positions(model, packed.input_ids, packed.position_ids, mask)
     finally:
         if head is not None:
             del head.forward
@@ -220,7 +228,7 @@ def packed_token_scores(model: torch.nn.Module, packed: PackedRows) -> torch.Ten
         run_packed(model, packed)
     finally:
         handle.remove()
-    return captured[0]
+    return captured[0].reshape(*packed.input_ids.shape, -1)  # flash-attention-2 ran the rows as one
 
 
 def pooled_positions(model: torch.nn.Module, batch: AnyBatch, lengths: torch.Tensor) -> torch.Tensor:
