@@ -39,6 +39,20 @@ OFFLINE_ENV = {
 }
 
 
+def add_posttrain_trainer_flags(parser, compile_flag: bool = True) -> None:
+    """The posttrain-side trainer knobs the comparisons with TRL share: --lm-head, --packing, --lm-head-chunk-size
+    and (where the recipe allows it) --compile."""
+    parser.add_argument("--lm-head", choices=["auto", "chunked", "full"], default="auto",
+                        help="posttrain's trainer.lm_head (default auto)")
+    parser.add_argument("--packing", action="store_true",
+                        help="posttrain's trainer.packing=true: each padded micro-batch runs packed (default off)")
+    parser.add_argument("--lm-head-chunk-size", type=int, default=1024,
+                        help="posttrain's trainer.lm_head_chunk_size (default 1024)")
+    if compile_flag:
+        parser.add_argument("--compile", action="store_true",
+                            help="posttrain's trainer.compile=true: torch.compile the model (default off)")
+
+
 def apply_offline_env() -> None:
     """Set OFFLINE_ENV in this process (before transformers/datasets/TRL are imported)."""
     os.environ.update(OFFLINE_ENV)

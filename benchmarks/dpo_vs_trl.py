@@ -700,14 +700,7 @@ def main(argv: list[str] | None = None) -> int:
                              "posttrain/bench-vocab152k on posttrain/bench-lengths-preference (16-1,024 tokens each "
                              "of prompt, chosen, rejected)")
     parser.add_argument("--model", default=None, help="model directory or embedded name (default: the shape's)")
-    parser.add_argument("--lm-head", choices=["auto", "chunked", "full"], default="auto",
-                        help="posttrain's trainer.lm_head (default auto)")
-    parser.add_argument("--packing", action="store_true",
-                        help="posttrain's trainer.packing=true: each padded micro-batch runs packed (default off)")
-    parser.add_argument("--lm-head-chunk-size", type=int, default=1024,
-                        help="posttrain's trainer.lm_head_chunk_size (default 1024)")
-    parser.add_argument("--compile", action="store_true",
-                        help="posttrain's trainer.compile=true: torch.compile the model (default off)")
+    _common.add_posttrain_trainer_flags(parser, compile_flag=True)
     parser.add_argument("--pairs-per-step", type=int, default=32, help="preference pairs per optimizer step (default 32)")
     parser.add_argument("--accumulation", type=int, default=1,
                         help="micro-batches per optimizer step; must divide --pairs-per-step (default 1)")

@@ -489,12 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="tiny: posttrain/tiny-arithmetic-sft-small on arithmetic prompts; vocab152k: "
                              "posttrain/bench-vocab152k on ~256-token posttrain/bench-lengths prompts")
     parser.add_argument("--model", default=None, help="model directory or embedded name (default: the shape's)")
-    parser.add_argument("--lm-head", choices=["auto", "chunked", "full"], default="auto",
-                        help="posttrain's trainer.lm_head (default auto)")
-    parser.add_argument("--packing", action="store_true",
-                        help="posttrain's trainer.packing=true: each padded micro-batch runs packed (default off)")
-    parser.add_argument("--lm-head-chunk-size", type=int, default=1024,
-                        help="posttrain's trainer.lm_head_chunk_size (default 1024)")
+    _common.add_posttrain_trainer_flags(parser, compile_flag=False)
     parser.add_argument("--prompts-per-step", type=int, default=16, help="prompts per optimizer step (default 16)")
     parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (default 8)")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="completion budget in tokens (default 8)")

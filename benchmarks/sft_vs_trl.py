@@ -489,14 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                              "on posttrain/bench-lengths (prompts and completions of 16-1,024 tokens)")
     parser.add_argument("--max-length", type=int, default=None,
                         help="max tokens per example (default: the shape's, 32 for tiny, 2080 for vocab152k)")
-    parser.add_argument("--lm-head", choices=["auto", "chunked", "full"], default="auto",
-                        help="posttrain's trainer.lm_head (default auto)")
-    parser.add_argument("--packing", action="store_true",
-                        help="posttrain's trainer.packing=true: each padded micro-batch runs packed (default off)")
-    parser.add_argument("--lm-head-chunk-size", type=int, default=1024,
-                        help="posttrain's trainer.lm_head_chunk_size (default 1024)")
-    parser.add_argument("--compile", action="store_true",
-                        help="posttrain's trainer.compile=true: torch.compile the model (default off)")
+    _common.add_posttrain_trainer_flags(parser, compile_flag=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads in both workers (default: torch's default, the same in both)")
