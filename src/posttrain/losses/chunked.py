@@ -65,9 +65,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             chosen = logits.gather(-1, targets[start : start + chunk_size, None]).squeeze(-1)
             out[start : start + chunk_size] = chosen - torch.logsumexp(logits, dim=-1)
             if return_entropy:
-                probs = torch.softmax(logits, dim=-1)
-                entropy[start : start + chunk_size] = -torch.special.xlogy(probs, probs).sum(-1)
-                del probs
+                entropy[start : start + chunk_size] = entropy_of_logits(logits)
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.mark_non_differentiable(entropy)
@@ -102,6 +100,12 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         if need_bias:
             grad_bias = grad_bias.to(bias.dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def entropy_of_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax over the last dimension of `logits` (−inf logits contribute 0, not nan)."""
+    probs = torch.softmax(logits, dim=-1)
+    return -torch.special.xlogy(probs, probs).sum(-1)
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:

@@ -77,10 +77,16 @@ def token_scores(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
 
     Read from the model's own forward, which applies the head at every position before pooling, by a hook on the
     head: so whatever wraps that forward applies too (FSDP2 gathers a sharded model's weights in it)."""
+    return head_outputs_during(model, lambda: model(input_ids=input_ids, attention_mask=attention_mask,
+                                                     use_cache=False))
+
+
+def head_outputs_during(model: torch.nn.Module, run) -> torch.Tensor:
+    """What the scalar head `model.score` outputs at every position while `run()` calls the model's forward."""
     captured: list[torch.Tensor] = []
     handle = model.score.register_forward_hook(lambda module, args, output: captured.append(output))
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        run()
     finally:
         handle.remove()
     return captured[0]

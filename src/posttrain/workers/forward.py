@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from posttrain.config.schema import TrainerConfig
 from posttrain.data.types import RolloutBatch, SFTBatch, SharedPromptBatch
-from posttrain.losses.chunked import chunked_token_logprobs
+from posttrain.losses.chunked import chunked_token_logprobs, entropy_of_logits
 from posttrain.losses.nll import token_logprobs
 from posttrain.errors import RunError
 from posttrain.models.packing import block_causal_mask, custom_mask_problem, shared_prompt_mask
@@ -229,10 +229,8 @@ def target_entropy(logits: torch.Tensor, batch: AnyBatch, temperature: float = 1
                 chunk = logits[row : row + row_step, column : min(column + column_step, length - 1)].float()
                 if temperature != 1.0:
                     chunk = chunk / temperature
-                probs = torch.softmax(chunk, dim=-1)
-                entropy[row : row + row_step, column + 1 : column + 1 + chunk.shape[1]] = \
-                    -torch.special.xlogy(probs, probs).sum(-1)
-                del chunk, probs
+                entropy[row : row + row_step, column + 1 : column + 1 + chunk.shape[1]] = entropy_of_logits(chunk)
+                del chunk
         if isinstance(batch, SharedPromptBatch):  # the first rejected token is drawn from the prompt's last position
             index = torch.arange(rows, device=logits.device)
             entropy = entropy.index_put((index, batch.rejected_starts), entropy[index, batch.prompt_ends + 1])

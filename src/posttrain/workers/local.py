@@ -258,7 +258,6 @@ class LocalScoringWorker(_LocalModel):
         self._refuse_inexact_packing()
         if not adapters_off:  # a LoRA policy's base is the policy's own module, compiled (or not) with it
             self._compile_if_asked()
-        if not adapters_off:
             self.model.eval()
             self.model.requires_grad_(False)
 

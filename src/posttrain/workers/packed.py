@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from posttrain.data.collate import pack_rows
 from posttrain.data.types import PADDING, PROMPT, RolloutBatch, SharedPromptBatch
 from posttrain.errors import RunError
-from posttrain.losses.chunked import chunked_token_logprobs
+from posttrain.losses.chunked import chunked_token_logprobs, entropy_of_logits
 from posttrain.models.packing import attention_form, custom_mask_problem
+from posttrain.models.value_head import head_outputs_during
 from posttrain.workers.forward import (
     AnyBatch,
     TargetScores,
@@ -197,8 +198,7 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         pieces = []
         for chunk in logits.split(ENTROPY_CHUNK_ROWS):
-            probs = torch.softmax(chunk, dim=-1)
-            pieces.append(-torch.special.xlogy(probs, probs).sum(-1))
+            pieces.append(entropy_of_logits(chunk))
         return torch.cat(pieces) if pieces else logits.new_zeros(0)
 
 
@@ -222,13 +222,8 @@ def is_sequence_classifier(model: torch.nn.Module) -> bool:
 def packed_token_scores(model: torch.nn.Module, packed: PackedRows) -> torch.Tensor:
     """[R, L, num_labels] a sequence classifier's head at every packed position (its own pooling, which looks for
     each row's last non-pad token, does not apply to packed rows and is discarded)."""
-    captured: list[torch.Tensor] = []
-    handle = model.score.register_forward_hook(lambda module, args, output: captured.append(output))
-    try:
-        run_packed(model, packed)
-    finally:
-        handle.remove()
-    return captured[0].reshape(*packed.input_ids.shape, -1)  # flash-attention-2 ran the rows as one
+    scores = head_outputs_during(model, lambda: run_packed(model, packed))
+    return scores.reshape(*packed.input_ids.shape, -1)  # flash-attention-2 ran the rows as one
 
 
 def pooled_positions(model: torch.nn.Module, batch: AnyBatch, lengths: torch.Tensor) -> torch.Tensor:
