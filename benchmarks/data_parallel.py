@@ -1,9 +1,10 @@
-"""Data-parallel FSDP2 on CPU: 2 ranks x 1 thread against 1 process x 2 threads on the same SFT job.
+"""Data-parallel FSDP2 on CPU: 2 ranks x 1 thread against 1 process x 2 threads on the same SFT (or GRPO) job.
 
 Run (CPU, offline; each measured run is a fresh `posttrain sft` process, or two under torchrun):
 
     .venv/bin/python benchmarks/data_parallel.py                      # tiny (~1M) and ~21M models, 30 steps
     .venv/bin/python benchmarks/data_parallel.py --models tiny --steps 10 --json /tmp/dp.json   # quick check
+    .venv/bin/python benchmarks/data_parallel.py --recipe grpo --steps 30  # GRPO: rollouts replicated or divided
 
 What is compared, per model
     the same config file (the same data in the same order, micro_batch_size 8 x gradient_accumulation_steps 4 =
@@ -24,6 +25,13 @@ What is measured
       optimizer step, counted on the tensors themselves (the local shards under FSDP2), in a separate small
       run of the same model. Under FSDP2 each rank should hold about half of a full replica.
     The machine's load average is printed first: other work on the CPU makes timings noisy.
+
+--recipe grpo
+    the quickstart's GRPO stage from the embedded tiny model (16 prompts x 8 samples of 8 tokens per step, one
+    update of 128 episodes), in one process of 2 threads and on 2 ranks of 1 thread, each with sampling seeded per
+    round (every rank samples every group) and per group (`rollout.seed_per_group`: each rank samples and scores
+    half of the groups): median seconds per step and of its generation, peak RSS per process, and the largest
+    difference of the logged mean reward from the one-process run of the same seeding.
 """
 
 from __future__ import annotations
@@ -119,14 +127,27 @@ def _vm_hwm_mib(pid: int) -> float | None:
     return None
 
 
-def run_training(model: str, rows: Path, output_dir: Path, steps: int, nproc: int) -> dict:
-    """One `posttrain sft` run; its metrics and the largest peak RSS of any of its training processes."""
-    threads = 2 // nproc
-    args = [f"model.name_or_path={model}", f"data.train_files=[{rows}]", f"trainer.max_steps={steps}",
+def sft_args(model: str, rows: Path, steps: int) -> list[str]:
+    return [f"model.name_or_path={model}", f"data.train_files=[{rows}]", f"trainer.max_steps={steps}",
             "trainer.micro_batch_size=8", "trainer.gradient_accumulation_steps=4", "trainer.learning_rate=1e-3",
-            "trainer.save_every=0", "logging.progress=none", "logging.plot=false", f"trainer.num_threads={threads}",
+            "trainer.save_every=0"]
+
+
+def grpo_args(steps: int, seed_per_group: bool) -> list[str]:
+    """The quickstart's GRPO stage (16 prompts x 8 samples of up to 8 tokens, one update of 128 episodes) from the
+    embedded tiny model, without validation or checkpoints."""
+    return ["--config", str(ROOT / "configs" / "grpo_arithmetic.yaml"), "model.name_or_path=posttrain/tiny",
+            f"trainer.max_steps={steps}", "trainer.eval_every=0", "trainer.save_every=0",
+            f"rollout.seed_per_group={str(seed_per_group).lower()}"]
+
+
+def run_training(recipe: str, recipe_args: list[str], output_dir: Path, nproc: int) -> dict:
+    """One `posttrain RECIPE` run on the machine's two cores (one process of 2 threads, or `nproc` ranks sharing
+    them); its metrics and the largest peak RSS of any of its training processes."""
+    threads = 2 // nproc
+    args = [*recipe_args, "logging.progress=none", "logging.plot=false", f"trainer.num_threads={threads}",
             f"output_dir={output_dir}"]
-    command = [sys.executable, "-m", "posttrain", "sft", *args] + (["--nproc-per-node", str(nproc)] if nproc > 1 else [])
+    command = [sys.executable, "-m", "posttrain", recipe, *args] + (["--nproc-per-node", str(nproc)] if nproc > 1 else [])
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(threads))
     peaks: dict[int, float] = {}
 
@@ -143,7 +164,7 @@ def run_training(model: str, rows: Path, output_dir: Path, steps: int, nproc: in
     _, stderr = process.communicate()
     watcher.join()
     if process.returncode != 0:
-        raise RuntimeError(f"posttrain sft failed:\n{stderr[-3000:]}")
+        raise RuntimeError(f"posttrain {recipe} failed:\n{stderr[-3000:]}")
     records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     # The launcher processes (posttrain re-executing itself, torchrun) are small; the ranks are the big ones.
     return {"records": records, "peak_rss_mib": max(peaks.values()) if peaks else None}
@@ -166,15 +187,20 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--skip-steps", type=int, default=5, help="steps left out of the throughput median")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--recipe", choices=["sft", "grpo"], default="sft",
+                        help="grpo: the rollout-division comparison instead (see grpo_comparison)")
     args = parser.parse_args()
     _common.announce_environment()
+    if args.recipe == "grpo":
+        return grpo_comparison(args)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         rows = write_rows(tmp / "rows.jsonl", 32 * args.steps)
         for name in args.models.split(","):
             model = build_model(name, MODELS[name], tmp / f"model-{name}")
-            runs = {nproc: run_training(model, rows, tmp / f"{name}-{nproc}", args.steps, nproc) for nproc in (1, 2)}
+            runs = {nproc: run_training("sft", sft_args(model, rows, args.steps), tmp / f"{name}-{nproc}", nproc)
+                    for nproc in (1, 2)}
             states = {nproc: state_bytes(model, nproc) for nproc in (1, 2)}
             entry = {}
             for nproc, run in runs.items():
@@ -197,6 +223,37 @@ def main() -> int:
     print(_common.markdown_table(
         ["model", "tokens/s 1x2t", "tokens/s 2x1t", "ratio", "peak RSS MiB 1 proc", "peak RSS MiB per rank",
          "state MiB 1 proc", "state MiB per rank", "state ratio", "max |loss diff|"], table))
+    if args.json:
+        _common.write_json(args.json, results)
+    return 0
+
+
+GRPO_SETUPS = [("1 process x 2 threads", 1, False), ("2 ranks x 1 thread, every rank samples all", 2, False),
+               ("1 process x 2 threads, seed_per_group", 1, True), ("2 ranks x 1 thread, seed_per_group", 2, True)]
+
+
+def grpo_comparison(args) -> int:
+    """GRPO's step on 2 ranks with sampling replicated (the default) and divided (rollout.seed_per_group), each
+    against one process of 2 threads with the same seeding: median step and generation seconds after
+    --skip-steps, and the largest reward difference from the one-process run of the same seeding (the same
+    episodes: 0 up to float rounding)."""
+    results, table = {}, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for label, nproc, per_group in GRPO_SETUPS:
+            run = run_training("grpo", grpo_args(args.steps, per_group), Path(tmp) / f"{nproc}-{per_group}", nproc)
+            steady = run["records"][args.skip_steps:]
+            results[label] = {
+                "step_seconds": _common.median([r["time/step"] for r in steady]),
+                "generate_seconds": _common.median([r["time/generate"] for r in steady]),
+                "rewards": [r["reward/mean"] for r in run["records"]], "peak_rss_mib": run["peak_rss_mib"]}
+    for label, nproc, per_group in GRPO_SETUPS:
+        entry, one = results[label], results[GRPO_SETUPS[2 if per_group else 0][0]]
+        entry["max_reward_difference"] = max(abs(a - b) for a, b in zip(entry["rewards"], one["rewards"]))
+        table.append([label, _common.fmt(entry["step_seconds"], 3), _common.fmt(entry["generate_seconds"], 3),
+                      _common.fmt(_common.ratio(one["step_seconds"], entry["step_seconds"])),
+                      _common.fmt(entry["peak_rss_mib"], 0), f"{entry['max_reward_difference']:.1e}"])
+    print(_common.markdown_table(["setup", "step s (median)", "generate s (median)", "speed vs 1 process",
+                                  "peak RSS MiB per process", "max |reward diff| vs 1 process"], table))
     if args.json:
         _common.write_json(args.json, results)
     return 0

@@ -291,6 +291,24 @@ def test_grpo_on_two_ranks_equals_one_process_and_resumes(tmp_path, tiny_model_d
     _assert_same_run(tmp_path / "one", resumed, keys=("loss", "grad_norm", "reward/mean"))
 
 
+def test_grpo_seeded_per_group_divides_the_sampling_and_equals_one_process(tmp_path, tiny_model_dir):
+    """With rollout.seed_per_group each rank samples and scores its own block of the step's groups (7 prompts:
+    3 on rank 0, 4 on rank 1) and the episodes are gathered: the same rewards, losses and weights as one
+    process sampling all seven."""
+    rewards = Path(__file__).with_name("reward_fns_for_tests.py")
+    args = ["model.name_or_path=posttrain/tiny", "data.train_files=['posttrain/arithmetic[:256]']", "data.max_length=32",
+            "rollout.prompts_per_step=7", "rollout.num_generations_per_prompt=4", "rollout.max_new_tokens=6",
+            "rollout.seed_per_group=true", "trainer.learning_rate=1e-2", "trainer.lr_scheduler=constant",
+            "trainer.micro_batch_size=7", "update.num_minibatches=2", "trainer.max_steps=3", "trainer.num_threads=1",
+            "logging.progress=none", "logging.plot=false", "environment.kind=python",
+            f"environment.options={{functions: ['{rewards}:digit_fraction'], num_workers: 0}}"]
+    _run("grpo", tmp_path / "one", args)
+    _run("grpo", tmp_path / "two", args, nproc=2)
+    _assert_same_run(tmp_path / "one", tmp_path / "two", keys=("loss", "grad_norm", "reward/mean", "ratio_max"))
+    assert len({r["reward/mean"] for r in _records(tmp_path / "one")}) > 1
+    _assert_same_weights(tmp_path / "one" / "final", tmp_path / "two" / "final")
+
+
 def test_ppo_on_two_ranks_equals_one_process_and_resumes(tmp_path, tiny_model_dir):
     """PPO's critic is sharded like the policy and the ranks split its micro-batches too: the same rewards, policy
     and value losses, critic statistics and final weights as one process, and a 2 -> 1 resume continues both."""

@@ -109,3 +109,51 @@ def test_seeded_sampling_repeats_and_differs_across_seeds(setup):
     other = generator.generate(ids, SamplingParams(max_new_tokens=6, seed=12), num_samples=2)
     tokens = lambda out: [c.token_ids for row in out.completions for c in row]
     assert tokens(first) == tokens(again) and tokens(first) != tokens(other)
+
+
+def test_per_prompt_seeds_sample_a_prompt_alike_whatever_shares_its_call(setup):
+    """With `seeds`, sample j of prompt i draws from a stream of its own seeded seeds[i] + j: a prompt sampled in
+    one batch with four others (left-padded to their width) or alone, first or last, gives the same samples."""
+    model, tokenizer, ids, _ = setup
+    batched = TransformersGenerator(model, tokenizer, batch_size=64)
+    seeds = (101, 202, 303, 404, 505)
+    params = lambda s: SamplingParams(max_new_tokens=6, seeds=s)
+    together = batched.generate(ids, params(seeds), num_samples=3)
+    assert len({len(p) for p in ids}) > 1  # the batch really pads
+    for i, prompt in enumerate(ids):
+        alone = batched.generate([prompt], params((seeds[i],)), num_samples=3)
+        for mine, theirs in zip(alone.completions[0], together.completions[i], strict=True):
+            assert mine.token_ids == theirs.token_ids
+            assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-5)
+    backwards = batched.generate(ids[::-1], params(seeds[::-1]), num_samples=3)
+    tokens = lambda out: [[c.token_ids for c in row] for row in out.completions]
+    assert tokens(backwards)[::-1] == tokens(together)
+    # vLLM's convention: sample j of a prompt seeded s is sample 0 of the prompt seeded s + j.
+    shifted = batched.generate([ids[0]], params((seeds[0] + 2,)), num_samples=1)
+    assert shifted.completions[0][0].token_ids == together.completions[0][2].token_ids
+    other = batched.generate(ids, params(tuple(s + 1000 for s in seeds)), num_samples=3)
+    assert tokens(other) != tokens(together)
+
+
+def test_per_prompt_seeds_are_checked(setup):
+    _, _, ids, generator = setup
+    with pytest.raises(ValueError, match="2 seeds for 5 prompts"):
+        generator.generate(ids, SamplingParams(max_new_tokens=2, seeds=(1, 2)))
+    with pytest.raises(ValueError, match="seed or seeds"):
+        SamplingParams(seed=1, seeds=(1,))
+
+
+def test_per_row_draws_follow_the_distribution_and_never_pick_a_zero():
+    """Inverse-CDF draws, one stream per row: frequencies match the probabilities, a zero-probability token
+    (first, middle, last) never comes up, and all the mass on the last token always draws it."""
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0])
+    logits = probs.log().expand(4000, -1)
+    streams = [torch.Generator().manual_seed(s) for s in range(4000)]
+    tokens, logprobs = sample_next_token(logits, SamplingParams(temperature=1.0), streams)
+    counts = torch.bincount(tokens, minlength=5)
+    assert counts[[0, 2, 4]].tolist() == [0, 0, 0]
+    assert counts[3].item() / 4000 == pytest.approx(0.75, abs=0.03)  # 4.4 standard deviations
+    assert torch.allclose(logprobs, probs.log()[tokens])
+    last = torch.tensor([-math.inf, -math.inf, 0.0]).expand(50, -1)
+    tokens, _ = sample_next_token(last, SamplingParams(temperature=1.0), [torch.Generator().manual_seed(s) for s in range(50)])
+    assert tokens.tolist() == [2] * 50

@@ -235,3 +235,65 @@ def test_lora_grpo_checkpoints_the_adapter_resumes_exactly_and_exports_a_merged_
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert merged.keys() == start.keys()
     assert any(not torch.equal(merged[name], start[name]) for name in start if name.endswith("q_proj.weight"))
+
+
+def _chat_rows(tokenizer, count: int) -> list[PromptRow]:
+    rows = []
+    for i in range(count):
+        prompt = [{"role": "user", "content": f"{i}+{3 * i}="}]
+        prompt_ids = tokenizer(tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True),
+                               add_special_tokens=False)["input_ids"]
+        rows.append(PromptRow(prompt, prompt_ids, {"id": i}))
+    return rows
+
+
+def test_groups_seeded_per_group_sample_alike_in_any_company(tiny_model_dir):
+    """With a group seed, each group's episodes (both turns of a two-turn environment) are the same whether the
+    group is sampled with others or alone, and depend on the group id."""
+    cfg = ModelConfig(name_or_path=str(tiny_model_dir))
+    tokenizer, model = load_tokenizer(cfg), load_causal_lm(cfg)
+    generator, rows = TransformersGenerator(model, tokenizer), _chat_rows(tokenizer, 4)
+    params = SamplingParams(max_new_tokens=5)
+    run = lambda some, first, seed=7: run_episodes(some, first, 3, generator, TwoTurnEnvironment(), tokenizer, params,
+                                                   max_turns=2, group_seed=seed)[0]
+    tokens = lambda episodes: [e.token_ids for e in episodes]
+    together = run(rows, 10)
+    assert [e.group_id for e in together] == [g for g in range(10, 14) for _ in range(3)]
+    assert all(e.num_turns == 2 for e in together)
+    assert tokens(run(rows[1:3], 11)) == tokens(together[3:9])
+    assert tokens(run(rows[3:], 13)) == tokens(together[9:])
+    assert tokens(run(rows, 20)) != tokens(together)  # other group ids, other streams
+    assert tokens(run(rows, 10, seed=8)) != tokens(together)
+    assert len(set(map(tuple, tokens(together)))) > 6  # the samples of a group draw different streams
+
+
+def test_seed_per_group_divides_a_round_among_ranks(tmp_path, tiny_model_dir, monkeypatch):
+    """Under a data-parallel run with rollout.seed_per_group, each rank samples only its contiguous block of the
+    round's groups (5 groups: 2 on rank 0, 3 on rank 1), and the gathered episodes are one process's."""
+    from posttrain.algorithms import rl
+
+    cfg = config(tmp_path, "rollout.seed_per_group=true", "rollout.num_generations_per_prompt=2")
+    model_cfg = ModelConfig(name_or_path=str(tiny_model_dir))
+    tokenizer, model = load_tokenizer(model_cfg), load_causal_lm(model_cfg)
+    rows, params = _chat_rows(tokenizer, 5), SamplingParams(max_new_tokens=4)
+
+    class Recording(TransformersGenerator):
+        def generate(self, prompts, params, num_samples=1):
+            asked.append(prompts)
+            return super().generate(prompts, params, num_samples)
+
+    generator, asked = Recording(model, tokenizer), []
+    environment = TwoTurnEnvironment()
+    alone, _ = rl.sample_round(rows, 40, cfg, generator, environment, tokenizer, params)
+    assert [e.group_id for e in alone] == [g for g in range(40, 45) for _ in range(2)]
+    shares = []
+    for me in (0, 1):
+        asked.clear()
+        monkeypatch.setattr(rl, "world_size", lambda: 2)
+        monkeypatch.setattr(rl, "rank", lambda me=me: me)
+        monkeypatch.setattr(rl, "all_gather_objects", lambda share: shares.append(share) or [share])
+        rl.sample_round(rows, 40, cfg, generator, environment, tokenizer, params)
+        assert asked[0] == [row.prompt_ids for row in rows[(0, 2)[me]:(2, 5)[me]]]  # turn 1: its block only
+    gathered = shares[0][0] + shares[1][0]
+    assert [e.group_id for e in gathered] == [e.group_id for e in alone]
+    assert [e.token_ids for e in gathered] == [e.token_ids for e in alone]

@@ -108,6 +108,12 @@ def test_seeds_differ_across_prompts_and_samples():
     assert "seed" not in vllm_sampling_kwargs(SamplingParams(seed=None), 3, prompt_index=2)
 
 
+def test_per_prompt_seeds_seed_each_request_as_given():
+    # The transformers backend's convention too: sample j of prompt i draws from seeds[i] + j.
+    params = SamplingParams(seeds=(7, 1000, 42))
+    assert [vllm_sampling_kwargs(params, 4, prompt_index=i)["seed"] for i in range(3)] == [7, 1000, 42]
+
+
 def test_without_detokenizer_stop_strings_are_refused_and_eos_is_a_stop_token():
     kwargs = vllm_sampling_kwargs(SamplingParams(), 2, detokenize=False, stop_token_ids=(256,))
     assert kwargs["detokenize"] is False

@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -59,6 +58,7 @@ from posttrain.algorithms.rl import (
     rl_state,
     rollout_metrics,
     rollout_sampling,
+    sample_round,
     step_timings,
     sync_generator,
 )
@@ -67,7 +67,6 @@ from posttrain.algorithms.rollout import (
     groups_of,
     has_reward_variance,
     overlong_penalty,
-    run_episodes,
     to_batch,
 )
 from posttrain.checkpoint import POLICY, checkpoint_to_resume
@@ -143,10 +142,7 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
             generated_tokens = 0
             while True:
                 rows = [prompts[i] for i in sampler.next_indices(rollout.prompts_per_step)]
-                # Seeded per round from the group counter, so a resumed run samples what an uninterrupted one would.
-                seeded = replace(sampling, seed=cfg.seed * 1_000_003 + next_group_id)
-                new, times = run_episodes(rows, next_group_id, rollout.num_generations_per_prompt, generator,
-                                          environment, tokenizer, seeded, rollout.max_turns)
+                new, times = sample_round(rows, next_group_id, cfg, generator, environment, tokenizer, sampling)
                 next_group_id += len(rows)
                 rounds += 1
                 generate_seconds, score_seconds = generate_seconds + times.generate, score_seconds + times.score

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import replace
 
 import torch
 
@@ -54,10 +53,11 @@ from posttrain.algorithms.rl import (
     rl_state,
     rollout_metrics,
     rollout_sampling,
+    sample_round,
     step_timings,
     sync_generator,
 )
-from posttrain.algorithms.rollout import overlong_penalty, run_episodes, to_batch
+from posttrain.algorithms.rollout import overlong_penalty, to_batch
 from posttrain.checkpoint import POLICY, checkpoint_to_resume
 from posttrain.config.schema import PPOConfig
 from posttrain.data.sampler import EpochSampler
@@ -123,12 +123,9 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
         for step in range(start_step + 1, trainer.max_steps + 1):
             step_started = time.perf_counter()
 
-            # 1-2. Sample and score, seeded from the group counter (a resumed run samples what an uninterrupted
-            # one would).
+            # 1-2. Sample and score.
             rows = [prompts[i] for i in sampler.next_indices(rollout.prompts_per_step)]
-            seeded = replace(sampling, seed=cfg.seed * 1_000_003 + next_group_id)
-            episodes, times = run_episodes(rows, next_group_id, rollout.num_generations_per_prompt, generator,
-                                           environment, tokenizer, seeded, rollout.max_turns)
+            episodes, times = sample_round(rows, next_group_id, cfg, generator, environment, tokenizer, sampling)
             next_group_id += len(rows)
             metrics = {"reward/errors": budget.record([e.error for e in episodes]).step_errors,
                        **rollout_metrics(episodes, weights), "reward/errors_total": budget.run_errors}

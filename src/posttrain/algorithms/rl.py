@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.advantages import RunningRewardNorm
-from posttrain.algorithms.rollout import Episode, PromptRow, run_episodes, scalar_reward
+from posttrain.algorithms.rollout import Episode, PromptRow, RolloutTimes, run_episodes, scalar_reward
 from posttrain.config.schema import DataConfig, GRPOConfig, ModelConfig, PromptSection, RolloutSection, TrainerConfig
 from posttrain.data.dataset import DataStats, check_not_empty, iter_rows, skip_or_raise
 from posttrain.data.errors import DataError
@@ -19,7 +19,7 @@ from posttrain.data.formats import PromptOnlyRow
 from posttrain.data.sampler import check_draw_fits
 from posttrain.data.tokenize import tokenize_prompt
 from posttrain.data.types import RolloutBatch
-from posttrain.distributed.env import is_distributed
+from posttrain.distributed.env import all_gather_objects, is_distributed, rank, world_size
 from posttrain.envs.base import Environment
 from posttrain.envs.registry import NEEDED_COLUMNS, build_environment
 from posttrain.envs.rewards import RewardErrorBudget
@@ -232,6 +232,37 @@ def load_rl_data(cfg: GRPOConfig) -> RLData:
     check_draw_fits({"rollout.prompts_per_step": cfg.rollout.prompts_per_step}, len(prompts), "training prompts")
     environment = build_environment(cfg.environment.spec())
     return RLData(tokenizer, prompts, eval_prompts[: cfg.data.max_eval_examples], data_summary, environment)
+
+
+def sample_round(rows: list[PromptRow], first_group_id: int, cfg: GRPOConfig, generator: Generator,
+                 environment: Environment, tokenizer, sampling: SamplingParams) -> tuple[list[Episode], RolloutTimes]:
+    """One sampling round of an RL step: `rollout.num_generations_per_prompt` episodes of each row, sampled and
+    scored, with group ids from `first_group_id` (the run's group counter, checkpointed: a resumed run samples
+    what an uninterrupted one would).
+
+    Seeded per round (the default), the round's one seed comes from the group counter and every rank of a
+    data-parallel run samples every group. With `rollout.seed_per_group`, the ranks divide the round's groups in
+    contiguous blocks, each samples and scores its block from the groups' own streams, and the episodes are
+    gathered on every rank in group order: the same episodes as one process, for a share of its sampling work."""
+    rollout = cfg.rollout
+    num_samples = rollout.num_generations_per_prompt
+    if not rollout.seed_per_group:
+        seeded = replace(sampling, seed=cfg.seed * 1_000_003 + first_group_id)
+        return run_episodes(rows, first_group_id, num_samples, generator, environment, tokenizer, seeded,
+                            rollout.max_turns)
+    ranks, me = world_size(), rank()
+    start, stop = len(rows) * me // ranks, len(rows) * (me + 1) // ranks
+    share = (run_episodes(rows[start:stop], first_group_id + start, num_samples, generator, environment, tokenizer,
+                          sampling, rollout.max_turns, group_seed=cfg.seed)
+             if stop > start else ([], RolloutTimes(0.0, 0.0, 0)))
+    if ranks == 1:
+        return share
+    shares = all_gather_objects(share)
+    episodes = [episode for rank_episodes, _ in shares for episode in rank_episodes]
+    times = [rank_times for _, rank_times in shares]
+    # The round lasts as long as its slowest rank; every rank's sampled tokens count.
+    return episodes, RolloutTimes(max(t.generate for t in times), max(t.score for t in times),
+                                  sum(t.generated_tokens for t in times))
 
 
 def rollout_sampling(rollout: RolloutSection) -> tuple[SamplingParams, SamplingParams]:

@@ -14,6 +14,7 @@ like any other failed reward.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -78,19 +79,31 @@ class RolloutTimes:
 
 
 def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, generator: Generator,
-                 environment: Environment, tokenizer, params: SamplingParams, max_turns: int) -> tuple[list[Episode], RolloutTimes]:
-    """`num_samples` episodes per row (group ids first_group_id, first_group_id + 1, ...), run to the end."""
+                 environment: Environment, tokenizer, params: SamplingParams, max_turns: int,
+                 group_seed: int | None = None) -> tuple[list[Episode], RolloutTimes]:
+    """`num_samples` episodes per row (group ids first_group_id, first_group_id + 1, ...), run to the end.
+
+    Sampling is seeded by `params.seed` (the whole call's stream, offset per turn), or with `group_seed` per
+    group: each episode draws from a stream of its own, seeded from `group_seed`, its group id, its index in the
+    group and the turn (`episode_stream_seed`), so a group samples the same episodes whichever groups share the
+    call."""
     episodes = [
         Episode(group_id=first_group_id + i, messages=_initial_messages(row.prompt), metadata=dict(row.metadata),
                 token_ids=list(row.prompt_ids), prompt_length=len(row.prompt_ids))
         for i, row in enumerate(rows) for _ in range(num_samples)
     ]
+    sample_index = {id(e): k % num_samples for k, e in enumerate(episodes)}
     generate_seconds = score_seconds = 0.0
     generated_tokens = 0
     active = episodes
     for turn in range(max_turns):
         started = time.perf_counter()
-        turn_params = params if params.seed is None else replace(params, seed=params.seed + 7919 * turn)
+        if group_seed is not None:  # vLLM's convention: the j-th sample of a prompt seeded `seeds[i] + j`
+            firsts = active[::num_samples] if turn == 0 else active
+            turn_params = replace(params, seed=None, seeds=tuple(
+                episode_stream_seed(group_seed, e.group_id, turn) + sample_index[id(e)] for e in firsts))
+        else:
+            turn_params = params if params.seed is None else replace(params, seed=params.seed + 7919 * turn)
         if turn == 0:  # all samples of a prompt start alike: the generator prefills each prompt once
             output = generator.generate([row.prompt_ids for row in rows], turn_params, num_samples=num_samples)
         else:
@@ -127,6 +140,13 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
         if not active:
             break
     return episodes, RolloutTimes(generate_seconds, score_seconds, generated_tokens)
+
+
+def episode_stream_seed(group_seed: int, group_id: int, turn: int) -> int:
+    """The seed of a group's turn-`turn` sampling streams (its j-th episode adds j): a hash of the three, so no
+    two groups or turns of a run share streams; below 2**62, room to add any sample index."""
+    digest = hashlib.blake2b(f"{group_seed}/{group_id}/{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
 
 
 def _checked_reward(reward: Reward, error: str | None, environment: Environment) -> tuple[Reward, str | None]:

@@ -474,6 +474,14 @@ class RolloutSection(NumericSection):
     max_turns: int = Field(1, gt=0)
     """Assistant turns per episode; multi-turn environments return an observation after each until done."""
 
+    seed_per_group: bool = False
+    """Seed every group's samples from the run's seed and its group id (each sample a stream of its own)
+    instead of seeding each sampling round as a whole. A group then samples the same episodes whichever groups
+    share its generation call, so a data-parallel run divides each round's groups among its ranks (each samples
+    and scores its share, then the episodes are gathered) and still samples what one process does. Off by default:
+    it draws other samples from the same seed than the per-round default, under which every documented outcome
+    was measured; with it off, every rank samples every group."""
+
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal (no learning signal) and sample more
     prompts until prompts_per_step groups are kept or max_sampling_rounds is reached."""

@@ -60,3 +60,12 @@ def broadcast_object(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def all_gather_objects(value) -> list:
+    """Every rank's `value` (any picklable object), in rank order, on every rank; [value] in a single process."""
+    if not is_distributed():
+        return [value]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered

@@ -32,6 +32,15 @@ class SamplingParams:
     """Stop when the decoded completion contains one of these; the completion keeps the stop string."""
     seed: int | None = None
     """Seed of this call's sampling (None: continue the backend's generator)."""
+    seeds: tuple[int, ...] | None = None
+    """One seed per prompt of the call, instead of `seed`: the j-th sample of prompt i draws from a stream of its
+    own seeded `seeds[i] + j` (vLLM's convention for the samples of a request), so what a prompt samples does not
+    depend on which prompts share the call (to the float rounding of the logits, which can differ with the
+    batch's shape and very rarely tips a draw)."""
+
+    def __post_init__(self) -> None:
+        if self.seed is not None and self.seeds is not None:
+            raise ValueError("SamplingParams takes seed or seeds, not both")
 
 
 @dataclass(frozen=True)

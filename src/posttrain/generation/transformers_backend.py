@@ -51,17 +51,27 @@ class TransformersGenerator:
         started = time.perf_counter()
         if params.seed is not None:
             self.rng.manual_seed(params.seed)
+        if params.seeds is not None and len(params.seeds) != len(prompts):
+            raise ValueError(f"SamplingParams.seeds has {len(params.seeds)} seeds for {len(prompts)} prompts")
         was_training = self.model.training
         self.model.eval()
         prompts_per_batch = max(1, self.batch_size // num_samples)
         flat: list[Completion] = []
         for start in range(0, len(prompts), prompts_per_batch):
-            flat += self._generate_batch(prompts[start : start + prompts_per_batch], params, num_samples)
+            batch = prompts[start : start + prompts_per_batch]
+            rng = self.rng if params.seeds is None else self._row_streams(params.seeds[start : start + len(batch)],
+                                                                          num_samples)
+            flat += self._generate_batch(batch, params, num_samples, rng)
         self.model.train(was_training)
         grouped = [flat[i * num_samples : (i + 1) * num_samples] for i in range(len(prompts))]
         return GenerationOutput(grouped, time.perf_counter() - started, sum(len(c.token_ids) for c in flat))
 
-    def _generate_batch(self, unique_prompts: list[list[int]], params: SamplingParams, num_samples: int) -> list[Completion]:
+    def _row_streams(self, seeds: tuple[int, ...], num_samples: int) -> list[torch.Generator]:
+        """One generator per row of a batch: sample j of prompt i seeded `seeds[i] + j`."""
+        return [torch.Generator(device=self.device).manual_seed(seed + j) for seed in seeds for j in range(num_samples)]
+
+    def _generate_batch(self, unique_prompts: list[list[int]], params: SamplingParams, num_samples: int,
+                        rng: torch.Generator | list[torch.Generator]) -> list[Completion]:
         """`num_samples` completions of each prompt. Each prompt is prefilled once and its KV cache repeated for
         its samples, which then decode as separate rows."""
         width = max(len(p) for p in unique_prompts)
@@ -92,7 +102,7 @@ class TransformersGenerator:
         next_position = position_ids[:, -1:] + 1
         steps = 0
         for t in range(params.max_new_tokens):
-            token, token_logprob = sample_next_token(next_logits, params, self.rng)
+            token, token_logprob = sample_next_token(next_logits, params, rng)
             token = torch.where(finished, self.pad_token_id, token)
             tokens[:, t], logprobs[:, t] = token, torch.where(finished, 0.0, token_logprob)
             steps = t + 1
@@ -134,10 +144,12 @@ class TransformersGenerator:
         return hits
 
 
-def sample_next_token(logits: torch.Tensor, params: SamplingParams, rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next_token(logits: torch.Tensor, params: SamplingParams,
+                      rng: torch.Generator | list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row from logits [B, V]; return (tokens [B], their logprobs [B]) under the sampling distribution.
 
-    temperature 0 is greedy (logprob 0, the distribution being a point mass).
+    temperature 0 is greedy (logprob 0, the distribution being a point mass). `rng` is one generator for the
+    whole batch, or one per row (each row's token then depends on its own stream only).
     """
     logits = logits.float()
     if params.temperature == 0:
@@ -155,8 +167,23 @@ def sample_next_token(logits: torch.Tensor, params: SamplingParams, rng: torch.G
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     logprobs = logits.log_softmax(-1)
-    token = torch.multinomial(logprobs.exp(), 1, generator=rng).squeeze(-1)
+    if isinstance(rng, torch.Generator):
+        token = torch.multinomial(logprobs.exp(), 1, generator=rng).squeeze(-1)
+    else:
+        token = _draw_per_row(logprobs.exp(), rng)
     return token, logprobs.gather(-1, token[:, None]).squeeze(-1)
+
+
+def _draw_per_row(probs: torch.Tensor, streams: list[torch.Generator]) -> torch.Tensor:
+    """Inverse-CDF sampling of one token per row of probs [B, V], row b with one uniform from streams[b]. A
+    token of probability 0 is never drawn: the first index whose cumulative sum exceeds the draw has mass."""
+    if len(streams) != probs.shape[0]:
+        raise ValueError(f"{len(streams)} sampling streams for {probs.shape[0]} rows")
+    uniforms = torch.cat([torch.rand(1, generator=g, device=probs.device, dtype=torch.float64) for g in streams])
+    cdf = probs.double().cumsum(-1)
+    total = cdf[:, -1]
+    below_total = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, below_total[:, None], right=True).squeeze(-1)
 
 
 def _eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -18,7 +18,8 @@ How posttrain's `SamplingParams` map onto vLLM's:
   - stop_strings become `stop` with `include_stop_str_in_output=True` (posttrain keeps the stop
     string). The completion's token ids run up to and including the token that completed it.
   - seed: vLLM gives the j-th of n samples of a request the seed `seed + j`; posttrain offsets each
-    prompt's seed by `prompt_index * num_samples`, so no two samples of one call share a seed.
+    prompt's seed by `prompt_index * num_samples`, so no two samples of one call share a seed. Per-prompt
+    `seeds` are passed as they are: prompt i's request is seeded `seeds[i]`.
   - vLLM raises a temperature in (0, 0.01) to 0.01 (with a warning); logprobs are then under 0.01.
 
 Logprobs: the engine is built with ``logprobs_mode="processed_logprobs"``, so each sampled token's
@@ -142,7 +143,9 @@ def vllm_sampling_kwargs(
     }
     if params.top_k > 0:
         kwargs["top_k"] = params.top_k
-    if params.seed is not None:
+    if params.seeds is not None:
+        kwargs["seed"] = params.seeds[prompt_index]
+    elif params.seed is not None:
         kwargs["seed"] = params.seed + prompt_index * num_samples
     if params.stop_strings:
         kwargs["stop"] = list(params.stop_strings)
