@@ -7,6 +7,7 @@ process: gloo on CPU, NCCL on GPU, one GPU per local rank.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 
@@ -50,7 +51,16 @@ def init_from_env() -> bool:
             dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=30))
         else:
             dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=30))
+        atexit.register(_leave_process_group)
     return True
+
+
+def _leave_process_group() -> None:
+    """Tear the group down while the interpreter is still whole. A gloo group left to the interpreter's own
+    teardown can abort the process (SIGABRT, "terminate called without an active exception") after the run has
+    finished and saved: its worker threads still hold tensors when Python is already half gone."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def broadcast_object(value):
