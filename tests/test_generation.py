@@ -157,3 +157,15 @@ def test_per_row_draws_follow_the_distribution_and_never_pick_a_zero():
     last = torch.tensor([-math.inf, -math.inf, 0.0]).expand(50, -1)
     tokens, _ = sample_next_token(last, SamplingParams(temperature=1.0), [torch.Generator().manual_seed(s) for s in range(50)])
     assert tokens.tolist() == [2] * 50
+
+
+def test_per_row_draws_refuse_nan_or_massless_rows():
+    """A NaN row (or one with every token at -inf) is an error naming the cause, never an index past the
+    vocabulary."""
+    streams = [torch.Generator().manual_seed(s) for s in range(2)]
+    nan = torch.tensor([[0.0, 1.0, 2.0], [0.0, math.nan, 1.0]])
+    with pytest.raises(FloatingPointError, match="NaN or no mass"):
+        sample_next_token(nan, SamplingParams(temperature=1.0), streams)
+    massless = torch.tensor([[0.0, 1.0, 2.0], [-math.inf, -math.inf, -math.inf]])
+    with pytest.raises(FloatingPointError, match="NaN or no mass"):
+        sample_next_token(massless, SamplingParams(temperature=1.0), streams)

@@ -297,3 +297,37 @@ def test_seed_per_group_divides_a_round_among_ranks(tmp_path, tiny_model_dir, mo
     gathered = shares[0][0] + shares[1][0]
     assert [e.group_id for e in gathered] == [e.group_id for e in alone]
     assert [e.token_ids for e in gathered] == [e.token_ids for e in alone]
+
+
+def test_seed_per_group_failure_on_one_rank_raises_on_every_rank(tmp_path, tiny_model_dir, monkeypatch):
+    """When sampling is divided, a rank whose rows make the environment fail still joins the gather, and the
+    other ranks raise too (naming that rank and its error) instead of waiting in the collective."""
+    from posttrain.algorithms import rl
+
+    cfg = config(tmp_path, "rollout.seed_per_group=true", "rollout.num_generations_per_prompt=2")
+    model_cfg = ModelConfig(name_or_path=str(tiny_model_dir))
+    tokenizer, model = load_tokenizer(model_cfg), load_causal_lm(model_cfg)
+    rows, params = _chat_rows(tokenizer, 4), SamplingParams(max_new_tokens=3)
+    generator = TransformersGenerator(model, tokenizer)
+    gathered = []
+
+    def gather_as_if_rank_1_failed(share):
+        gathered.append(share)
+        return [share, "ValueError: the reward function returned 3 rewards for 4 completions"]
+
+    monkeypatch.setattr(rl, "world_size", lambda: 2)
+    monkeypatch.setattr(rl, "rank", lambda: 0)
+    monkeypatch.setattr(rl, "all_gather_objects", gather_as_if_rank_1_failed)
+    with pytest.raises(RuntimeError, match="rank 1 failed while sampling.*returned 3 rewards"):
+        rl.sample_round(rows, 0, cfg, generator, TwoTurnEnvironment(), tokenizer, params)
+    assert isinstance(gathered[0], tuple)  # rank 0 sampled its share and reached the gather
+
+    class Failing(TwoTurnEnvironment):
+        def step(self, *args, **kwargs):
+            raise ValueError("the sandbox crashed")
+
+    monkeypatch.setattr(rl, "rank", lambda: 1)
+    monkeypatch.setattr(rl, "all_gather_objects", lambda share: gathered.append(share) or [None, share])
+    with pytest.raises(ValueError, match="the sandbox crashed"):
+        rl.sample_round(rows, 0, cfg, generator, Failing(), tokenizer, params)
+    assert gathered[-1] == "ValueError: the sandbox crashed"  # the failing rank still joined the gather

@@ -319,6 +319,13 @@ def test_generate_maps_params_and_outputs(fake_vllm, tmp_path):
     assert out.extra["backend"] == "vllm"
 
 
+def test_generate_refuses_seeds_that_are_not_one_per_prompt(fake_vllm, tmp_path):
+    generator = VLLMGenerator(str(tmp_path))
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        generator.generate([[1], [2], [3]], SamplingParams(seeds=(1, 2)))
+    assert generator.llm.calls == []  # refused before the engine was asked
+
+
 def test_generate_greedy_asks_for_one_sample_and_repeats_it(fake_vllm, tmp_path):
     generator = VLLMGenerator(str(tmp_path))
     out = generator.generate([[1]], SamplingParams(temperature=0.0), num_samples=3)

@@ -252,12 +252,28 @@ def sample_round(rows: list[PromptRow], first_group_id: int, cfg: GRPOConfig, ge
                             rollout.max_turns)
     ranks, me = world_size(), rank()
     start, stop = len(rows) * me // ranks, len(rows) * (me + 1) // ranks
-    share = (run_episodes(rows[start:stop], first_group_id + start, num_samples, generator, environment, tokenizer,
-                          sampling, rollout.max_turns, group_seed=cfg.seed)
-             if stop > start else ([], RolloutTimes(0.0, 0.0, 0)))
+
+    def sample_share():
+        if stop == start:
+            return [], RolloutTimes(0.0, 0.0, 0)
+        return run_episodes(rows[start:stop], first_group_id + start, num_samples, generator, environment, tokenizer,
+                            sampling, rollout.max_turns, group_seed=cfg.seed)
+
     if ranks == 1:
-        return share
-    shares = all_gather_objects(share)
+        return sample_share()
+    # A failure while sampling or scoring depends on the rank's rows, so it can happen on one rank only: every
+    # rank still reaches the gather, and every rank raises, instead of the others waiting in it for the timeout.
+    try:
+        share, failure = sample_share(), None
+    except Exception as error:  # re-raised below, after the gather
+        share, failure = None, error
+    shares = all_gather_objects(share if failure is None else f"{type(failure).__name__}: {failure}")
+    if failure is not None:
+        raise failure
+    failed = [(r, shared) for r, shared in enumerate(shares) if isinstance(shared, str)]
+    if failed:
+        first_rank, message = failed[0]
+        raise RuntimeError(f"rank {first_rank} failed while sampling the round's groups: {message}")
     episodes = [episode for rank_episodes, _ in shares for episode in rank_episodes]
     times = [rank_times for _, rank_times in shares]
     # The round lasts as long as its slowest rank; every rank's sampled tokens count.

@@ -480,7 +480,8 @@ class RolloutSection(NumericSection):
     share its generation call, so a data-parallel run divides each round's groups among its ranks (each samples
     and scores its share, then the episodes are gathered) and still samples what one process does. Off by default:
     it draws other samples from the same seed than the per-round default, under which every documented outcome
-    was measured; with it off, every rank samples every group."""
+    was measured; with it off, every rank samples every group. The environment must score a completion from its
+    messages and metadata alone (no random generator or call counter of its own)."""
 
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: drop groups whose rewards are all equal (no learning signal) and sample more

@@ -42,6 +42,11 @@ class SamplingParams:
         if self.seed is not None and self.seeds is not None:
             raise ValueError("SamplingParams takes seed or seeds, not both")
 
+    def check_seeds_fit(self, num_prompts: int) -> None:
+        """Refuse a `seeds` tuple that is not one seed per prompt of the call."""
+        if self.seeds is not None and len(self.seeds) != num_prompts:
+            raise ValueError(f"SamplingParams.seeds has {len(self.seeds)} seeds for {num_prompts} prompts")
+
 
 @dataclass(frozen=True)
 class Completion:

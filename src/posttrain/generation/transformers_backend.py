@@ -51,8 +51,7 @@ class TransformersGenerator:
         started = time.perf_counter()
         if params.seed is not None:
             self.rng.manual_seed(params.seed)
-        if params.seeds is not None and len(params.seeds) != len(prompts):
-            raise ValueError(f"SamplingParams.seeds has {len(params.seeds)} seeds for {len(prompts)} prompts")
+        params.check_seeds_fit(len(prompts))
         was_training = self.model.training
         self.model.eval()
         prompts_per_batch = max(1, self.batch_size // num_samples)
@@ -182,6 +181,8 @@ def _draw_per_row(probs: torch.Tensor, streams: list[torch.Generator]) -> torch.
     uniforms = torch.cat([torch.rand(1, generator=g, device=probs.device, dtype=torch.float64) for g in streams])
     cdf = probs.double().cumsum(-1)
     total = cdf[:, -1]
+    if not bool((torch.isfinite(total) & (total > 0)).all()):
+        raise FloatingPointError("sampling probabilities with NaN or no mass (the logits were NaN or all -inf)")
     below_total = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, below_total[:, None], right=True).squeeze(-1)
 

@@ -316,6 +316,7 @@ class VLLMGenerator:
         """`num_samples` completions for each prompt; wakes the engine first if it sleeps."""
         if self.weights_discarded:
             raise RuntimeError("the engine slept with level=2, which discards its weights: call update_weights first")
+        params.check_seeds_fit(len(prompts))
         if not prompts:
             return GenerationOutput(completions=[], extra={"backend": "vllm"})
         self._wake(("weights", "kv_cache"))
