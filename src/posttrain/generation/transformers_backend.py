@@ -66,8 +66,10 @@ class TransformersGenerator:
         return GenerationOutput(grouped, time.perf_counter() - started, sum(len(c.token_ids) for c in flat))
 
     def _row_streams(self, seeds: tuple[int, ...], num_samples: int) -> list[torch.Generator]:
-        """One generator per row of a batch: sample j of prompt i seeded `seeds[i] + j`."""
-        return [torch.Generator(device=self.device).manual_seed(seed + j) for seed in seeds for j in range(num_samples)]
+        """One generator per row of a batch: sample j of prompt i seeded `seeds[i] + j`. CPU generators whatever
+        the model's device: a row's uniforms are then the same on every device, and a decoding step draws them
+        on the host and copies them over once instead of launching a kernel per row."""
+        return [torch.Generator().manual_seed(seed + j) for seed in seeds for j in range(num_samples)]
 
     def _generate_batch(self, unique_prompts: list[list[int]], params: SamplingParams, num_samples: int,
                         rng: torch.Generator | list[torch.Generator]) -> list[Completion]:
@@ -178,7 +180,8 @@ def _draw_per_row(probs: torch.Tensor, streams: list[torch.Generator]) -> torch.
     token of probability 0 is never drawn: the first index whose cumulative sum exceeds the draw has mass."""
     if len(streams) != probs.shape[0]:
         raise ValueError(f"{len(streams)} sampling streams for {probs.shape[0]} rows")
-    uniforms = torch.cat([torch.rand(1, generator=g, device=probs.device, dtype=torch.float64) for g in streams])
+    uniforms = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in streams]).to(probs.device)
+    # float64: the cumulative sum over a 152k vocabulary stays exact enough that each token keeps its own mass.
     cdf = probs.double().cumsum(-1)
     total = cdf[:, -1]
     if not bool((torch.isfinite(total) & (total > 0)).all()):
