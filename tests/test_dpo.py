@@ -17,8 +17,10 @@ from posttrain.data.formats import PreferenceRow
 from posttrain.data.preference import (
     collate_preference,
     collate_shared_prompt,
+    rejected_through_first_difference,
     tokenize_preference_row,
 )
+from posttrain.data.types import PreferenceExample
 from posttrain.data.types import CHOSEN, PADDING, PROMPT, REJECTED
 from posttrain.envs.arithmetic import (
     Problem,
@@ -225,6 +227,37 @@ def test_gradient_accumulation_gives_the_same_update(tmp_path, tiny_model_dir):
     whole, split = losses(tmp_path / "whole"), losses(tmp_path / "split")
     assert split == pytest.approx(whole, abs=1e-5)
     assert whole[1] != pytest.approx(whole[0], abs=1e-4)  # step 2 saw the update of step 1
+
+
+def test_truncated_rejected_keeps_the_shared_tokens_and_the_first_wrong_one():
+    def cut(chosen, rejected):
+        return rejected_through_first_difference(PreferenceExample((1,), chosen, rejected)).rejected_ids
+
+    assert cut((5, 6, 2), (5, 7, 2)) == (5, 7)  # "56" vs "57": the wrong units digit, not the EOS after it
+    assert cut((5, 6, 2), (8, 6, 2)) == (8,)  # wrong from the first token: the rest continues a wrong prefix
+    assert cut((5, 6, 2), (5, 6, 7, 2)) == (5, 6, 7)  # one digit too many: the extra digit is the wrong step
+    assert cut((5, 6, 2), (5, 2)) == (5, 2)  # stopping early: EOS is the first wrong token
+    assert cut((5, 6, 2), (5,)) == (5,)  # the beginning of chosen: kept whole
+
+
+def test_truncate_rejected_cuts_the_training_pairs_and_scores_evaluation_pairs_whole(tmp_path, tiny_model_dir,
+                                                                                    monkeypatch):
+    seen = []
+    train_on_pairs = dpo.train_on_pairs
+    monkeypatch.setattr(dpo, "train_on_pairs", lambda run, *args, **kwargs: seen.append(run) or
+                        train_on_pairs(run, *args, **kwargs))
+    evaluated = ["data.eval_files=['posttrain/arithmetic-preference:heldout[:32]']", "trainer.max_steps=3"]
+    train_dpo(config(tmp_path / "whole", *evaluated))
+    train_dpo(config(tmp_path / "cut", *evaluated, "loss.truncate_rejected=true"))
+    whole, cut = seen
+    assert [p.chosen_ids for p in cut.train_examples] == [p.chosen_ids for p in whole.train_examples]
+    assert [p.rejected_ids for p in cut.train_examples] == [
+        rejected_through_first_difference(p).rejected_ids for p in whole.train_examples]
+    shortened = sum(len(c.rejected_ids) < len(w.rejected_ids) for c, w in zip(cut.train_examples, whole.train_examples))
+    assert shortened > len(whole.train_examples) // 2  # most wrong sums differ before their last token (EOS)
+    assert cut.eval_examples == whole.eval_examples
+    assert losses(tmp_path / "cut")[0] == pytest.approx(math.log(2), abs=1e-6)
+    assert losses(tmp_path / "cut")[1:] != pytest.approx(losses(tmp_path / "whole")[1:], abs=1e-4)
 
 
 def test_resume_equals_an_uninterrupted_run(tmp_path, tiny_model_dir):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -38,7 +38,7 @@ from posttrain.algorithms.pairwise import (
 )
 from posttrain.checkpoint import POLICY
 from posttrain.config.schema import DPOConfig
-from posttrain.data.preference import collate_preference, collate_shared_prompt
+from posttrain.data.preference import collate_preference, collate_shared_prompt, rejected_through_first_difference
 from posttrain.data.sampler import check_step_fits
 from posttrain.data.types import PreferenceExample, SharedPromptBatch
 from posttrain.losses.preference import (
@@ -194,10 +194,12 @@ def build_references(cfg: DPOConfig, run: PairRun, policy: LocalPolicyWorker) ->
 @one_run_per_output_dir
 def train_dpo(cfg: DPOConfig) -> DPOResult:
     run = start_pair_run(cfg)
+    if cfg.loss.truncate_rejected:
+        run = replace(run, train_examples=[rejected_through_first_difference(pair) for pair in run.train_examples])
     # After start_pair_run: rank 0 has built an embedded model there before any rank reads its config.
     cfg = resolve_share_prompt(cfg)
     check_step_fits(cfg.trainer, len(run.train_examples), "training pairs")
-    loss_cfg = PreferenceLossConfig(**cfg.loss.model_dump(exclude={"average_logprobs"}))
+    loss_cfg = PreferenceLossConfig(**cfg.loss.model_dump(exclude={"average_logprobs", "truncate_rejected"}))
     # Evaluation sets' prompts and environments before the model: their errors, too, come before minutes of loading.
     evaluation = TrainingEvaluation(cfg.evaluation, run.tokenizer, cfg.trainer.max_steps, cfg.trainer.eval_batch_size)
     with contextlib.closing(evaluation):
@@ -219,6 +221,8 @@ def train_dpo(cfg: DPOConfig) -> DPOResult:
         else:
             reference_note = f"reference {cfg.reference}"
         layout = "one shared-prompt row per pair" if cfg.shares_prompt else "chosen and rejected rows"
+        if cfg.loss.truncate_rejected:
+            layout += ", training rejected completions cut after their first wrong token"
         metrics, eval_metrics, final_dir = train_on_pairs(
             run, cfg, policy, "dpo", f"{cfg.loss.type} with {reference_note}, {layout}",
             preference_objective(train_reference, cfg, loss_cfg), evaluate, pair_collate(cfg), evaluation,

@@ -338,6 +338,13 @@ class PreferenceLossSection(Section):
     """Score each completion by its per-token MEAN log-probability instead of the sum (e.g. for IPO).
     simpo and orpo length-normalize themselves and need it false."""
 
+    truncate_rejected: bool = False
+    """Train on each rejected completion only up to and including its first token that differs from the chosen
+    one (the first wrong step, as in Step-DPO). The tokens after it continue a prefix that is already wrong:
+    pushing them down also teaches the model to avoid them after a right prefix, which is where they may be
+    correct (an answer's units digit after a wrong tens digit). The training pairs only; evaluation pairs are
+    scored whole, so eval_reward_accuracy stays the standard measure."""
+
     @model_validator(mode="after")
     def _check(self) -> PreferenceLossSection:
         if self.average_logprobs and self.type in ("simpo", "orpo"):

@@ -66,6 +66,17 @@ def _tokenize_pair(row: PreferenceRow, tokenizer: PreTrainedTokenizerBase, sourc
     return PreferenceExample(tuple(prompt_ids), tuple(chosen_ids), tuple(rejected_ids), source, row.margin)
 
 
+def rejected_through_first_difference(pair: PreferenceExample) -> PreferenceExample:
+    """The pair with its rejected completion cut after the first token where it differs from the chosen one
+    (`loss.truncate_rejected`): the tokens both share, then the first wrong one. A rejected completion that is
+    the beginning of the chosen one is kept whole."""
+    chosen, rejected = pair.chosen_ids, pair.rejected_ids
+    shared = 0
+    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+        shared += 1
+    return replace(pair, rejected_ids=rejected[: shared + 1])
+
+
 def tokenize_completions(
     prompt: str | Messages, completions: Sequence[str | Messages], tokenizer: PreTrainedTokenizerBase, source: str = ""
 ) -> tuple[list[int], list[list[int]]]:
