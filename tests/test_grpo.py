@@ -291,7 +291,7 @@ def test_seed_per_group_divides_a_round_among_ranks(tmp_path, tiny_model_dir, mo
         asked.clear()
         monkeypatch.setattr(rl, "world_size", lambda: 2)
         monkeypatch.setattr(rl, "rank", lambda me=me: me)
-        monkeypatch.setattr(rl, "all_gather_objects", lambda share: shares.append(share) or [share])
+        monkeypatch.setattr(rl, "all_gather_results", lambda work, what: shares.append(work()) or [shares[-1]])
         rl.sample_round(rows, 40, cfg, generator, environment, tokenizer, params)
         assert asked[0] == [row.prompt_ids for row in rows[(0, 2)[me]:(2, 5)[me]]]  # turn 1: its block only
     gathered = shares[0][0] + shares[1][0]
@@ -303,6 +303,7 @@ def test_seed_per_group_failure_on_one_rank_raises_on_every_rank(tmp_path, tiny_
     """When sampling is divided, a rank whose rows make the environment fail still joins the gather, and the
     other ranks raise too (naming that rank and its error) instead of waiting in the collective."""
     from posttrain.algorithms import rl
+    from posttrain.distributed import env
 
     cfg = config(tmp_path, "rollout.seed_per_group=true", "rollout.num_generations_per_prompt=2")
     model_cfg = ModelConfig(name_or_path=str(tiny_model_dir))
@@ -313,11 +314,12 @@ def test_seed_per_group_failure_on_one_rank_raises_on_every_rank(tmp_path, tiny_
 
     def gather_as_if_rank_1_failed(share):
         gathered.append(share)
-        return [share, "ValueError: the reward function returned 3 rewards for 4 completions"]
+        return [share, env.RankFailure("ValueError: the reward function returned 3 rewards for 4 completions")]
 
     monkeypatch.setattr(rl, "world_size", lambda: 2)
     monkeypatch.setattr(rl, "rank", lambda: 0)
-    monkeypatch.setattr(rl, "all_gather_objects", gather_as_if_rank_1_failed)
+    monkeypatch.setattr(env, "is_distributed", lambda: True)
+    monkeypatch.setattr(env, "all_gather_objects", gather_as_if_rank_1_failed)
     with pytest.raises(RuntimeError, match="rank 1 failed while sampling.*returned 3 rewards"):
         rl.sample_round(rows, 0, cfg, generator, TwoTurnEnvironment(), tokenizer, params)
     assert isinstance(gathered[0], tuple)  # rank 0 sampled its share and reached the gather
@@ -327,7 +329,7 @@ def test_seed_per_group_failure_on_one_rank_raises_on_every_rank(tmp_path, tiny_
             raise ValueError("the sandbox crashed")
 
     monkeypatch.setattr(rl, "rank", lambda: 1)
-    monkeypatch.setattr(rl, "all_gather_objects", lambda share: gathered.append(share) or [None, share])
+    monkeypatch.setattr(env, "all_gather_objects", lambda share: gathered.append(share) or [None, share])
     with pytest.raises(ValueError, match="the sandbox crashed"):
         rl.sample_round(rows, 0, cfg, generator, Failing(), tokenizer, params)
-    assert gathered[-1] == "ValueError: the sandbox crashed"  # the failing rank still joined the gather
+    assert gathered[-1].message == "ValueError: the sandbox crashed"  # the failing rank still joined the gather

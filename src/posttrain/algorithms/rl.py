@@ -19,7 +19,7 @@ from posttrain.data.formats import PromptOnlyRow
 from posttrain.data.sampler import check_draw_fits
 from posttrain.data.tokenize import tokenize_prompt
 from posttrain.data.types import RolloutBatch
-from posttrain.distributed.env import all_gather_objects, is_distributed, rank, world_size
+from posttrain.distributed.env import all_gather_results, is_distributed, rank, world_size
 from posttrain.envs.base import Environment
 from posttrain.envs.registry import NEEDED_COLUMNS, build_environment
 from posttrain.envs.rewards import RewardErrorBudget
@@ -261,19 +261,7 @@ def sample_round(rows: list[PromptRow], first_group_id: int, cfg: GRPOConfig, ge
 
     if ranks == 1:
         return sample_share()
-    # A failure while sampling or scoring depends on the rank's rows, so it can happen on one rank only: every
-    # rank still reaches the gather, and every rank raises, instead of the others waiting in it for the timeout.
-    try:
-        share, failure = sample_share(), None
-    except Exception as error:  # re-raised below, after the gather
-        share, failure = None, error
-    shares = all_gather_objects(share if failure is None else f"{type(failure).__name__}: {failure}")
-    if failure is not None:
-        raise failure
-    failed = [(r, shared) for r, shared in enumerate(shares) if isinstance(shared, str)]
-    if failed:
-        first_rank, message = failed[0]
-        raise RuntimeError(f"rank {first_rank} failed while sampling the round's groups: {message}")
+    shares = all_gather_results(sample_share, "while sampling the round's groups")
     episodes = [episode for rank_episodes, _ in shares for episode in rank_episodes]
     times = [rank_times for _, rank_times in shares]
     # The round lasts as long as its slowest rank; every rank's sampled tokens count.

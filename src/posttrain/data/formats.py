@@ -10,7 +10,7 @@ messages {"role": ..., "content": ...}.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -130,6 +130,14 @@ def _parse_preference(row: Mapping[str, Any], location: str) -> PreferenceRow:
     return replace(pair, margin=float(margin))
 
 
+def shared_prefix_length(first: Sequence, second: Sequence) -> int:
+    """How many leading items (messages, token ids) the two sequences have in common."""
+    shared = 0
+    while shared < min(len(first), len(second)) and first[shared] == second[shared]:
+        shared += 1
+    return shared
+
+
 def _parse_pair(row: Mapping[str, Any], location: str) -> PreferenceRow:
     if "prompt" in row:
         prompt = _string_or_messages(row["prompt"], "prompt", location)
@@ -146,9 +154,7 @@ def _parse_pair(row: Mapping[str, Any], location: str) -> PreferenceRow:
             "prompt",
         )
     # Implicit prompt: the longest run of leading messages the two conversations share.
-    shared = 0
-    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
-        shared += 1
+    shared = shared_prefix_length(chosen, rejected)
     if shared == 0:
         raise DataError(
             location, "missing, and chosen and rejected share no leading messages to take as the prompt", "prompt"

@@ -21,7 +21,7 @@ from posttrain.config.schema import DataConfig
 from posttrain.data.collate import collate_padded
 from posttrain.data.dataset import DataStats, check_not_empty, iter_rows, skip_or_raise
 from posttrain.data.errors import DataError
-from posttrain.data.formats import Messages, PreferenceRow
+from posttrain.data.formats import Messages, PreferenceRow, shared_prefix_length
 from posttrain.data.types import (
     CHOSEN,
     PADDING,
@@ -70,11 +70,7 @@ def rejected_through_first_difference(pair: PreferenceExample) -> PreferenceExam
     """The pair with its rejected completion cut after the first token where it differs from the chosen one
     (`loss.truncate_rejected`): the tokens both share, then the first wrong one. A rejected completion that is
     the beginning of the chosen one is kept whole."""
-    chosen, rejected = pair.chosen_ids, pair.rejected_ids
-    shared = 0
-    while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
-        shared += 1
-    return replace(pair, rejected_ids=rejected[: shared + 1])
+    return replace(pair, rejected_ids=pair.rejected_ids[: shared_prefix_length(pair.chosen_ids, pair.rejected_ids) + 1])
 
 
 def tokenize_completions(

@@ -10,9 +10,14 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 def is_distributed() -> bool:
@@ -78,4 +83,33 @@ def all_gather_objects(value) -> list:
         return [value]
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value)
+    return gathered
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What a rank sends in place of its result when its own work raised (see all_gather_results)."""
+
+    message: str
+
+
+def all_gather_results(work: Callable[[], T], what: str) -> list[T]:
+    """Every rank's `work()` result, in rank order, on every rank; [work()] in a single process.
+
+    Work whose failure depends on the rank's share (its rows, its environment) can raise on one rank only. That
+    rank still joins the gather, sending a RankFailure, and then raises its own error; every other rank raises
+    a RuntimeError naming it ("rank 1 failed {what}: ValueError: ..."). No rank is left waiting in the collective
+    for the group's timeout."""
+    if not is_distributed():
+        return [work()]
+    try:
+        result, failure = work(), None
+    except Exception as error:  # re-raised below, once every rank has the news
+        result, failure = None, error
+    gathered = all_gather_objects(result if failure is None else RankFailure(f"{type(failure).__name__}: {failure}"))
+    if failure is not None:
+        raise failure
+    for other, value in enumerate(gathered):
+        if isinstance(value, RankFailure):
+            raise RuntimeError(f"rank {other} failed {what}: {value.message}")
     return gathered
