@@ -6,8 +6,9 @@ the reference, then for each optimizer step draw micro_batch_size x gradient_acc
 micro-batch run chosen and rejected sequences through the policy in ONE forward pass (by default one row per pair
 holding the prompt once: data.preference.collate_shared_prompt), reduce token
 log-probabilities to one per completion, take the preference loss normalized by the pair count of the whole
-step, backward; clip, step, log, evaluate, checkpoint. At the end write OUTPUT/final/ (a Hugging Face model
-directory; with LoRA also OUTPUT/adapter/).
+step, backward; clip, step, log, evaluate, checkpoint. With final_interpolation other than 1, the weights become
+start + final_interpolation·(trained − start) right after the last step, before its evaluation and checkpoint.
+At the end write OUTPUT/final/ (a Hugging Face model directory; with LoRA also OUTPUT/adapter/).
 
 The reference: a frozen copy of the starting model; or, with LoRA, the policy itself with its adapters switched
 off (no second copy); or either one's log-probabilities of every pair computed once up front; none for the
@@ -37,7 +38,7 @@ from posttrain.algorithms.pairwise import (
     train_on_pairs,
 )
 from posttrain.checkpoint import POLICY
-from posttrain.config.schema import DPOConfig
+from posttrain.config.schema import DPOConfig, ModelConfig
 from posttrain.data.preference import collate_preference, collate_shared_prompt, rejected_through_first_difference
 from posttrain.data.sampler import check_step_fits
 from posttrain.data.types import PreferenceExample, SharedPromptBatch
@@ -50,7 +51,7 @@ from posttrain.workers import ScoringWorker
 from posttrain.rundir import one_run_per_output_dir
 from posttrain.distributed import build_policy, build_scorer
 from posttrain.errors import RunError
-from posttrain.models.loading import custom_mask_problem_of
+from posttrain.models.loading import custom_mask_problem_of, load_causal_lm
 from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker, base_model_scorer
 
 EVAL_METRICS = ("loss", "reward_accuracy", "margin", "chosen_reward", "rejected_reward")
@@ -121,6 +122,11 @@ def resolve_share_prompt(cfg: DPOConfig) -> DPOConfig:
 def load_reference_model(cfg: DPOConfig, device: torch.device) -> LocalScoringWorker:
     """The starting model, frozen: eval mode, no gradients."""
     return build_scorer(cfg.model, cfg.trainer, device, role="reference")
+
+
+def starting_weights(model: ModelConfig) -> dict[str, torch.Tensor]:
+    """The starting model's parameters by name, loaded afresh on the CPU."""
+    return {name: tensor.detach() for name, tensor in load_causal_lm(model).named_parameters()}
 
 
 def precompute_reference_logps(reference: ScoringWorker, examples: Sequence[PreferenceExample], cfg: DPOConfig,
@@ -223,10 +229,16 @@ def train_dpo(cfg: DPOConfig) -> DPOResult:
         layout = "one shared-prompt row per pair" if cfg.shares_prompt else "chosen and rejected rows"
         if cfg.loss.truncate_rejected:
             layout += ", training rejected completions cut after their first wrong token"
+        after_last_step = None
+        if cfg.final_interpolation != 1.0:
+            layout += f", final weights start + {cfg.final_interpolation:g}·(trained − start)"
+
+            def after_last_step() -> None:
+                policy.interpolate_toward_start(cfg.final_interpolation, lambda: starting_weights(cfg.model))
         metrics, eval_metrics, final_dir = train_on_pairs(
             run, cfg, policy, "dpo", f"{cfg.loss.type} with {reference_note}, {layout}",
             preference_objective(train_reference, cfg, loss_cfg), evaluate, pair_collate(cfg), evaluation,
-            outputs="target_logprobs",
+            outputs="target_logprobs", after_last_step=after_last_step,
         )
     return DPOResult(
         run.output_dir, final_dir, cfg.trainer.max_steps, metrics.get("loss"), metrics.get("reward_accuracy"),

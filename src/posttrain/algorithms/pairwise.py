@@ -132,9 +132,12 @@ def train_on_pairs(run: PairRun, cfg: RecipeConfig, policy: PolicyWorker, recipe
                    objective: PairObjective, evaluate: Callable[[], dict[str, float]] | None,
                    collate: PairCollate = collate_preference,
                    evaluation: TrainingEvaluation | None = None,
-                   outputs: Outputs = "logits") -> tuple[dict, dict, Path]:
+                   outputs: Outputs = "logits", after_last_step: Callable[[], None] | None = None
+                   ) -> tuple[dict, dict, Path]:
     """The optimization loop; returns (last step's metrics, last evaluation's metrics, OUTPUT/final).
     `evaluation`: evaluation sets sampled from the policy on their steps (DPO's `evaluation:` section).
+    `after_last_step`: called once after the last optimizer step, before that step's evaluation and checkpoint
+    (so a run resumed from its last checkpoint neither repeats it nor loses it).
     `outputs`: what the objective's loss reads (workers/forward.py's Outputs): a reward model's scores are its
     logits, DPO's losses read the completion tokens' log-probabilities."""
     trainer = cfg.trainer
@@ -160,6 +163,8 @@ def train_on_pairs(run: PairRun, cfg: RecipeConfig, policy: PolicyWorker, recipe
                 micro_batches.append((batch, indices))
             step_metrics = accumulate_gradients(policy, micro_batches, objective, outputs)
             step_metrics.update(policy.all_reduce(policy.optim_step()))
+            if step == trainer.max_steps and after_last_step is not None:
+                after_last_step()
             elapsed = time.perf_counter() - started
 
             metrics = {

@@ -387,6 +387,14 @@ class DPOConfig(RecipeConfig):
     """Evaluation sets sampled from the policy during training (see docs/evaluation.md), each logged as
     eval/<name>/<metric>; none by default."""
 
+    final_interpolation: float = Field(1.0, gt=0)
+    """After the last optimizer step the weights become start + final_interpolation·(trained − start), the
+    starting model's weights pulled toward (below 1) or pushed past (above 1) the trained ones, before the last
+    evaluation, checkpoint and OUTPUT/final/. 1 (default): the trained weights. Below 1 is WiSE-FT's weight
+    interpolation (Wortsman et al. 2022): it keeps more of what the starting model could do on inputs the pairs
+    never cover; above 1 is ExPO's extrapolation (Zheng et al. 2024). With LoRA the adapters' updates are
+    scaled; otherwise the starting model is loaded once more, on the CPU, for the interpolation."""
+
     @model_validator(mode="after")
     def _check(self) -> DPOConfig:
         check_evaluation_sets(self.evaluation, self.trainer)

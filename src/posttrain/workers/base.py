@@ -81,6 +81,12 @@ class PolicyWorker(Protocol):
         `adapters_only`, the adapter tensors alone), for weight synchronisation to a generator."""
         ...
 
+    def interpolate_toward_start(self, weight: float, start_weights: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """Set the weights to start + weight·(current − start) in place (DPO's final_interpolation);
+        `start_weights()` gives the starting model's full tensors by name (not called for LoRA, whose start is
+        the base model: its adapters' updates are scaled)."""
+        ...
+
     def save(self, directory: Path) -> None:
         """Write everything needed to resume this worker (weights, optimizer, schedule) into `directory`."""
         ...

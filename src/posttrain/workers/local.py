@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -222,6 +222,32 @@ class LocalPolicyWorker(_LocalModel):
             yield from get_peft_model_state_dict(self.model).items()
             return
         yield from merged_lora_weights(self.model)
+
+    def interpolate_toward_start(self, weight: float, start_weights: Callable[[], dict[str, torch.Tensor]]) -> None:
+        """Set the weights to start + weight·(current − start), in place. With LoRA the start is the base model,
+        and scaling every adapter's B matrix by `weight` scales its update exactly so; otherwise
+        `start_weights()` gives the starting model's full tensors by parameter name (called only then)."""
+        with torch.no_grad():
+            if self.is_lora:
+                others = [name for name, p in self.model.named_parameters() if p.requires_grad and "lora_" not in name]
+                if others:
+                    raise RunError(f"cannot interpolate toward the base model: {others[0]} trains outside the LoRA "
+                                   "adapters")
+                for name, parameter in self.model.named_parameters():
+                    if "lora_B" in name:
+                        parameter.mul_(weight)
+                return
+            start = start_weights()
+            # named_parameters lists a tied tensor once, so the embedding and the head it shares are moved once.
+            for name, parameter in self.model.named_parameters():
+                if name not in start:
+                    raise RunError(f"cannot interpolate toward the starting model: it has no weight {name}")
+                begin = start[name].to(device=parameter.device, dtype=parameter.dtype)
+                if hasattr(parameter, "device_mesh"):  # an FSDP2 shard: the same slice of the start tensor
+                    from torch.distributed.tensor import distribute_tensor
+
+                    begin = distribute_tensor(begin, parameter.device_mesh, parameter.placements)
+                parameter.copy_(begin + weight * (parameter - begin))
 
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
