@@ -13,6 +13,7 @@ from posttrain.config import ConfigError, DPOConfig, load_config
 from posttrain.config.schema import ModelConfig
 from posttrain.data.embedded import iter_embedded
 from posttrain.data.errors import DataError
+from posttrain.errors import RunError
 from posttrain.data.formats import PreferenceRow
 from posttrain.data.preference import (
     collate_preference,
@@ -271,13 +272,13 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return load_causal_lm(ModelConfig(name_or_path=str(path))).state_dict()
 
 
-@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("lora", [None, "all-linear", "[embed_tokens,q_proj]"])
 def test_final_interpolation_keeps_that_share_of_the_update(tmp_path, tiny_model_dir, lora):
     # The same run with weight 1 and 0.5: the second's final weights are start + 0.5·(first's − start) for every
     # tensor, the tied embedding and LM head included (moved once, not twice), and its last evaluation and last
     # checkpoint are of the interpolated weights. With LoRA the start is the base model (the adapters are scaled).
     run = ["trainer.max_steps=4", "trainer.save_every=4", "data.eval_files=['posttrain/arithmetic-preference:heldout[:32]']",
-           *(["lora.enabled=true", "lora.r=4", "lora.alpha=8"] if lora else [])]
+           *(["lora.enabled=true", "lora.r=4", "lora.alpha=8", f"lora.target_modules={lora}"] if lora else [])]
     train_dpo(config(tmp_path / "full", *run))
     train_dpo(config(tmp_path / "half", *run, "final_interpolation=0.5"))
     start, full, half = _weights(tiny_model_dir), _weights(tmp_path / "full" / "final"), _weights(tmp_path / "half" / "final")
@@ -285,8 +286,9 @@ def test_final_interpolation_keeps_that_share_of_the_update(tmp_path, tiny_model
     for name in start:
         torch.testing.assert_close(half[name], start[name] + 0.5 * (full[name] - start[name]), atol=1e-6, rtol=0, msg=name)
         moved += not torch.equal(full[name], start[name])
-    assert moved >= 20
-    torch.testing.assert_close(half["lm_head.weight"], half["model.embed_tokens.weight"], atol=0, rtol=0)
+    assert moved >= (2 if lora == "[embed_tokens,q_proj]" else 20)
+    if lora != "all-linear":  # the embedding (tied to the LM head) moved, and by half: once, not twice
+        assert not torch.equal(full["model.embed_tokens.weight"], start["model.embed_tokens.weight"])
     last_full, last_half = read_metrics(tmp_path / "full" / "metrics.jsonl")[-1], read_metrics(tmp_path / "half" / "metrics.jsonl")[-1]
     assert last_half["loss"] == last_full["loss"]  # the training steps are the same
     # Same steps, so an evaluation before the interpolation would repeat the other run's to the bit.
@@ -296,6 +298,11 @@ def test_final_interpolation_keeps_that_share_of_the_update(tmp_path, tiny_model
     train_dpo(config(tmp_path / "half", *run, "final_interpolation=0.5"))
     for name, tensor in _weights(tmp_path / "half" / "final").items():
         torch.testing.assert_close(tensor, half[name], atol=0, rtol=0, msg=name)
+    # Another weight on the finished run would be applied to nothing: refused before any file changes.
+    config_before = (tmp_path / "half" / "config.yaml").read_text()
+    with pytest.raises(RunError, match="finished with final_interpolation 0.5"):
+        train_dpo(config(tmp_path / "half", *run, "final_interpolation=0.25"))
+    assert (tmp_path / "half" / "config.yaml").read_text() == config_before
 
 
 def test_reference_free_losses_load_no_reference(tmp_path, tiny_model_dir, monkeypatch):

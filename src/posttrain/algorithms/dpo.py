@@ -24,8 +24,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
+import yaml
 
-from posttrain.algorithms.common import chunks
+from posttrain.algorithms.common import CONFIG_FILE, chunks
 from posttrain.algorithms.evaluate import TrainingEvaluation
 from posttrain.algorithms.pairwise import (
     PairBatch,
@@ -37,7 +38,7 @@ from posttrain.algorithms.pairwise import (
     start_pair_run,
     train_on_pairs,
 )
-from posttrain.checkpoint import POLICY
+from posttrain.checkpoint import POLICY, latest_checkpoint
 from posttrain.config.schema import DPOConfig, ModelConfig
 from posttrain.data.preference import collate_preference, collate_shared_prompt, rejected_through_first_difference
 from posttrain.data.sampler import check_step_fits
@@ -197,8 +198,24 @@ def build_references(cfg: DPOConfig, run: PairRun, policy: LocalPolicyWorker) ->
     return table(run.train_examples), table(run.eval_examples) if run.eval_examples else Reference()
 
 
+def refuse_reinterpolating(cfg: DPOConfig) -> None:
+    """A finished run's last checkpoint already holds its interpolated weights: re-running it with another
+    final_interpolation would resume there, train nothing and apply nothing. Refused before any file changes."""
+    output_dir = Path(cfg.output_dir)
+    previous = output_dir / CONFIG_FILE
+    if not previous.is_file():
+        return
+    before = (yaml.safe_load(previous.read_text()) or {}).get("final_interpolation", 1.0)
+    last = latest_checkpoint(output_dir)
+    if before != cfg.final_interpolation and last is not None and last.step >= cfg.trainer.max_steps:
+        raise RunError(f"{output_dir} finished with final_interpolation {before:g}, and its last checkpoint holds those "
+                       f"weights; {cfg.final_interpolation:g} cannot be applied to them. Train into a new output_dir "
+                       f"(or run with final_interpolation={before:g} to export it again)")
+
+
 @one_run_per_output_dir
 def train_dpo(cfg: DPOConfig) -> DPOResult:
+    refuse_reinterpolating(cfg)
     run = start_pair_run(cfg)
     if cfg.loss.truncate_rejected:
         run = replace(run, train_examples=[rejected_through_first_difference(pair) for pair in run.train_examples])
@@ -211,6 +228,8 @@ def train_dpo(cfg: DPOConfig) -> DPOResult:
     with contextlib.closing(evaluation):
         policy = build_policy(cfg.model, cfg.lora, cfg.trainer, run.tokenizer, run.device,
                               resume_dir=run.resume.worker_dir(POLICY) if run.resume else None)
+        if cfg.final_interpolation != 1.0 and (problem := policy.interpolation_problem()):
+            raise RunError(f"final_interpolation={cfg.final_interpolation:g}: {problem}")
         train_reference, eval_reference = build_references(cfg, run, policy)
 
         evaluate = None

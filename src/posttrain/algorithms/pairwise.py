@@ -163,8 +163,6 @@ def train_on_pairs(run: PairRun, cfg: RecipeConfig, policy: PolicyWorker, recipe
                 micro_batches.append((batch, indices))
             step_metrics = accumulate_gradients(policy, micro_batches, objective, outputs)
             step_metrics.update(policy.all_reduce(policy.optim_step()))
-            if step == trainer.max_steps and after_last_step is not None:
-                after_last_step()
             elapsed = time.perf_counter() - started
 
             metrics = {
@@ -174,6 +172,8 @@ def train_on_pairs(run: PairRun, cfg: RecipeConfig, policy: PolicyWorker, recipe
                 "epoch": sampler.epochs_completed,
             }
             guard.check(step, metrics)
+            if step == trainer.max_steps and after_last_step is not None:
+                after_last_step()
             if evaluate is not None and is_eval_step(step, trainer):
                 eval_metrics = evaluate()
                 metrics.update(eval_metrics)

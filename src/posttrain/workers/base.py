@@ -81,6 +81,11 @@ class PolicyWorker(Protocol):
         `adapters_only`, the adapter tensors alone), for weight synchronisation to a generator."""
         ...
 
+    def interpolation_problem(self) -> str | None:
+        """Why `interpolate_toward_start` could not be exact for this model (a LoRA model training more than
+        its A and B matrices), or None; recipes ask before training."""
+        ...
+
     def interpolate_toward_start(self, weight: float, start_weights: Callable[[], dict[str, torch.Tensor]]) -> None:
         """Set the weights to start + weight·(current − start) in place (DPO's final_interpolation);
         `start_weights()` gives the starting model's full tensors by name (not called for LoRA, whose start is

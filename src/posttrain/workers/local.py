@@ -223,18 +223,27 @@ class LocalPolicyWorker(_LocalModel):
             return
         yield from merged_lora_weights(self.model)
 
+    def interpolation_problem(self) -> str | None:
+        """Why `interpolate_toward_start` could not be exact for this model, or None. With LoRA an adapter's
+        update is B·A (lora_embedding_B·lora_embedding_A on an embedding), linear in its B; anything else that
+        trains (DoRA's magnitudes, a head outside the adapters) is not."""
+        if not self.is_lora:
+            return None
+        for name, parameter in self.model.named_parameters():
+            if parameter.requires_grad and _lora_part(name) is None:
+                return f"{name} trains and is not a LoRA A or B matrix, so its update cannot be scaled exactly"
+        return None
+
     def interpolate_toward_start(self, weight: float, start_weights: Callable[[], dict[str, torch.Tensor]]) -> None:
         """Set the weights to start + weight·(current − start), in place. With LoRA the start is the base model,
         and scaling every adapter's B matrix by `weight` scales its update exactly so; otherwise
         `start_weights()` gives the starting model's full tensors by parameter name (called only then)."""
+        if problem := self.interpolation_problem():
+            raise RunError(f"cannot interpolate toward the base model: {problem}")
         with torch.no_grad():
             if self.is_lora:
-                others = [name for name, p in self.model.named_parameters() if p.requires_grad and "lora_" not in name]
-                if others:
-                    raise RunError(f"cannot interpolate toward the base model: {others[0]} trains outside the LoRA "
-                                   "adapters")
                 for name, parameter in self.model.named_parameters():
-                    if "lora_B" in name:
+                    if parameter.requires_grad and _lora_part(name) in ("lora_B", "lora_embedding_B"):
                         parameter.mul_(weight)
                 return
             start = start_weights()
@@ -272,6 +281,12 @@ class LocalPolicyWorker(_LocalModel):
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad or not trainable_only)
+
+
+def _lora_part(name: str) -> str | None:
+    """Which LoRA matrix the parameter `name` is (lora_A, lora_B, lora_embedding_A, lora_embedding_B), or None."""
+    return next((part for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
+                 if f".{part}." in f".{name}."), None)
 
 
 class LocalScoringWorker(_LocalModel):
