@@ -343,7 +343,8 @@ def test_generate_with_no_prompts_skips_the_engine(fake_vllm, tmp_path):
 def test_update_weights_loads_in_place_then_resets_the_prefix_cache(fake_vllm, tmp_path):
     generator = VLLMGenerator(str(tmp_path))
     weight = torch.ones(2, 2, requires_grad=True)
-    generator.update_weights({"model.embed_tokens.weight": weight})
+    assert generator.update_weights(3, [("model.embed_tokens.weight", weight)]) == 16
+    assert generator.weights_version == 3
     assert generator.llm.calls == [("apply_model",), ("reset_prefix_cache",)]
     (loaded,) = generator.llm.model.loaded
     assert [name for name, _ in loaded] == ["model.embed_tokens.weight"]
@@ -354,7 +355,7 @@ def test_update_weights_loads_in_place_then_resets_the_prefix_cache(fake_vllm, t
 def test_sleeping_engine_wakes_weights_for_an_update_and_kv_cache_for_generation(fake_vllm, tmp_path):
     generator = VLLMGenerator(str(tmp_path), enable_sleep_mode=True)
     generator.sleep(level=1)
-    generator.update_weights({"lm_head.weight": torch.zeros(1)})
+    generator.update_weights(1, [("lm_head.weight", torch.zeros(1))])
     generator.generate([[1]], SamplingParams())
     generator.generate([[1]], SamplingParams())
     names = [call[0] if call[0] != "wake_up" else call for call in generator.llm.calls]
@@ -367,7 +368,7 @@ def test_level_two_sleep_needs_new_weights_before_generating(fake_vllm, tmp_path
     generator.sleep(level=2)
     with pytest.raises(RuntimeError, match="update_weights"):
         generator.generate([[1]], SamplingParams())
-    generator.update_weights({"lm_head.weight": torch.zeros(1)})
+    generator.update_weights(1, [("lm_head.weight", torch.zeros(1))])
     generator.generate([[1]], SamplingParams())
 
 
@@ -382,7 +383,7 @@ def test_several_gpus_send_weights_through_the_cpu(fake_vllm, tmp_path):
     assert os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
     weight = torch.ones(2, 2)
-    generator.update_weights({"model.norm.weight": weight})
+    generator.update_weights(1, [("model.norm.weight", weight)])
     (loaded,) = generator.llm.model.loaded
     assert loaded[0][1].device.type == "cpu" and torch.equal(loaded[0][1], weight)
 

@@ -207,7 +207,7 @@ def run_phase(args: argparse.Namespace, workdir: Path) -> int:
     hf_new = perturbed_copy(hf, noise=0.5, seed=7)
     stale = logprob_errors(hf_new, samples[1.0], 1.0)
     t0 = time.perf_counter()
-    generator.update_weights(hf_new.state_dict())
+    generator.update_weights(1, hf_new.state_dict().items())
     results["update_weights_seconds"] = round(time.perf_counter() - t0, 3)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=4321)
     updated_samples = generator.generate(prompts, params, args.num_samples).completions

@@ -29,12 +29,11 @@ import yaml
 from posttrain.algorithms.common import CONFIG_FILE, chunks
 from posttrain.algorithms.evaluate import TrainingEvaluation
 from posttrain.algorithms.pairwise import (
-    PairBatch,
     PairCollate,
-    PairObjective,
+    PairInputs,
+    PairRows,
     PairRun,
     evaluate_pairs,
-    pair_means,
     start_pair_run,
     train_on_pairs,
 )
@@ -42,18 +41,14 @@ from posttrain.checkpoint import POLICY, latest_checkpoint
 from posttrain.config.schema import DPOConfig, ModelConfig
 from posttrain.data.preference import collate_preference, collate_shared_prompt, rejected_through_first_difference
 from posttrain.data.sampler import check_step_fits
-from posttrain.data.types import PreferenceExample, SharedPromptBatch
-from posttrain.losses.preference import (
-    PreferenceLossConfig,
-    preference_loss,
-    sequence_logps,
-)
-from posttrain.workers import ScoringWorker
+from posttrain.data.types import PairBatch, PreferenceExample
+from posttrain.losses.preference import PreferenceLossConfig
+from posttrain.workers import PolicyWorker, ScoringWorker
 from posttrain.rundir import one_run_per_output_dir
 from posttrain.distributed import build_policy, build_scorer
 from posttrain.errors import RunError
-from posttrain.models.loading import custom_mask_problem_of, load_causal_lm
-from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker, base_model_scorer
+from posttrain.models.loading import custom_mask_problem_of
+from posttrain.workers.objectives import PreferenceObjective, completion_logps
 
 EVAL_METRICS = ("loss", "reward_accuracy", "margin", "chosen_reward", "rejected_reward")
 
@@ -67,39 +62,6 @@ class DPOResult:
     final_reward_accuracy: float | None
     eval_loss: float | None
     eval_reward_accuracy: float | None
-
-
-@dataclass(frozen=True)
-class CompletionLogps:
-    """Per-completion scores of B pairs, each [B].
-
-    chosen, rejected: log-probabilities of the completions (summed over tokens, or their mean).
-    chosen_lengths, rejected_lengths: completion token counts.
-    chosen_nll: mean per-token NLL of the chosen completion (for ORPO and loss.sft_weight).
-    """
-
-    chosen: torch.Tensor
-    rejected: torch.Tensor
-    chosen_lengths: torch.Tensor
-    rejected_lengths: torch.Tensor
-    chosen_nll: torch.Tensor
-
-
-def completion_logps(token_logps: torch.Tensor, batch: PairBatch, average: bool) -> CompletionLogps:
-    """Per-completion scores of a batch of pairs from its token log-probabilities ([rows, T], as
-    a worker's target_logprobs outputs or its `logprobs` give them): a `collate_preference` batch (chosen rows, then
-    rejected rows) or a `collate_shared_prompt` one (one row per pair)."""
-    if isinstance(batch, SharedPromptBatch):
-        chosen_logps = rejected_logps = token_logps
-        chosen_mask, rejected_mask = batch.chosen_mask, batch.rejected_mask
-    else:
-        pairs = batch.input_ids.shape[0] // 2
-        chosen_logps, rejected_logps = token_logps[:pairs], token_logps[pairs:]
-        chosen_mask, rejected_mask = batch.loss_mask[:pairs], batch.loss_mask[pairs:]
-    return CompletionLogps(
-        sequence_logps(chosen_logps, chosen_mask, average), sequence_logps(rejected_logps, rejected_mask, average),
-        chosen_mask.sum(-1), rejected_mask.sum(-1), -sequence_logps(chosen_logps, chosen_mask, average=True),
-    )
 
 
 def pair_collate(cfg: DPOConfig) -> PairCollate:
@@ -120,14 +82,9 @@ def resolve_share_prompt(cfg: DPOConfig) -> DPOConfig:
     return cfg.model_copy(update={"share_prompt": False})
 
 
-def load_reference_model(cfg: DPOConfig, device: torch.device) -> LocalScoringWorker:
+def load_reference_model(cfg: DPOConfig, device: torch.device) -> ScoringWorker:
     """The starting model, frozen: eval mode, no gradients."""
     return build_scorer(cfg.model, cfg.trainer, device, role="reference")
-
-
-def starting_weights(model: ModelConfig) -> dict[str, torch.Tensor]:
-    """The starting model's parameters by name, loaded afresh on the CPU."""
-    return {name: tensor.detach() for name, tensor in load_causal_lm(model).named_parameters()}
 
 
 def precompute_reference_logps(reference: ScoringWorker, examples: Sequence[PreferenceExample], cfg: DPOConfig,
@@ -149,7 +106,7 @@ class Reference:
     def __init__(self, scorer: ScoringWorker | None = None, table: torch.Tensor | None = None):
         self.scorer, self.table = scorer, table
 
-    def logps(self, batch: PairBatch, indices: Sequence[int], average: bool
+    def logps(self, batch: PairRows, indices: Sequence[int], average: bool
               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if self.scorer is not None:
             scores = completion_logps(self.scorer.logprobs(batch), batch, average)
@@ -160,35 +117,23 @@ class Reference:
         return None, None
 
 
-def preference_objective(reference: Reference, cfg: DPOConfig, loss_cfg: PreferenceLossConfig) -> PairObjective:
-    """The preference loss of a micro-batch of pairs (summed over its pairs / the step's pair count)."""
+def reference_inputs(reference: Reference, average_logprobs: bool) -> PairInputs:
+    """The PairInputs of a preference loss: each micro-batch's rows with their reference log-probabilities."""
 
-    def objective(batch: PairBatch, indices: Sequence[int]):
-        reference_chosen, reference_rejected = reference.logps(batch, indices, cfg.loss.average_logprobs)
+    def inputs(rows: PairRows, indices: Sequence[int]) -> PairBatch:
+        chosen, rejected = reference.logps(rows, indices, average_logprobs)
+        return PairBatch(rows, chosen, rejected)
 
-        def loss_fn(target_logps: torch.Tensor, batch: PairBatch, num_pairs_in_step: float | None):
-            policy = completion_logps(target_logps, batch, cfg.loss.average_logprobs)
-            on_device = [None if t is None else t.to(target_logps.device)
-                         for t in (reference_chosen, reference_rejected)]
-            loss, metrics = preference_loss(
-                loss_cfg, policy.chosen, policy.rejected, on_device[0], on_device[1],
-                chosen_lengths=policy.chosen_lengths, rejected_lengths=policy.rejected_lengths,
-                chosen_nll=policy.chosen_nll, num_pairs_in_step=num_pairs_in_step,
-            )
-            return loss, pair_means(metrics, len(indices))
-
-        return loss_fn
-
-    return objective
+    return inputs
 
 
-def build_references(cfg: DPOConfig, run: PairRun, policy: LocalPolicyWorker) -> tuple[Reference, Reference]:
+def build_references(cfg: DPOConfig, run: PairRun, policy: PolicyWorker) -> tuple[Reference, Reference]:
     """The (training, evaluation) references. Reference-free losses: none. LoRA: the policy with adapters off
     (scored every batch, or once up front for `precomputed`). Otherwise a frozen copy of the starting model, kept
     (frozen_copy) or used once to fill the tables and freed (precomputed)."""
     if cfg.loss.reference_free:
         return Reference(), Reference()
-    scorer = base_model_scorer(policy) if policy.is_lora else load_reference_model(cfg, run.device)
+    scorer = policy.base_model_scorer() or load_reference_model(cfg, run.device)
     if cfg.reference == "frozen_copy":
         return Reference(scorer), Reference(scorer)
 
@@ -222,7 +167,9 @@ def train_dpo(cfg: DPOConfig) -> DPOResult:
     # After start_pair_run: rank 0 has built an embedded model there before any rank reads its config.
     cfg = resolve_share_prompt(cfg)
     check_step_fits(cfg.trainer, len(run.train_examples), "training pairs")
-    loss_cfg = PreferenceLossConfig(**cfg.loss.model_dump(exclude={"average_logprobs", "truncate_rejected"}))
+    loss = PreferenceObjective(PreferenceLossConfig(**cfg.loss.model_dump(exclude={"average_logprobs",
+                                                                                   "truncate_rejected"})),
+                               average_logprobs=cfg.loss.average_logprobs)
     # Evaluation sets' prompts and environments before the model: their errors, too, come before minutes of loading.
     evaluation = TrainingEvaluation(cfg.evaluation, run.tokenizer, cfg.trainer.max_steps, cfg.trainer.eval_batch_size)
     with contextlib.closing(evaluation):
@@ -235,13 +182,13 @@ def train_dpo(cfg: DPOConfig) -> DPOResult:
         evaluate = None
         if run.eval_examples:
             def evaluate() -> dict[str, float]:
-                return evaluate_pairs(policy, run.eval_examples, preference_objective(eval_reference, cfg, loss_cfg),
-                                      EVAL_METRICS, cfg.trainer.eval_batch_size, run.tokenizer.pad_token_id,
-                                      pair_collate(cfg), outputs="target_logprobs")
+                return evaluate_pairs(policy, run.eval_examples, loss,
+                                      reference_inputs(eval_reference, cfg.loss.average_logprobs), EVAL_METRICS,
+                                      cfg.trainer.eval_batch_size, run.tokenizer.pad_token_id, pair_collate(cfg))
 
         if cfg.loss.reference_free:
             reference_note = "no reference (reference-free loss)"
-        elif policy.is_lora:
+        elif policy.base_model_scorer() is not None:
             reference_note = f"reference {cfg.reference}: the base model with the LoRA adapters off"
         else:
             reference_note = f"reference {cfg.reference}"
@@ -253,11 +200,11 @@ def train_dpo(cfg: DPOConfig) -> DPOResult:
             layout += f", final weights start + {cfg.final_interpolation:g}·(trained − start)"
 
             def after_last_step() -> None:
-                policy.interpolate_toward_start(cfg.final_interpolation, lambda: starting_weights(cfg.model))
+                policy.interpolate_toward_start(cfg.final_interpolation, cfg.model)
         metrics, eval_metrics, final_dir = train_on_pairs(
             run, cfg, policy, "dpo", f"{cfg.loss.type} with {reference_note}, {layout}",
-            preference_objective(train_reference, cfg, loss_cfg), evaluate, pair_collate(cfg), evaluation,
-            outputs="target_logprobs", after_last_step=after_last_step,
+            loss, reference_inputs(train_reference, cfg.loss.average_logprobs), evaluate, pair_collate(cfg),
+            evaluation, after_last_step=after_last_step,
         )
     return DPOResult(
         run.output_dir, final_dir, cfg.trainer.max_steps, metrics.get("loss"), metrics.get("reward_accuracy"),

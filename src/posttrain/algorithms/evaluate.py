@@ -29,8 +29,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from posttrain.algorithms.common import chunks
-from posttrain.algorithms.rl import build_generator, load_prompts, rollout_metrics, sync_generator
-from posttrain.algorithms.rollout import Episode, PromptRow, run_episodes, scalar_reward
+from posttrain.algorithms.rl import build_generator, load_prompts
+from posttrain.algorithms.rollout import Episode, PromptRow, rollout_metrics, run_episodes, scalar_reward
 from posttrain.config.schema import EvalConfig, EvaluationSet, ModelConfig
 from posttrain.envs import arithmetic
 from posttrain.envs.base import Environment
@@ -314,7 +314,7 @@ class TrainingEvaluation:
             self._policy_generator = build_generator(model, "transformers", self.tokenizer, policy,
                                                      batch_size=self.generation_batch_size, seed=0)
         else:
-            sync_generator(self._policy_generator, policy)
+            policy.push_weights(self._policy_generator)
         return self.run(step, self._policy_generator, run_log)
 
     def close(self) -> None:

@@ -4,8 +4,8 @@ Both train on (prompt, chosen, rejected) pairs: load the pairs, build the policy
 each optimizer step draw micro_batch_size x gradient_accumulation_steps pairs, collate each micro-batch as ONE
 batch (2B rows, chosen then rejected; or, for DPO's shared prompt, B rows of prompt + chosen + rejected), take the
 recipe's loss normalized by the pair count of the whole step, backward; clip, step, log, evaluate, checkpoint; at
-the end export the final model. The recipe supplies only how a micro-batch of pairs becomes a loss
-(`PairObjective`).
+the end export the final model. The recipe supplies only its loss description (workers/objectives.py) and what
+each micro-batch of pairs carries for it (`PairInputs`: the reference's log-probabilities, margins).
 """
 
 from __future__ import annotations
@@ -37,25 +37,24 @@ from posttrain.data.dataset import DataStats
 from posttrain.distributed import check_split
 from posttrain.data.preference import collate_preference, load_preference_examples
 from posttrain.data.sampler import EpochSampler
-from posttrain.data.types import PreferenceExample, SFTBatch, SharedPromptBatch
+from posttrain.data.types import PairBatch, PreferenceExample, SFTBatch, SharedPromptBatch
 from posttrain.models.loading import default_device, load_tokenizer
-from posttrain.workers import LossFn, Metric, MetricDict, PolicyWorker, as_floats, reduce_metrics
-from posttrain.workers.forward import Outputs
+from posttrain.workers import PolicyWorker, as_floats, reduce_metrics
+from posttrain.workers.objectives import Objective
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from posttrain.algorithms.evaluate import TrainingEvaluation
 
-PairBatch = SFTBatch | SharedPromptBatch
-PairCollate = Callable[[Sequence[PreferenceExample], int], PairBatch]
+PairRows = SFTBatch | SharedPromptBatch
+PairCollate = Callable[[Sequence[PreferenceExample], int], PairRows]
 """(pairs, pad token id) -> one batch of them: collate_preference or collate_shared_prompt."""
 
-PairObjective = Callable[[PairBatch, Sequence[int]], LossFn]
-"""(a batch of B pairs; the pairs' indices in their example list) -> the policy's loss function for that batch:
-(outputs, batch, pairs in the whole optimizer step, or None for a mean over this batch) -> (loss, metrics),
-metrics as per-pair means (`Metric.mean(value, B)`). Anything the loss needs from other workers (reference
-log-probabilities) is fetched here, before the policy's pass."""
+PairInputs = Callable[[PairRows, Sequence[int]], PairBatch]
+"""(the collated rows of B pairs; the pairs' indices in their example list) -> the PairBatch the loss reads: the rows
+with what the loss needs per pair from other workers or the data (reference log-probabilities, margins), fetched
+here, before the policy's pass."""
 
 
 @dataclass(frozen=True)
@@ -89,57 +88,35 @@ def start_pair_run(cfg: RecipeConfig) -> PairRun:
                    checkpoint_to_resume(output_dir))
 
 
-def pair_means(metrics: dict[str, float], num_pairs: int) -> MetricDict:
-    """A loss function's per-batch means as metrics weighted by the batch's pair count (its `loss` is left out:
-    the worker reports the loss itself)."""
-    return {name: Metric.mean(value, num_pairs) for name, value in metrics.items() if name != "loss"}
+def plain_pairs(rows: PairRows, indices: Sequence[int]) -> PairBatch:
+    """The PairInputs of a loss that reads nothing but the policy's outputs."""
+    return PairBatch(rows)
 
 
-def accumulate_gradients(policy: PolicyWorker, micro_batches: Sequence[tuple[PairBatch, list[int]]],
-                         objective: PairObjective, outputs: Outputs = "logits") -> MetricDict:
-    """Forward and backward every micro-batch of one optimizer step; gradients add up until the optimizer step.
-
-    Each micro-batch's summed per-pair loss is divided by the pair count of the whole step, so the accumulated
-    gradient is that of the mean over the step's pairs however they are split. Returns the step's metrics: the
-    loss, and the pair-weighted means of the loss function's other metrics.
-    """
-    num_pairs_in_step = sum(len(indices) for _, indices in micro_batches)
-    step = reduce_metrics(policy.forward_backward(batch, objective(batch, indices), num_pairs_in_step, outputs)
-                          for batch, indices in policy.shard(list(micro_batches)))
-    return policy.all_reduce(step)
-
-
-def evaluate_pairs(policy: PolicyWorker, examples: Sequence[PreferenceExample], objective: PairObjective,
-                   keys: Sequence[str], batch_size: int, pad_token_id: int,
-                   collate: PairCollate = collate_preference, outputs: Outputs = "logits") -> dict[str, float]:
+def evaluate_pairs(policy: PolicyWorker, examples: Sequence[PreferenceExample], loss: Objective,
+                   pair_inputs: PairInputs, keys: Sequence[str], batch_size: int, pad_token_id: int,
+                   collate: PairCollate = collate_preference) -> dict[str, float]:
     """Pair-weighted means of the metrics `keys` over `examples`, named eval_<key>; the model in eval mode."""
     records = []
     for start in range(0, len(examples), batch_size):
         indices = list(range(start, min(start + batch_size, len(examples))))
-        batch = collate([examples[i] for i in indices], pad_token_id)
-        loss_fn = objective(batch, indices)
-
-        def batch_metrics(model_outputs, batch: PairBatch, loss_fn=loss_fn, pairs=len(indices)) -> MetricDict:
-            loss, metrics = loss_fn(model_outputs, batch, None)
-            return {**metrics, "loss": Metric.mean(loss, pairs)}
-
-        records.append(policy.evaluate(batch, batch_metrics, outputs))
+        records.append(policy.evaluate(pair_inputs(collate([examples[i] for i in indices], pad_token_id), indices),
+                                       loss))
     totals = as_floats(reduce_metrics(records))
     return {f"eval_{key}": totals[key] for key in keys}
 
 
 def train_on_pairs(run: PairRun, cfg: RecipeConfig, policy: PolicyWorker, recipe: str, what: str,
-                   objective: PairObjective, evaluate: Callable[[], dict[str, float]] | None,
+                   loss: Objective, pair_inputs: PairInputs, evaluate: Callable[[], dict[str, float]] | None,
                    collate: PairCollate = collate_preference,
                    evaluation: TrainingEvaluation | None = None,
-                   outputs: Outputs = "logits", after_last_step: Callable[[], None] | None = None
-                   ) -> tuple[dict, dict, Path]:
+                   after_last_step: Callable[[], None] | None = None) -> tuple[dict, dict, Path]:
     """The optimization loop; returns (last step's metrics, last evaluation's metrics, OUTPUT/final).
     `evaluation`: evaluation sets sampled from the policy on their steps (DPO's `evaluation:` section).
     `after_last_step`: called once after the last optimizer step, before that step's evaluation and checkpoint
     (so a run resumed from its last checkpoint neither repeats it nor loses it).
-    `outputs`: what the objective's loss reads (workers/forward.py's Outputs): a reward model's scores are its
-    logits, DPO's losses read the completion tokens' log-probabilities."""
+    `loss`: the recipe's loss description, normalized by the pair count of the whole step; `pair_inputs` builds
+    each micro-batch's PairBatch (what the loss reads per pair besides the policy's outputs)."""
     trainer = cfg.trainer
     tokenizer = run.tokenizer
     sampler = EpochSampler(len(run.train_examples), seed=cfg.seed, shuffle=cfg.data.shuffle)
@@ -159,15 +136,16 @@ def train_on_pairs(run: PairRun, cfg: RecipeConfig, policy: PolicyWorker, recipe
             micro_batches = []
             for _ in range(trainer.gradient_accumulation_steps):
                 indices = sampler.next_indices(trainer.micro_batch_size)
-                batch = collate([run.train_examples[i] for i in indices], tokenizer.pad_token_id)
-                micro_batches.append((batch, indices))
-            step_metrics = accumulate_gradients(policy, micro_batches, objective, outputs)
-            step_metrics.update(policy.all_reduce(policy.optim_step()))
+                rows = collate([run.train_examples[i] for i in indices], tokenizer.pad_token_id)
+                micro_batches.append(pair_inputs(rows, indices))
+            # The policy divides the step's micro-batches among its ranks; the loss is over the step's pairs.
+            step_metrics = policy.forward_backward(micro_batches, loss)
+            step_metrics.update(policy.optim_step())
             elapsed = time.perf_counter() - started
 
             metrics = {
                 **as_floats(step_metrics),
-                "tokens_per_second": sum(batch.num_tokens for batch, _ in micro_batches) / elapsed,
+                "tokens_per_second": sum(batch.num_tokens for batch in micro_batches) / elapsed,
                 "step_seconds": elapsed,
                 "epoch": sampler.epochs_completed,
             }

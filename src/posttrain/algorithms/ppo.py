@@ -22,132 +22,92 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import replace
 
 import torch
 
 from posttrain.advantages import gae_advantages, token_level_rewards, whiten
-from posttrain.algorithms.common import (
-    NonFiniteGuard,
-    announce_run,
-    configure_torch,
-    export_policy,
-    log_step,
-    prepare_output_dir,
-    resume_trainer_state,
-    run_logger,
-    save_if_due,
-    seed_everything,
-)
+from posttrain.algorithms.common import NonFiniteGuard, announce_run, export_policy, log_step, run_logger, save_if_due
 from posttrain.algorithms.evaluate import TrainingEvaluation, reward_weights, sample_record
-from posttrain.algorithms.grpo import accumulate_policy_gradients, reference_worker
 from posttrain.algorithms.rl import (
     RLResult,
     due_evaluations,
-    load_rl_data,
     mean_over_updates,
     per_update_schedule,
     policy_generator,
-    normalize_batch_rewards,
-    restore_rl_state,
-    reward_normalizer,
-    rl_state,
-    rollout_metrics,
-    rollout_sampling,
-    sample_round,
+    reference_worker,
+    rollout_batch,
+    start_rl_run,
     step_timings,
-    sync_generator,
 )
-from posttrain.algorithms.rollout import overlong_penalty, to_batch
-from posttrain.checkpoint import POLICY, checkpoint_to_resume
+from posttrain.checkpoint import POLICY
 from posttrain.config.schema import PPOConfig
-from posttrain.data.sampler import EpochSampler
 from posttrain.data.types import RolloutBatch
 from posttrain.distributed import build_critic, build_policy
-from posttrain.distributed.env import world_size
-from posttrain.envs.rewards import RewardErrorBudget
 from posttrain.losses.policy_gradient import kl_estimate
-from posttrain.losses.value import explained_variance, value_loss, value_loss_normalizer
-from posttrain.models.loading import default_device
+from posttrain.losses.value import explained_variance
 from posttrain.rundir import one_run_per_output_dir
-from posttrain.workers import LossFn, Metric, MetricDict, reduce_metrics
-from posttrain.workers.value import CRITIC, ValueWorker
+from posttrain.workers.objectives import PolicyGradientObjective, ValueObjective
+from posttrain.workers.value import CRITIC
 
 PROGRESS_METRICS = ("reward/mean", "accuracy", "val/accuracy", "value/explained_variance", "kl")
 
 
 @one_run_per_output_dir
 def train_ppo(cfg: PPOConfig) -> RLResult:
-    configure_torch(cfg.trainer)
-    output_dir, changed_keys = prepare_output_dir(cfg, cfg.output_dir)
-    seed_everything(cfg.seed)
-    device = default_device()
-    trainer, rollout = cfg.trainer, cfg.rollout
-
-    # Data and environment first: a malformed row or reward path should fail before a model loads.
-    data = load_rl_data(cfg)
-    tokenizer, prompts, environment = data.tokenizer, data.prompts, data.environment
+    run = start_rl_run(cfg)  # output directory, seed, data and environment (before any model), resume
+    trainer, rollout, tokenizer, environment = cfg.trainer, cfg.rollout, run.data.tokenizer, run.data.environment
     weights = reward_weights(environment)
     evaluation = TrainingEvaluation(cfg.evaluation, tokenizer, trainer.max_steps)
-    loss_cfg = cfg.loss.to_loss_config(rollout.max_new_tokens * rollout.max_turns)
+    loss = PolicyGradientObjective(cfg.loss.to_loss_config(rollout.max_new_tokens * rollout.max_turns),
+                                   temperature=rollout.temperature)
+    value_loss = ValueObjective(cfg.critic.value_clip)
 
-    resume = checkpoint_to_resume(output_dir)
     updates_per_step = cfg.update.ppo_epochs * cfg.update.num_minibatches
     policy_steps = trainer.model_copy(update={"max_steps": trainer.max_steps - cfg.critic.warmup_steps})
-    policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, device,
-                          schedule=per_update_schedule(policy_steps, updates_per_step),
-                          resume_dir=resume.worker_dir(POLICY) if resume else None)
+    policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, run.device,
+                          schedule=per_update_schedule(policy_steps, updates_per_step), resume_dir=run.worker_dir(POLICY))
     critic_trainer = trainer.model_copy(update={"learning_rate": cfg.critic.learning_rate})
-    critic = build_critic(cfg.critic.init_from, cfg.model, critic_trainer, tokenizer, device,
+    critic = build_critic(cfg.critic.init_from, cfg.model, critic_trainer, tokenizer, run.device,
                           schedule=per_update_schedule(critic_trainer, updates_per_step),
-                          resume_dir=resume.worker_dir(CRITIC) if resume else None)
+                          resume_dir=run.worker_dir(CRITIC))
     # The reference is the starting model, also when resuming; loaded only when a KL term needs it.
-    needs_reference = loss_cfg.reference_kl_penalty > 0 or cfg.gae.kl_coef > 0
-    reference = reference_worker(policy, cfg, device) if needs_reference else None
+    needs_reference = loss.config.reference_kl_penalty > 0 or cfg.gae.kl_coef > 0
+    reference = reference_worker(policy, cfg, run.device) if needs_reference else None
     generator = policy_generator(cfg, tokenizer, policy)
-    sampler = EpochSampler(len(prompts), seed=cfg.seed, shuffle=cfg.data.shuffle)
-    budget = RewardErrorBudget(cfg.environment.max_error_fraction)
-    sampling, greedy = rollout_sampling(rollout)
-    start_step, state = resume_trainer_state(resume, sampler)
-    reward_norm = reward_normalizer(cfg)
-    next_group_id = restore_rl_state(state, budget, reward_norm)
+    source, start_step = run.rollout_source(cfg, generator, weights)
 
-    with run_logger(output_dir, cfg.logging, recipe="ppo", total_steps=trainer.max_steps, start_step=start_step,
+    with run_logger(run.output_dir, cfg.logging, recipe="ppo", total_steps=trainer.max_steps, start_step=start_step,
                     run_config=cfg.model_dump(mode="json"), progress_metrics=PROGRESS_METRICS) as run_log, \
             contextlib.closing(environment), contextlib.closing(evaluation):
-        announce_run(run_log, data.data_summary, resume, changed_keys, policy,
+        announce_run(run_log, run.data.data_summary, run.resume, run.changed_keys, policy,
                      f"a critic of {critic.num_parameters() / 1e6:.2f}M parameters, {rollout.prompts_per_step} "
                      f"prompts x {rollout.num_generations_per_prompt} samples per step, {updates_per_step} "
                      f"optimizer step(s) each per rollout batch")
         metrics: dict[str, float] = {}
-        guard = NonFiniteGuard(trainer, output_dir)
+        guard = NonFiniteGuard(trainer, run.output_dir)
         for step in range(start_step + 1, trainer.max_steps + 1):
             step_started = time.perf_counter()
 
             # 1-2. Sample and score.
-            rows = [prompts[i] for i in sampler.next_indices(rollout.prompts_per_step)]
-            episodes, times = sample_round(rows, next_group_id, cfg, generator, environment, tokenizer, sampling)
-            next_group_id += len(rows)
-            metrics = {"reward/errors": budget.record([e.error for e in episodes]).step_errors,
-                       **rollout_metrics(episodes, weights), "reward/errors_total": budget.run_errors}
+            sampled = source.next_groups(step)
+            episodes, metrics = sampled.episodes, dict(sampled.metrics)
             run_log.log_samples(step, "train", [sample_record(e, tokenizer, weights).to_json()
                                                 for e in episodes[: cfg.logging.samples_per_step]])
-            penalties = [overlong_penalty(e.last_turn_length, e.truncated, rollout.max_new_tokens,
-                                          rollout.overlong_buffer_length, rollout.overlong_penalty_factor)
-                         for e in episodes]
-            batch = to_batch(episodes, tokenizer.pad_token_id, weights, rollout.overlong_filtering, penalties)
-            batch = normalize_batch_rewards(batch, reward_norm, metrics)
+            batch = rollout_batch(episodes, cfg, run, weights, metrics)
 
             # 3. π_old, V_old and π_ref on the sampled tokens.
             started = time.perf_counter()
-            old_logprobs = policy.logprobs(batch, rollout.temperature)
-            old_values = critic.values(batch)
-            reference_logprobs = reference.logprobs(batch, rollout.temperature) if reference is not None else None
+            batch = replace(
+                batch, old_logprobs=policy.logprobs(batch, rollout.temperature), old_values=critic.values(batch),
+                reference_logprobs=None if reference is None else reference.logprobs(batch, rollout.temperature))
             logprob_seconds = time.perf_counter() - started
 
-            # 4. Token rewards and GAE.
-            advantages, returns, kl_metrics = ppo_advantages(cfg, batch, old_logprobs, old_values, reference_logprobs)
+            # 4. Token rewards and GAE: per-token advantages for the policy, return targets for the critic.
+            advantages, returns, kl_metrics = ppo_advantages(cfg, batch)
+            batch = replace(batch, advantages=advantages, returns=returns)
             metrics.update(kl_metrics)
-            metrics["value/explained_variance"] = float(explained_variance(old_values, returns, batch.loss_mask))
+            metrics["value/explained_variance"] = float(explained_variance(batch.old_values, returns, batch.loss_mask))
 
             # 5. Train: the critic every minibatch; the policy once the critic's warm-up is over.
             started = time.perf_counter()
@@ -156,19 +116,21 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
             for _ in range(cfg.update.ppo_epochs):
                 order = torch.randperm(len(batch))
                 for minibatch in torch.tensor_split(order, cfg.update.num_minibatches):
-                    stats: MetricDict = {}
+                    part = batch.select(minibatch)
+                    stats = {}
                     if train_policy:
-                        stats.update(accumulate_policy_gradients(policy, batch, minibatch, advantages, old_logprobs,
-                                                                 reference_logprobs, loss_cfg, cfg))
+                        stats.update(policy.forward_backward(part, loss))
                         stats.update(policy.optim_step())
-                    stats.update(accumulate_value_gradients(critic, batch, minibatch, old_values, returns, cfg))
+                    critic_stats = critic.forward_backward(part, value_loss)
+                    stats.update({"value/loss": critic_stats.pop("loss"), **critic_stats})
                     stats.update({f"value/{k}": v for k, v in critic.optim_step().items()})
                     update_metrics.append(stats)
             train_seconds = time.perf_counter() - started
 
-            # 6. Weight sync (a no-op for the transformers backend), metrics, validation, checkpoint.
+            # 6. Weight sync (versioned; nothing is read by a generator sampling from the policy's own module),
+            # metrics, validation, checkpoint.
             if train_policy:
-                sync_generator(generator, policy)
+                metrics.update(policy.push_weights(generator))
             step_seconds = time.perf_counter() - step_started
             metrics.update(mean_over_updates(update_metrics))
             # The critic's update is guarded like the policy's: a non-finite one was not applied either.
@@ -178,26 +140,28 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
             guard.check(step, checked)
             if "nonfinite_skipped_steps" in checked:
                 metrics["nonfinite_skipped_steps"] = checked["nonfinite_skipped_steps"]
-            metrics.update(step_timings(generate=times.generate, score=times.score, logprobs=logprob_seconds,
-                                        train=train_seconds, step=step_seconds,
+            metrics.update(step_timings(generate=sampled.times.generate, score=sampled.times.score,
+                                        logprobs=logprob_seconds, train=train_seconds, step=step_seconds,
                                         tokens=float(batch.attention_mask.sum()),
-                                        generated_tokens=times.generated_tokens, epoch=sampler.epochs_completed))
-            metrics.update(due_evaluations(step, cfg, data, generator, greedy, weights, evaluation, run_log))
+                                        generated_tokens=sampled.times.generated_tokens,
+                                        epoch=source.sampler.epochs_completed))
+            metrics.update(due_evaluations(step, cfg, run.data, generator, run.greedy, weights, evaluation, run_log))
             log_step(run_log, step, metrics, trainer)
-            save_if_due(output_dir, step, trainer, {POLICY: policy, CRITIC: critic}, sampler,
-                        rl_state(budget, next_group_id, reward_norm))
+            save_if_due(run.output_dir, step, trainer, {POLICY: policy, CRITIC: critic}, source.sampler,
+                        run.trainer_state(source))
 
-        final_dir = export_policy(output_dir, policy, run_log)
-    return RLResult(output_dir, final_dir, trainer.max_steps, metrics)
+        final_dir = export_policy(run.output_dir, policy, run_log)
+    return RLResult(run.output_dir, final_dir, trainer.max_steps, metrics)
 
 
 # ---- pieces of the loop ----------------------------------------------------------------------------------
 
 
-def ppo_advantages(cfg: PPOConfig, batch: RolloutBatch, old_logprobs: torch.Tensor, old_values: torch.Tensor,
-                   reference_logprobs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+def ppo_advantages(cfg: PPOConfig, batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Per-token advantages [N, T] (whitened if asked), the critic's return targets [N, T], and the KL-in-reward
-    metrics, from the batch's sequence rewards and the critic's values before the update."""
+    metrics, from the batch's sequence rewards, π_old and π_ref log-probabilities and the critic's values before
+    the update (batch.old_values)."""
+    old_logprobs, old_values, reference_logprobs = batch.old_logprobs, batch.old_values, batch.reference_logprobs
     mask = batch.loss_mask
     kl = None
     metrics: dict[str, float] = {}
@@ -213,36 +177,3 @@ def ppo_advantages(cfg: PPOConfig, batch: RolloutBatch, old_logprobs: torch.Tens
     if cfg.gae.whiten_advantages:
         advantages = whiten(advantages, mask)
     return advantages, returns, metrics
-
-
-def value_objective(old_values: torch.Tensor, returns: torch.Tensor, clip: float | None) -> LossFn:
-    """The clipped value loss of one micro-batch (its V_old and return targets given, [n, T])."""
-
-    def loss_fn(values: torch.Tensor, batch: RolloutBatch, normalizer: float) -> tuple[torch.Tensor, MetricDict]:
-        loss, metrics = value_loss(values, old_values.to(values.device), returns.to(values.device),
-                                   batch.loss_mask, clip, normalizer)
-        tokens = batch.loss_mask.sum()
-        # value_loss itself is the worker's `loss` (summed over micro-batches), logged as value/loss.
-        return loss, {f"value/{name.removeprefix('value_')}": Metric.mean(value, tokens)
-                      for name, value in metrics.items() if name != "value_loss"}
-
-    return loss_fn
-
-
-def accumulate_value_gradients(critic: ValueWorker, batch: RolloutBatch, minibatch: torch.Tensor,
-                               old_values: torch.Tensor, returns: torch.Tensor, cfg: PPOConfig) -> MetricDict:
-    """Forward/backward the critic on the minibatch in micro-batches of at most trainer.micro_batch_size episodes,
-    as many on every data-parallel rank (as the policy's), the value loss normalized over the minibatch's valid
-    tokens."""
-    normalizer = value_loss_normalizer(batch.loss_mask[minibatch])
-    if normalizer == 0:
-        return {"value/loss": Metric.sum(0.0)}
-    records = []
-    ranks = world_size()
-    pieces = ranks * math.ceil(len(minibatch) / (cfg.trainer.micro_batch_size * ranks))
-    for index in critic.shard(list(torch.tensor_split(minibatch, pieces))):
-        objective = value_objective(old_values[index], returns[index], cfg.critic.value_clip)
-        record = critic.forward_backward(batch.select(index), objective, normalizer)
-        record["value/loss"] = record.pop("loss")
-        records.append(record)
-    return critic.all_reduce(reduce_metrics(records))

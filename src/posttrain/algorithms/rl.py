@@ -1,34 +1,51 @@
 """Pieces the online RL loops share (GRPO and PPO; on-policy distillation builds on them), and evaluation
 (algorithms/evaluate.py) with them: loading and formatting prompts, building the generator for a policy worker or
-a model, rollout statistics and greedy validation."""
+a model, greedy validation; the set-up before and around the workers (`start_rl_run`: output directory, data,
+environment, resume; `RLRun.rollout_source`: the rollout source and the resumed state) and the step's batch."""
 
 from __future__ import annotations
 
-import math
-import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from posttrain.advantages import RunningRewardNorm
-from posttrain.algorithms.rollout import Episode, PromptRow, RolloutTimes, run_episodes, scalar_reward
+from posttrain.algorithms.common import (
+    configure_torch,
+    is_eval_step,
+    prepare_output_dir,
+    resume_trainer_state,
+    seed_everything,
+)
+from posttrain.algorithms.rollout import (
+    Episode,
+    PromptRow,
+    overlong_penalty,
+    rollout_metrics,
+    run_episodes,
+    to_batch,
+)
+from posttrain.algorithms.rollout_source import RolloutSource, SynchronousRolloutSource
+from posttrain.checkpoint import Checkpoint, checkpoint_to_resume
 from posttrain.config.schema import DataConfig, GRPOConfig, ModelConfig, PromptSection, RolloutSection, TrainerConfig
 from posttrain.data.dataset import DataStats, check_not_empty, iter_rows, skip_or_raise
 from posttrain.data.errors import DataError
 from posttrain.data.formats import PromptOnlyRow
-from posttrain.data.sampler import check_draw_fits
+from posttrain.data.sampler import EpochSampler, check_draw_fits
 from posttrain.data.tokenize import tokenize_prompt
 from posttrain.data.types import RolloutBatch
-from posttrain.distributed.env import all_gather_results, is_distributed, rank, world_size
 from posttrain.envs.base import Environment
 from posttrain.envs.registry import NEEDED_COLUMNS, build_environment
 from posttrain.envs.rewards import RewardErrorBudget
 from posttrain.errors import RunError
 from posttrain.generation.base import Generator, SamplingParams
+from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer, resolve_model_path
-from posttrain.workers import Metric, MetricDict, PolicyWorker, as_floats, reduce_metrics
+from posttrain.distributed import build_scorer
+from posttrain.workers import Metric, MetricDict, PolicyWorker, ScoringWorker, as_floats, reduce_metrics
 from posttrain.workers.metrics import materialized
-from posttrain.workers.local import LocalPolicyWorker
 
 
 def load_prompts(sources: list[str], data: DataConfig, prompt: PromptSection, environment_kind: str | None,
@@ -99,8 +116,9 @@ def build_generator(model: ModelConfig, backend: str, tokenizer, policy: PolicyW
     """The generator of every recipe and of `posttrain eval` / `generate`.
 
     With a `policy`: vLLM loaded with the policy's current weights (a resumed run's, not the starting model's),
-    or the transformers backend sampling from a local policy's own module (a LoRA policy through its base model,
-    into whose layers peft put the adapters), or from its own synced copy on each rank of a data-parallel run.
+    or the transformers backend sampling from the module the policy shares in this process (a LoRA policy's base
+    model, into whose layers peft put the adapters), or from its own copy filled by the policy's weight pushes
+    (a sharded policy on each rank of a data-parallel run, or one that shares no module).
     Without one: `model` itself, loaded for sampling (vLLM, or transformers on the default device)."""
     if backend == "vllm":
         from posttrain.generation.vllm_backend import VLLMGenerator
@@ -108,58 +126,19 @@ def build_generator(model: ModelConfig, backend: str, tokenizer, policy: PolicyW
         generator = VLLMGenerator(resolve_model_path(model.name_or_path), seed=seed,
                                   gpu_memory_utilization=vllm_gpu_memory_utilization)
         if policy is not None:
-            generator.update_weights(dict(policy.named_weights()))
+            policy.push_weights(generator)
         return generator
-    from posttrain.generation.transformers_backend import TransformersGenerator
-
     if policy is None:
         return TransformersGenerator(load_causal_lm(model, device=default_device()).eval(), tokenizer,
                                      batch_size=batch_size, seed=seed)
-    if isinstance(policy, LocalPolicyWorker) and not is_distributed():
-        module = policy.model.get_base_model() if policy.is_lora else policy.model
-        return TransformersGenerator(module, tokenizer, batch_size=batch_size, seed=seed)
-    # A sharded policy has no whole module to sample from: each rank keeps an unsharded copy, refreshed from the
-    # gathered weights after every update (and now, for a resumed run's weights).
-    generator = TransformersGenerator(load_causal_lm(model, device=policy.device).eval(), tokenizer,
+    module = policy.sampling_module()
+    if module is not None:
+        return TransformersGenerator(module, tokenizer, batch_size=batch_size, seed=seed,
+                                     weights_version=policy.version)
+    generator = TransformersGenerator(load_causal_lm(model, device=default_device()).eval(), tokenizer,
                                       batch_size=batch_size, seed=seed, owns_weights=True)
-    generator.update_weights(dict(policy.named_weights()))
+    policy.push_weights(generator)
     return generator
-
-
-def sync_generator(generator: Generator, policy: PolicyWorker) -> None:
-    """Give a generator that holds its own copy of the weights (vLLM, a data-parallel rank's copy) the policy's
-    current ones; nothing is gathered for one that samples from the policy's own module (for a LoRA policy that
-    would merge and unmerge the adapters, which rounds the base weights)."""
-    from posttrain.generation.transformers_backend import TransformersGenerator
-
-    if isinstance(generator, TransformersGenerator) and not generator.owns_weights:
-        return
-    generator.update_weights(dict(policy.named_weights()))
-
-
-def rollout_metrics(episodes: list[Episode], weights: dict[str, float]) -> dict[str, float]:
-    """Reward, accuracy, length and truncation statistics of the step's episodes (masked episodes excluded
-    from reward statistics)."""
-    if not episodes:
-        return {}
-    rewards = [scalar_reward(e.reward, weights) for e in episodes if e.reward is not None]
-    lengths = [e.num_sampled_tokens for e in episodes]
-    metrics = {
-        "reward/mean": sum(rewards) / len(rewards) if rewards else math.nan,
-        "reward/std": statistics.stdev(rewards) if len(rewards) > 1 else 0.0,
-        "response_length/mean": sum(lengths) / len(lengths),
-        "response_length/max": max(lengths),
-        "truncation_rate": sum(e.truncated for e in episodes) / len(episodes),
-        "turns/mean": sum(e.num_turns for e in episodes) / len(episodes),
-    }
-    correct = [e.metadata["correct"] for e in episodes if e.reward is not None and "correct" in e.metadata]
-    if correct:
-        metrics["accuracy"] = sum(map(float, correct)) / len(correct)
-    components = sorted({name for e in episodes if isinstance(e.reward, dict) for name in e.reward})
-    for name in components:
-        values = [e.reward[name] for e in episodes if isinstance(e.reward, dict)]
-        metrics[f"reward/{name}"] = sum(values) / len(values)
-    return metrics
 
 
 def validate(prompts: list[PromptRow], generator, environment, tokenizer, params: SamplingParams, max_turns: int,
@@ -234,41 +213,6 @@ def load_rl_data(cfg: GRPOConfig) -> RLData:
     return RLData(tokenizer, prompts, eval_prompts[: cfg.data.max_eval_examples], data_summary, environment)
 
 
-def sample_round(rows: list[PromptRow], first_group_id: int, cfg: GRPOConfig, generator: Generator,
-                 environment: Environment, tokenizer, sampling: SamplingParams) -> tuple[list[Episode], RolloutTimes]:
-    """One sampling round of an RL step: `rollout.num_generations_per_prompt` episodes of each row, sampled and
-    scored, with group ids from `first_group_id` (the run's group counter, checkpointed: a resumed run samples
-    what an uninterrupted one would).
-
-    Seeded per round (the default), the round's one seed comes from the group counter and every rank of a
-    data-parallel run samples every group. With `rollout.seed_per_group`, the ranks divide the round's groups in
-    contiguous blocks, each samples and scores its block from the groups' own streams, and the episodes are
-    gathered on every rank in group order: the same episodes as one process, for a share of its sampling work."""
-    rollout = cfg.rollout
-    num_samples = rollout.num_generations_per_prompt
-    if not rollout.seed_per_group:
-        seeded = replace(sampling, seed=cfg.seed * 1_000_003 + first_group_id)
-        return run_episodes(rows, first_group_id, num_samples, generator, environment, tokenizer, seeded,
-                            rollout.max_turns)
-    ranks, me = world_size(), rank()
-    start, stop = len(rows) * me // ranks, len(rows) * (me + 1) // ranks
-
-    def sample_share():
-        if stop == start:
-            return [], RolloutTimes(0.0, 0.0, 0)
-        return run_episodes(rows[start:stop], first_group_id + start, num_samples, generator, environment, tokenizer,
-                            sampling, rollout.max_turns, group_seed=cfg.seed)
-
-    if ranks == 1:
-        return sample_share()
-    shares = all_gather_results(sample_share, "while sampling the round's groups")
-    episodes = [episode for rank_episodes, _ in shares for episode in rank_episodes]
-    times = [rank_times for _, rank_times in shares]
-    # The round lasts as long as its slowest rank; every rank's sampled tokens count.
-    return episodes, RolloutTimes(max(t.generate for t in times), max(t.score for t in times),
-                                  sum(t.generated_tokens for t in times))
-
-
 def rollout_sampling(rollout: RolloutSection) -> tuple[SamplingParams, SamplingParams]:
     """(training sampling, greedy validation) parameters of the rollout section."""
     sampling = SamplingParams(max_new_tokens=rollout.max_new_tokens, temperature=rollout.temperature,
@@ -285,32 +229,82 @@ def policy_generator(cfg: GRPOConfig, tokenizer, policy: PolicyWorker) -> Genera
                            seed=cfg.seed, vllm_gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
 
 
-def reward_normalizer(cfg: GRPOConfig) -> RunningRewardNorm | None:
+@dataclass
+class RLRun:
+    """What an online RL recipe (GRPO, PPO) sets up before and around its workers (`start_rl_run`)."""
+
+    output_dir: Path
+    changed_keys: list[str]
+    device: torch.device
+    data: RLData
+    resume: Checkpoint | None
+    reward_norm: RunningRewardNorm | None
     """The run's running reward statistics when environment.normalize_rewards is on."""
-    return RunningRewardNorm() if cfg.environment.normalize_rewards else None
+    sampling: SamplingParams
+    """Training sampling (rollout.temperature, top_p, top_k, stop strings)."""
+    greedy: SamplingParams
+    """Greedy validation sampling."""
+
+    def worker_dir(self, role: str) -> Path | None:
+        """The checkpoint folder of worker `role` to resume from, or None for a new run."""
+        return self.resume.worker_dir(role) if self.resume else None
+
+    def rollout_source(self, cfg: GRPOConfig, generator: Generator, weights: dict[str, float],
+                       dynamic_sampling: bool = False) -> tuple[SynchronousRolloutSource, int]:
+        """The run's rollout source sampling from `generator`, and the last finished step (0 for a new run). Call
+        it after the workers are built: a resumed run restores the RNG here, with the sampler's position, the group
+        counter, the reward-error counts and the running reward statistics."""
+        sampler = EpochSampler(len(self.data.prompts), seed=cfg.seed, shuffle=cfg.data.shuffle)
+        source = SynchronousRolloutSource(cfg, self.data.prompts, sampler, generator, self.data.environment,
+                                          self.data.tokenizer, self.sampling, weights,
+                                          RewardErrorBudget(cfg.environment.max_error_fraction), dynamic_sampling)
+        start_step, state = resume_trainer_state(self.resume, sampler)
+        source.load_state_dict(state)
+        if state and self.reward_norm is not None:
+            if "reward_norm" not in state:
+                raise RunError("environment.normalize_rewards is on, but the checkpoint to resume holds no running "
+                               "reward statistics (it was written with it off); resume with the setting it was "
+                               "written with, or start a new output_dir")
+            self.reward_norm.load_state_dict(state["reward_norm"])
+        return source, start_step
+
+    def trainer_state(self, source: RolloutSource) -> dict:
+        """What `rollout_source` reads back: saved in every checkpoint's trainer state."""
+        state = source.state_dict()
+        if self.reward_norm is not None:
+            state["reward_norm"] = self.reward_norm.state_dict()
+        return state
 
 
-def restore_rl_state(state: dict, budget: RewardErrorBudget, reward_norm: RunningRewardNorm | None) -> int:
-    """The group counter (which seeds sampling) from a resumed trainer state, the reward-error counts restored
-    into `budget` and the running reward statistics into `reward_norm`; 0 for a fresh run."""
-    if not state:
-        return 0
-    budget.load_state_dict(state["reward_errors"])
-    if reward_norm is not None:
-        if "reward_norm" not in state:
-            raise RunError("environment.normalize_rewards is on, but the checkpoint to resume holds no running "
-                           "reward statistics (it was written with it off); resume with the setting it was "
-                           "written with, or start a new output_dir")
-        reward_norm.load_state_dict(state["reward_norm"])
-    return state.get("next_group_id", 0)
+def start_rl_run(cfg: GRPOConfig) -> RLRun:
+    """Torch settings, the output directory, the seed, then the data and the environment (a malformed row or
+    reward path fails before a model loads) and the checkpoint to resume from, if any."""
+    configure_torch(cfg.trainer)
+    output_dir, changed_keys = prepare_output_dir(cfg, cfg.output_dir)
+    seed_everything(cfg.seed)
+    device = default_device()
+    data = load_rl_data(cfg)
+    sampling, greedy = rollout_sampling(cfg.rollout)
+    reward_norm = RunningRewardNorm() if cfg.environment.normalize_rewards else None
+    return RLRun(output_dir, changed_keys, device, data, checkpoint_to_resume(output_dir), reward_norm, sampling,
+                 greedy)
 
 
-def rl_state(budget: RewardErrorBudget, next_group_id: int, reward_norm: RunningRewardNorm | None) -> dict:
-    """What `restore_rl_state` reads back: saved in every checkpoint's trainer state."""
-    state = {"reward_errors": budget.state_dict(), "next_group_id": next_group_id}
-    if reward_norm is not None:
-        state["reward_norm"] = reward_norm.state_dict()
-    return state
+def reference_worker(policy: PolicyWorker, cfg: GRPOConfig, device: torch.device) -> ScoringWorker:
+    """π_ref, the starting model: the policy's own weights with its adapters switched off when it can give them
+    (LoRA), else a frozen copy."""
+    return policy.base_model_scorer() or build_scorer(cfg.model, cfg.trainer, device)
+
+
+def rollout_batch(episodes: list[Episode], cfg: GRPOConfig, run: RLRun, weights: dict[str, float],
+                  metrics: dict[str, float]) -> RolloutBatch:
+    """The step's episodes as a RolloutBatch: DAPO's overlong penalty added to the rewards, overlong filtering,
+    then the rewards normalized by the run's running statistics (metrics updated) when that is on."""
+    rollout = cfg.rollout
+    penalties = [overlong_penalty(e.last_turn_length, e.truncated, rollout.max_new_tokens,
+                                  rollout.overlong_buffer_length, rollout.overlong_penalty_factor) for e in episodes]
+    batch = to_batch(episodes, run.data.tokenizer.pad_token_id, weights, rollout.overlong_filtering, penalties)
+    return normalize_batch_rewards(batch, run.reward_norm, metrics)
 
 
 def normalize_batch_rewards(batch: RolloutBatch, reward_norm: RunningRewardNorm | None,
@@ -328,8 +322,6 @@ def due_evaluations(step: int, cfg: GRPOConfig, data: RLData, generator: Generat
                     weights: dict[str, float], evaluation, run_log) -> dict[str, float]:
     """The step's scheduled evaluations with the rollout generator: greedy validation on data.eval_files every
     trainer.eval_every steps (val/...), and the `evaluation:` sets that are due (eval/<name>/...)."""
-    from posttrain.algorithms.common import is_eval_step
-
     metrics: dict[str, float] = {}
     if data.eval_prompts and is_eval_step(step, cfg.trainer):
         metrics.update(validate(data.eval_prompts, generator, data.environment, data.tokenizer, greedy,

@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from posttrain.algorithms.pairwise import (
-    PairObjective,
+    PairInputs,
+    PairRows,
     evaluate_pairs,
-    pair_means,
+    plain_pairs,
     start_pair_run,
     train_on_pairs,
 )
@@ -31,8 +32,8 @@ from posttrain.checkpoint import POLICY
 from posttrain.config.schema import RMConfig
 from posttrain.data.errors import DataError
 from posttrain.data.sampler import check_step_fits
-from posttrain.data.types import PreferenceExample, SFTBatch
-from posttrain.losses.reward_model import bradley_terry_loss
+from posttrain.data.types import PairBatch, PreferenceExample
+from posttrain.workers.objectives import BradleyTerryObjective
 from posttrain.rundir import one_run_per_output_dir
 from posttrain.distributed import build_policy
 
@@ -57,24 +58,14 @@ def check_margins(examples: Sequence[PreferenceExample]) -> None:
             raise DataError(example.source, "missing, but loss.use_margin=true needs a margin on every pair", "margin")
 
 
-def reward_objective(examples: Sequence[PreferenceExample], cfg: RMConfig) -> PairObjective:
-    """Bradley-Terry loss of a micro-batch of pairs (indices into `examples`, for their margins); the model's
-    outputs are [2B, 1] scores, chosen rows then rejected rows."""
+def margin_inputs(examples: Sequence[PreferenceExample]) -> PairInputs:
+    """The PairInputs of a margin loss: each micro-batch's rows with their pairs' margins (indices into
+    `examples`)."""
 
-    def objective(batch: SFTBatch, indices: Sequence[int]):
-        def loss_fn(outputs: torch.Tensor, batch: SFTBatch, num_pairs_in_step: float | None):
-            rewards = outputs.squeeze(-1).float()
-            pairs = len(indices)
-            margin = None
-            if cfg.loss.use_margin:
-                margin = torch.tensor([examples[i].margin for i in indices], dtype=rewards.dtype, device=rewards.device)
-            loss, metrics = bradley_terry_loss(rewards[:pairs], rewards[pairs:], margin, num_pairs_in_step,
-                                               center_rewards_coefficient=cfg.loss.center_rewards_coefficient)
-            return loss, pair_means(metrics, pairs)
+    def inputs(rows: PairRows, indices: Sequence[int]) -> PairBatch:
+        return PairBatch(rows, margins=torch.tensor([examples[i].margin for i in indices], dtype=torch.float32))
 
-        return loss_fn
-
-    return objective
+    return inputs
 
 
 @one_run_per_output_dir
@@ -87,15 +78,21 @@ def train_rm(cfg: RMConfig) -> RMResult:
     policy = build_policy(cfg.model, cfg.lora, cfg.trainer, run.tokenizer, run.device, task="reward",
                           resume_dir=run.resume.worker_dir(POLICY) if run.resume else None)
 
+    # Bradley-Terry on the model's [2B, 1] scores, chosen rows then rejected rows.
+    loss = BradleyTerryObjective(cfg.loss.use_margin, cfg.loss.center_rewards_coefficient)
+
+    def pair_inputs(examples: Sequence[PreferenceExample]) -> PairInputs:
+        return margin_inputs(examples) if cfg.loss.use_margin else plain_pairs
+
     evaluate = None
     if run.eval_examples:
         def evaluate() -> dict[str, float]:
-            return evaluate_pairs(policy, run.eval_examples, reward_objective(run.eval_examples, cfg), EVAL_METRICS,
+            return evaluate_pairs(policy, run.eval_examples, loss, pair_inputs(run.eval_examples), EVAL_METRICS,
                                   cfg.trainer.eval_batch_size, run.tokenizer.pad_token_id)
 
     what = "Bradley-Terry reward model" + (" with per-pair margins" if cfg.loss.use_margin else "")
     metrics, eval_metrics, final_dir = train_on_pairs(
-        run, cfg, policy, "rm", what, reward_objective(run.train_examples, cfg), evaluate,
+        run, cfg, policy, "rm", what, loss, pair_inputs(run.train_examples), evaluate,
     )
     return RMResult(
         run.output_dir, final_dir, cfg.trainer.max_steps, metrics.get("loss"), metrics.get("accuracy"),

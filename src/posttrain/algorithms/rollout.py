@@ -15,6 +15,8 @@ like any other failed reward.
 from __future__ import annotations
 
 import hashlib
+import math
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -61,6 +63,8 @@ class Episode:
     last_turn_length: int = 0
     num_turns: int = 0
     done: bool = False
+    policy_version: int = 0
+    """The policy version (optimizer steps taken) whose weights the generator held when it sampled this episode."""
 
     @property
     def reply(self) -> str:
@@ -89,7 +93,8 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
     call."""
     episodes = [
         Episode(group_id=first_group_id + i, messages=_initial_messages(row.prompt), metadata=dict(row.metadata),
-                token_ids=list(row.prompt_ids), prompt_length=len(row.prompt_ids))
+                token_ids=list(row.prompt_ids), prompt_length=len(row.prompt_ids),
+                policy_version=generator.weights_version)
         for i, row in enumerate(rows) for _ in range(num_samples)
     ]
     sample_index = {id(e): k % num_samples for k, e in enumerate(episodes)}
@@ -240,4 +245,30 @@ def to_batch(episodes: list[Episode], pad_token_id: int, weights: dict[str, floa
         group_ids=torch.tensor([e.group_id for e in episodes], dtype=torch.long),
         truncated=torch.tensor([e.truncated for e in episodes]),
         response_lengths=torch.tensor([e.num_sampled_tokens for e in episodes], dtype=torch.float),
+        policy_versions=torch.tensor([e.policy_version for e in episodes], dtype=torch.long),
     )
+
+
+def rollout_metrics(episodes: list[Episode], weights: dict[str, float]) -> dict[str, float]:
+    """Reward, accuracy, length and truncation statistics of the step's episodes (masked episodes excluded
+    from reward statistics)."""
+    if not episodes:
+        return {}
+    rewards = [scalar_reward(e.reward, weights) for e in episodes if e.reward is not None]
+    lengths = [e.num_sampled_tokens for e in episodes]
+    metrics = {
+        "reward/mean": sum(rewards) / len(rewards) if rewards else math.nan,
+        "reward/std": statistics.stdev(rewards) if len(rewards) > 1 else 0.0,
+        "response_length/mean": sum(lengths) / len(lengths),
+        "response_length/max": max(lengths),
+        "truncation_rate": sum(e.truncated for e in episodes) / len(episodes),
+        "turns/mean": sum(e.num_turns for e in episodes) / len(episodes),
+    }
+    correct = [e.metadata["correct"] for e in episodes if e.reward is not None and "correct" in e.metadata]
+    if correct:
+        metrics["accuracy"] = sum(map(float, correct)) / len(correct)
+    components = sorted({name for e in episodes if isinstance(e.reward, dict) for name in e.reward})
+    for name in components:
+        values = [e.reward[name] for e in episodes if isinstance(e.reward, dict)]
+        metrics[f"reward/{name}"] = sum(values) / len(values)
+    return metrics

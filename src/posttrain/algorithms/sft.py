@@ -42,10 +42,10 @@ from posttrain.data import load_sft_examples
 from posttrain.data.collate import collate
 from posttrain.data.sampler import EpochSampler, check_step_fits
 from posttrain.data.types import SFTBatch, TokenizedExample
-from posttrain.losses.nll import nll_of_logprobs
 from posttrain.errors import RunError
 from posttrain.models.loading import custom_mask_problem_of, default_device, load_tokenizer
-from posttrain.workers import Metric, MetricDict, PolicyWorker, as_floats, reduce_metrics
+from posttrain.workers import PolicyWorker, as_floats, reduce_metrics
+from posttrain.workers.objectives import NLLObjective
 from posttrain.distributed import build_policy, check_split
 from posttrain.rundir import one_run_per_output_dir
 
@@ -61,16 +61,9 @@ class SFTResult:
     eval_loss: float | None
 
 
-def nll_objective(logprobs: torch.Tensor, batch: SFTBatch, num_targets_in_step: float
-                  ) -> tuple[torch.Tensor, MetricDict]:
-    """The micro-batch's summed target-token NLL divided by the target count of the whole step, from the workers'
-    target_logprobs outputs (the logits never reach the loss, so a chunked LM head can skip them)."""
-    loss, stats = nll_of_logprobs(logprobs, batch.loss_mask, num_targets_in_step)
-    return loss, {"nll_sum": Metric.sum(stats["nll_sum"]), "target_tokens": Metric.sum(stats["target_tokens"])}
-
-
 def accumulate_gradients(policy: PolicyWorker, micro_batches: Sequence[SFTBatch]) -> tuple[float, int]:
-    """Forward and backward every micro-batch of one optimizer step; gradients add up until the optimizer step.
+    """Forward and backward one optimizer step's micro-batches (the policy divides them among its ranks);
+    gradients add up until the optimizer step.
 
     Each micro-batch's summed NLL is divided by the target count of the whole step, so the accumulated
     gradient is that of the mean NLL per target token over the step, however the examples are split
@@ -79,19 +72,13 @@ def accumulate_gradients(policy: PolicyWorker, micro_batches: Sequence[SFTBatch]
     step_targets = sum(mb.num_target_tokens for mb in micro_batches)
     if step_targets == 0:
         raise ValueError("an optimizer step drew no target tokens; check data.completion_only_loss and the data")
-    step = reduce_metrics(policy.forward_backward(mb, nll_objective, step_targets, outputs="target_logprobs")
-                          for mb in policy.shard(list(micro_batches)))
-    return policy.all_reduce(step)["loss"].value, step_targets
+    return policy.forward_backward(list(micro_batches), NLLObjective())["loss"].value, step_targets
 
 
 def evaluate_loss(policy: PolicyWorker, examples: Sequence[TokenizedExample], cfg: SFTConfig, pad_token_id: int) -> float:
     """Mean NLL per target token over `examples`."""
-    def nll_sums(logprobs: torch.Tensor, batch: SFTBatch) -> MetricDict:
-        return nll_objective(logprobs, batch, 1.0)[1]
-
     totals = reduce_metrics(
-        policy.evaluate(collate(group, pad_token_id, cfg.data.packing, cfg.data.max_length), nll_sums,
-                        outputs="target_logprobs")
+        policy.evaluate(collate(group, pad_token_id, cfg.data.packing, cfg.data.max_length), NLLObjective())
         for group in chunks(list(examples), cfg.trainer.eval_batch_size)
     )
     return totals["nll_sum"].value / max(totals["target_tokens"].value, 1.0)
@@ -142,7 +129,7 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
                 for _ in range(trainer.gradient_accumulation_steps)
             ]
             loss, target_tokens = accumulate_gradients(policy, micro_batches)
-            update = as_floats(policy.all_reduce(policy.optim_step()))
+            update = as_floats(policy.optim_step())
             elapsed = time.perf_counter() - started
 
             metrics = {

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -139,13 +140,60 @@ class RolloutBatch:
     """[N] bool, the last turn ran out of tokens."""
     response_lengths: torch.Tensor
     """[N] sampled tokens per episode."""
+    policy_versions: torch.Tensor | None = None
+    """[N] long, the policy version (optimizer steps taken) whose weights sampled each episode; None when unknown."""
+    advantages: torch.Tensor | None = None
+    """[N] one advantage per episode (GRPO family) or [N, T] one per token (PPO's GAE, OPD); set by the loop."""
+    old_logprobs: torch.Tensor | None = None
+    """[N, T] π_old's log-probabilities of the tokens under the sampling temperature; None when the update is
+    on-policy (π_old is then the training pass itself, detached)."""
+    reference_logprobs: torch.Tensor | None = None
+    """[N, T] π_ref's log-probabilities of the tokens (the KL anchor); None when no KL term reads them."""
+    old_values: torch.Tensor | None = None
+    """[N, T] the critic's V(s_t) before the update (PPO's clipped value loss); None without a critic."""
+    returns: torch.Tensor | None = None
+    """[N, T] the critic's return targets (PPO); None without a critic."""
+    teacher_topk_logprobs: torch.Tensor | None = None
+    """[N, T, k] a teacher's log-probabilities of its k most likely next tokens at each position (distillation)."""
+    teacher_topk_ids: torch.Tensor | None = None
+    """[N, T, k] the token ids of those k tokens."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def select(self, index: torch.Tensor) -> RolloutBatch:
-        return RolloutBatch(
-            self.input_ids[index], self.attention_mask[index], self.loss_mask[index], self.generator_logprobs[index],
-            self.rewards[index], {k: v[index] for k, v in self.reward_components.items()}, self.valid[index],
-            self.group_ids[index], self.truncated[index], self.response_lengths[index],
-        )
+        """The rows `index` (a long tensor of row numbers), every per-row field alike."""
+        def rows(value):
+            if value is None:
+                return None
+            if isinstance(value, dict):
+                return {k: v[index] for k, v in value.items()}
+            return value[index]
+
+        return RolloutBatch(**{f.name: rows(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+
+@dataclass(frozen=True)
+class PairBatch:
+    """B preference pairs collated for one forward pass, with what a pair loss reads per pair.
+
+    rows: the pairs as the model reads them: a `collate_preference` SFTBatch (2B rows, chosen then rejected) or a
+        `collate_shared_prompt` SharedPromptBatch (one row per pair).
+    reference_chosen_logps, reference_rejected_logps: [B] the reference model's completion log-probabilities
+        (summed, or averaged per token with loss.average_logprobs), or None for reference-free losses and reward
+        models.
+    margins: [B] float32 per-pair margins (a reward model's loss.use_margin), or None.
+    """
+
+    rows: SFTBatch | SharedPromptBatch
+    reference_chosen_logps: torch.Tensor | None = None
+    reference_rejected_logps: torch.Tensor | None = None
+    margins: torch.Tensor | None = None
+
+    @property
+    def num_pairs(self) -> int:
+        return self.rows.input_ids.shape[0] // 2 if isinstance(self.rows, SFTBatch) else self.rows.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows.num_tokens

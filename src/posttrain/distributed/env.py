@@ -113,3 +113,14 @@ def all_gather_results(work: Callable[[], T], what: str) -> list[T]:
         if isinstance(value, RankFailure):
             raise RuntimeError(f"rank {other} failed {what}: {value.message}")
     return gathered
+
+
+def gather_divided(num_items: int, work: Callable[[int, int], T], what: str) -> list[T]:
+    """`work(start, stop)` on this rank's contiguous share [start, stop) of `num_items` (rank r of N takes
+    [num_items·r/N, num_items·(r+1)/N)), and every rank's result in rank order, on every rank; [work(0, num_items)]
+    in a single process. A failing rank fails every rank, naming it (all_gather_results)."""
+    ranks, me = world_size(), rank()
+    if ranks == 1:
+        return [work(0, num_items)]
+    start, stop = num_items * me // ranks, num_items * (me + 1) // ranks
+    return all_gather_results(lambda: work(start, stop), what)

@@ -6,17 +6,19 @@ a layer's full weights exist only while it runs. On GPU with trainer.precision=b
 for compute and gradients reduced in float32; `cpu_offload` keeps the shards in host memory.
 
 What changes from a local worker, and nothing else does:
-- `shard(items)`: a rank takes every N-th micro-batch of the step (the loop divides them; the normalizer is
-  the whole step's count, so N ranks make the update one process makes from the same config);
+- `forward_backward(minibatch, loss)`: every rank receives the whole minibatch, splits it into the same
+  micro-batches and takes every N-th (the normalizer is the whole minibatch's, so N ranks make the update one
+  process makes from the same config);
 - gradients are summed over ranks (FSDP averages; the backward scales the loss by N to undo that);
-- `all_reduce(metrics)` reduces the step's metrics over ranks with each metric's own reduction;
+- the metrics of `forward_backward` and `optim_step` are reduced over ranks, each with its own reduction;
 - `save`/`load` write and read a sharded `torch.distributed.checkpoint` (model and optimizer through
   get_state_dict / set_state_dict), so a run resumes on another number of ranks; a single-process checkpoint
   (a Hugging Face directory with optimizer.pt) loads too;
 - `export` gathers the full weights to rank 0, which writes OUTPUT/final/ as a local run does.
 
 Every call that runs the model is collective: all ranks make it, the same number of times (the loops guarantee
-it: equal shares of micro-batches; evaluation runs every batch on every rank).
+it: every rank receives the same minibatch and takes an equal share of its micro-batches; evaluation runs every
+batch on every rank).
 """
 
 from __future__ import annotations
@@ -37,12 +39,11 @@ from posttrain.errors import RunError
 from posttrain.checkpoint import export_final, is_sharded, load_sharded_state, save_sharded_state
 from posttrain.config.schema import TrainerConfig
 from posttrain.distributed.env import barrier, is_main, rank, world_size
-from posttrain.workers.base import Exported, LossFn
-from posttrain.workers.forward import AnyBatch, Outputs
+from posttrain.workers.base import Exported
 from posttrain.models.lora import ADAPTER_DIR
 from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker, export_model, merged_lora_weights
 from posttrain.workers.value import CRITIC, ValueOutputs
-from posttrain.workers.metrics import Metric, MetricDict, all_reduce_metrics
+from posttrain.workers.metrics import MetricDict, all_reduce_metrics
 
 def shard_module(model: torch.nn.Module, trainer: TrainerConfig, cpu_offload: bool = False) -> torch.nn.Module:
     """`fully_shard` every decoder layer, then the root (in place; the module is also returned)."""
@@ -83,26 +84,25 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
         shard_module(model, trainer, cpu_offload)
         super().__init__(model, tokenizer, trainer, schedule, role)
 
-    def shard(self, items: list) -> list:
-        if len(items) % world_size():
-            raise ValueError(f"{len(items)} micro-batches do not split evenly over {world_size()} ranks")
-        return items[rank()::world_size()]
+    def _ranks(self) -> int:
+        return world_size()
 
-    def all_reduce(self, metrics: MetricDict) -> MetricDict:
+    def _my_share(self, micro_batches: list) -> list:
+        if len(micro_batches) % world_size():
+            raise ValueError(f"{len(micro_batches)} micro-batches do not split evenly over {world_size()} ranks")
+        return micro_batches[rank()::world_size()]
+
+    def _reduce_over_ranks(self, metrics: MetricDict) -> MetricDict:
         return all_reduce_metrics(metrics)
 
-    def forward_backward(self, batch: AnyBatch, loss_fn: LossFn, normalizer: float,
-                         outputs: Outputs = "logits", temperature: float = 1.0) -> MetricDict:
+    def _gradient_scale(self) -> int:
         # FSDP2 averages gradients over ranks; the loss contract wants their sum (the normalizer already counts
         # the whole step on every rank), so each rank's backward is scaled by the world size.
-        def scaled(outputs, batch, normalizer):
-            loss, metrics = loss_fn(outputs, batch, normalizer)
-            self._unscaled = loss.detach()
-            return loss * world_size(), metrics
+        return world_size()
 
-        metrics = super().forward_backward(batch, scaled, normalizer, outputs, temperature)
-        metrics["loss"] = Metric.sum(self._unscaled)
-        return metrics
+    def sampling_module(self) -> None:
+        """A sharded module has no whole weights to sample from: a generator keeps its own copy."""
+        return None
 
     def named_weights(self, adapters_only: bool = False):
         weights = full_state_dict(self.model)

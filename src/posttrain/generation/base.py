@@ -9,6 +9,7 @@ difference with importance sampling (see losses.policy_gradient).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -83,12 +84,38 @@ class GenerationOutput:
 
 @runtime_checkable
 class Generator(Protocol):
-    """Samples completions; `update_weights` keeps it in sync with the trained policy."""
+    """Samples completions; `update_weights` keeps it in sync with the trained policy, and `weights_version` says
+    which policy version it samples from (every episode records it)."""
+
+    weights_version: int
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
         """`num_samples` completions for each prompt (prompts given as token ids)."""
         ...
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load the trainer's current weights (a no-op when the generator shares the trainer's model)."""
+    def update_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load the trainer's weights of policy `version` (Hugging Face names; consumed one tensor at a time and
+        loaded in buckets of WEIGHT_BUCKET_BYTES) and return the bytes loaded. A generator that samples from the
+        trainer's own module reads none of them and returns 0."""
         ...
+
+
+WEIGHT_BUCKET_BYTES = 256 * 2**20
+"""Weight synchronisation loads tensors in groups of about this many bytes: one bucket at a time in flight, never
+a second copy of the whole model."""
+
+
+def weight_buckets(weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = WEIGHT_BUCKET_BYTES
+                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """`weights` in consecutive groups of at least one tensor and about `bucket_bytes` (a tensor larger than that
+    is a bucket of its own), in the order given."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in weights:
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket

@@ -1,9 +1,9 @@
 """Batched, KV-cached sampling with a transformers model, on CPU or GPU.
 
 `TransformersGenerator` samples from the very model the trainer updates (no weight copy, so
-`update_weights` has nothing to do), which is what a single-process CPU run wants; with `owns_weights` it samples
-from its own copy, which `update_weights` refreshes (each rank of a data-parallel run, whose trained model is
-sharded, keeps such a copy). Prompts are
+`update_weights` only records the version), which is what a single-process CPU run wants; with `owns_weights` it
+samples from its own copy, which `update_weights` refreshes bucket by bucket (each rank of a data-parallel run,
+whose trained model is sharded, keeps such a copy). Prompts are
 left-padded into one batch per `batch_size` rows; each step feeds one new token per row through
 the model's KV cache. A row stops at an eos token or once its decoded text contains a stop
 string; the batch stops when every row has.
@@ -23,14 +23,15 @@ import time
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from posttrain.generation.base import Completion, GenerationOutput, SamplingParams
+from posttrain.generation.base import Completion, GenerationOutput, SamplingParams, weight_buckets
 
 
 class TransformersGenerator:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, batch_size: int = 256,
-                 seed: int = 0, owns_weights: bool = False):
+                 seed: int = 0, owns_weights: bool = False, weights_version: int = 0):
         self.model = model
         self.owns_weights = owns_weights
+        self.weights_version = weights_version
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.device = next(model.parameters()).device
@@ -40,11 +41,27 @@ class TransformersGenerator:
         # transformers renamed the KV-cache argument and output from past_key_values to cache (5.2x).
         self.cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load the trainer's weights into this generator's own copy; nothing to do when it samples from the
-        trainer's model object itself."""
-        if self.owns_weights:
-            self.model.load_state_dict(state_dict)
+    def update_weights(self, version: int, weights) -> int:
+        """Load the trainer's weights into this generator's own copy, bucket by bucket, every weight of the model
+        exactly once; when it samples from the trainer's model object itself, only record `version` (nothing is
+        read: for a LoRA policy that would merge and unmerge the adapters, which rounds the base weights)."""
+        if not self.owns_weights:
+            self.weights_version = version
+            return 0
+        expected = set(self.model.state_dict())
+        loaded: set[str] = set()
+        sent = 0
+        with torch.no_grad():
+            for bucket in weight_buckets(weights):
+                _, unexpected = self.model.load_state_dict(dict(bucket), strict=False)
+                if unexpected:
+                    raise ValueError(f"weights this generator's model has no place for: {unexpected[:5]}")
+                loaded.update(name for name, _ in bucket)
+                sent += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+        if missing := sorted(expected - loaded):
+            raise ValueError(f"weight update of version {version} left weights unset: {missing[:5]}")
+        self.weights_version = version
+        return sent
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:

@@ -91,6 +91,7 @@ from posttrain.generation.base import (
     FinishReason,
     GenerationOutput,
     SamplingParams,
+    weight_buckets,
 )
 
 VLLM_INSTALL_HINT = "pip install 'posttrain[vllm]' on a machine with an NVIDIA GPU (CUDA)"
@@ -288,6 +289,7 @@ class VLLMGenerator:
 
         self.model_path = resolve_model_path(model_path)
         self.enable_sleep_mode = enable_sleep_mode
+        self.weights_version = 0
         self.in_process = tensor_parallel_size == 1
         self.decode: Callable[[list[int]], str] | None = None
         self.stop_token_ids: tuple[int, ...] = ()
@@ -342,20 +344,27 @@ class VLLMGenerator:
             extra={"backend": "vllm"},
         )
 
-    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face-named weights (all of them or a subset) into the engine in place.
+    def update_weights(self, version: int, weights) -> int:
+        """Load Hugging Face-named weights of policy `version` (all of them or a subset) into the engine in place,
+        bucket by bucket (WEIGHT_BUCKET_BYTES), so the trainer never holds a second full copy; returns the bytes
+        loaded.
 
         If the engine sleeps, only its weights are woken for this; the KV cache wakes at the next
         `generate`, so the trainer keeps that memory until sampling starts.
         """
         self._wake(("weights",))
-        if self.in_process:
-            weights = [(name, tensor.detach()) for name, tensor in state_dict.items()]
-        else:
-            weights = [(name, tensor.detach().cpu()) for name, tensor in state_dict.items()]
-        self.llm.apply_model(partial(load_weights_into_model, weights))
+        sent = 0
+        for bucket in weight_buckets(weights):
+            if self.in_process:
+                bucket = [(name, tensor.detach()) for name, tensor in bucket]
+            else:
+                bucket = [(name, tensor.detach().cpu()) for name, tensor in bucket]
+            self.llm.apply_model(partial(load_weights_into_model, bucket))
+            sent += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
         self.llm.reset_prefix_cache()
         self.weights_discarded = False
+        self.weights_version = version
+        return sent
 
     def sleep(self, level: int = 1) -> None:
         """Free the engine's GPU memory. level 1: weights kept in CPU memory, KV cache dropped;

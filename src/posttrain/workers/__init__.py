@@ -1,12 +1,20 @@
 """The seam between models and recipe loops: worker protocols, local implementations, metrics with reductions.
 
-See workers/base.py for the protocols (`PolicyWorker`, `ScoringWorker`), workers/local.py for the in-process
+See workers/base.py for the protocols (`PolicyWorker`, `ScoringWorker`, `CriticWorker`), workers/objectives.py for
+the loss descriptions they take, workers/local.py for the in-process
 implementations every recipe uses on one device, and posttrain.distributed for FSDP2 ones.
 """
 
 from typing import Any
 
-from posttrain.workers.base import Exported, LossFn, MetricsFn, PolicyWorker, ScoringWorker
+from posttrain.workers.base import (
+    CriticWorker,
+    Exported,
+    PolicyWorker,
+    ScoringWorker,
+    TrainBatch,
+    WeightReceiver,
+)
 from posttrain.workers.metrics import Metric, MetricDict, all_reduce_metrics, as_floats, reduce_metrics
 
 
@@ -21,6 +29,7 @@ def __getattr__(name: str) -> Any:  # lazy: RewardModel imports the data pipelin
 
 __all__ = [
     "RewardModel",
-    "Exported", "LossFn", "Metric", "MetricDict", "MetricsFn", "PolicyWorker", "ScoringWorker",
+    "CriticWorker", "Exported", "Metric", "MetricDict", "PolicyWorker", "ScoringWorker", "TrainBatch",
+    "WeightReceiver",
     "all_reduce_metrics", "as_floats", "reduce_metrics",
 ]

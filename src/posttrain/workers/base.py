@@ -10,24 +10,22 @@ Batches crossing the seam are the typed dataclasses of `posttrain.data.types`; r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
-from posttrain.workers.forward import AnyBatch, Outputs
+from posttrain.config.schema import ModelConfig
+from posttrain.data.types import PairBatch, RolloutBatch
+from posttrain.workers.forward import AnyBatch
 from posttrain.workers.metrics import MetricDict
+from posttrain.workers.objectives import Objective
 
-LossFn = Callable[[Any, AnyBatch, float], tuple[torch.Tensor, MetricDict]]
-"""(model outputs for the micro-batch, of the kind the call asked for (workers/forward.py's Outputs): logits
-[B, T, V] ([B, 1] for a reward model), target log-probabilities [B, T] or TargetScores; the micro-batch, on the
-worker's device; the normalizer of the whole optimizer step: tokens, sequences or pairs summed over every
-micro-batch and rank) -> (this micro-batch's share of the step's loss, its metrics)."""
-
-MetricsFn = Callable[[torch.Tensor, AnyBatch], MetricDict]
-"""(model outputs, the batch) -> metrics, for evaluation passes without a graph."""
+TrainBatch = RolloutBatch | Sequence[AnyBatch | PairBatch]
+"""One optimizer step's minibatch as a worker receives it: a RolloutBatch (the worker splits it into micro-batches
+of trainer.micro_batch_size rows), or the step's micro-batches already collated (SFT's packed rows, pairs)."""
 
 
 @dataclass(frozen=True)
@@ -39,8 +37,22 @@ class Exported:
 
 
 @runtime_checkable
+class WeightReceiver(Protocol):
+    """What a policy pushes its weights to: a generator (workers never import generation/; any object with this
+    method will do)."""
+
+    def update_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load Hugging Face-named `weights` (consumed one by one, loaded in buckets) and record `version`;
+        returns the bytes loaded (0 for a generator that samples from the trainer's own module and reads none)."""
+        ...
+
+
+@runtime_checkable
 class PolicyWorker(Protocol):
-    """A trained model: the policy of every recipe (a reward model is the policy of `posttrain rm`)."""
+    """A trained model: the policy of every recipe (a reward model is the policy of `posttrain rm`).
+
+    Every call takes whole minibatches and plain data (typed batches, loss descriptions that pickle), so the same
+    loop drives a worker in this process, FSDP2 ranks under torchrun, or a remote actor."""
 
     role: str
 
@@ -48,32 +60,44 @@ class PolicyWorker(Protocol):
         """[N, T] log p(token t | its own preceding tokens) under `temperature`, in eval mode, no graph, on CPU."""
         ...
 
-    def shard(self, items: list) -> list:
-        """This process's share of one optimizer step's micro-batches (all of them in one process; every N-th
-        for data-parallel rank r of N). The loop gives each its share, with the whole step's normalizer."""
+    def forward_backward(self, batch: TrainBatch, loss: Objective) -> MetricDict:
+        """Forward and backward one minibatch with the loss description `loss` (workers/objectives.py): the worker
+        splits it into micro-batches, divides them among its data-parallel ranks, normalizes the loss over the
+        whole minibatch and every rank (gradients add up until `optim_step`), and returns the metrics reduced over
+        micro-batches and ranks, `loss` among them."""
         ...
 
-    def all_reduce(self, metrics: MetricDict) -> MetricDict:
-        """A step's metrics reduced over every data-parallel process, each with its own reduction."""
-        ...
-
-    def forward_backward(self, batch: AnyBatch, loss_fn: LossFn, normalizer: float,
-                         outputs: Outputs = "logits", temperature: float = 1.0) -> MetricDict:
-        """Forward `batch`, take `loss_fn` of the `outputs` (the logits; or the target tokens' log-probabilities,
-        with their entropies for "target_scores", under `temperature`, which a large vocabulary's chunked LM head
-        computes without the logits: trainer.lm_head), backward (gradients add up until `optim_step`); the metrics
-        include `loss` (a sum over the step's micro-batches)."""
-        ...
-
-    def evaluate(self, batch: AnyBatch, metrics_fn: MetricsFn, outputs: Outputs = "logits") -> MetricDict:
-        """`metrics_fn` of the model's `outputs` on `batch`, in eval mode and without a graph."""
+    def evaluate(self, batch: AnyBatch | PairBatch, loss: Objective) -> MetricDict:
+        """`loss`'s metrics of one batch and its mean `loss`, in eval mode and without a graph."""
         ...
 
     def optim_step(self) -> MetricDict:
-        """Clip the accumulated gradients, apply them, advance the schedule; metrics `grad_norm` (before
-        clipping) and `learning_rate` (the rate this update used). An update whose gradient norm (or any
-        micro-batch loss since the last step) is not finite is not applied, and `grad_norm` is then NaN or
-        infinite: the recipe's trainer.on_nonfinite decides what follows."""
+        """Clip the accumulated gradients, apply them, advance the schedule and the version; metrics `grad_norm`
+        (before clipping) and `learning_rate` (the rate this update used), reduced over ranks. An update whose
+        gradient norm (or any micro-batch loss since the last step) is not finite is not applied, and `grad_norm`
+        is then NaN or infinite: the recipe's trainer.on_nonfinite decides what follows."""
+        ...
+
+    @property
+    def version(self) -> int:
+        """The policy version: optimizer steps taken, restored on resume. Episodes record the version that sampled
+        them."""
+        ...
+
+    def push_weights(self, generator: WeightReceiver) -> dict[str, float]:
+        """Give a generator the current weights stamped with `version`, streamed (never a second full copy in the
+        caller); metrics weight_sync/seconds and weight_sync/bytes."""
+        ...
+
+    def sampling_module(self) -> torch.nn.Module | None:
+        """The module a generator in this same process may sample from directly (sharing the trained weights, so
+        a weight push reads nothing), or None (sharded, or in another process): the generator then keeps its own
+        copy, filled by `push_weights`."""
+        ...
+
+    def base_model_scorer(self, role: str = "reference") -> ScoringWorker | None:
+        """The starting model as a frozen scorer sharing this worker's weights (a LoRA policy with its adapters
+        off), or None when there is no such thing (a full fine-tune: the recipe loads a frozen copy)."""
         ...
 
     def named_weights(self, adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -86,10 +110,10 @@ class PolicyWorker(Protocol):
         its A and B matrices), or None; recipes ask before training."""
         ...
 
-    def interpolate_toward_start(self, weight: float, start_weights: Callable[[], dict[str, torch.Tensor]]) -> None:
-        """Set the weights to start + weight·(current − start) in place (DPO's final_interpolation);
-        `start_weights()` gives the starting model's full tensors by name (not called for LoRA, whose start is
-        the base model: its adapters' updates are scaled)."""
+    def interpolate_toward_start(self, weight: float, start: ModelConfig) -> None:
+        """Set the weights to start + weight·(current − start) in place (DPO's final_interpolation); the worker
+        loads the starting model `start` itself (not for LoRA, whose start is the base model: its adapters'
+        updates are scaled)."""
         ...
 
     def save(self, directory: Path) -> None:
@@ -106,9 +130,6 @@ class PolicyWorker(Protocol):
         ...
 
     def num_parameters(self, trainable_only: bool = False) -> int: ...
-
-    @property
-    def device(self) -> torch.device: ...
 
 
 @runtime_checkable
@@ -131,3 +152,28 @@ class ScoringWorker(Protocol):
     def sequence_scores(self, batch: AnyBatch) -> torch.Tensor:
         """[N] float32 scalar score of each row (a reward model's head on the row's last real token), on CPU."""
         ...
+
+
+@runtime_checkable
+class CriticWorker(Protocol):
+    """A learned value function (PPO's critic): V(s_t) before every token, trained beside the policy."""
+
+    role: str
+
+    def values(self, batch: RolloutBatch) -> torch.Tensor:
+        """[N, T] float32 V(s_t) before each token t (0 at t = 0), eval mode, no graph, on CPU."""
+        ...
+
+    def forward_backward(self, batch: TrainBatch, loss: Objective) -> MetricDict:
+        """As PolicyWorker.forward_backward; the loss reads the critic's values."""
+        ...
+
+    def optim_step(self) -> MetricDict:
+        """As PolicyWorker.optim_step."""
+        ...
+
+    def save(self, directory: Path) -> None: ...
+
+    def load(self, directory: Path) -> None: ...
+
+    def num_parameters(self, trainable_only: bool = False) -> int: ...

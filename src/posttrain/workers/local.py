@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -27,12 +28,12 @@ from posttrain.checkpoint import (
     save_model_state,
 )
 from posttrain.config.schema import LoraSection, ModelConfig, TrainerConfig
-from posttrain.data.types import RolloutBatch, SFTBatch
+from posttrain.data.types import PairBatch, RolloutBatch, SFTBatch
 from posttrain.models.loading import load_causal_lm, load_trainable_model
 from posttrain.models.packing import unverified_architecture
 from posttrain.models.lora import ADAPTER_DIR, TaskKind, adapters_disabled, is_lora_model, merged_model, save_adapter
 from posttrain.optim import build_optimizer, build_scheduler
-from posttrain.workers.base import Exported, LossFn, MetricsFn
+from posttrain.workers.base import Exported, TrainBatch, WeightReceiver
 from posttrain.errors import RunError
 from posttrain.workers.forward import (
     AnyBatch,
@@ -47,7 +48,8 @@ from posttrain.workers.forward import (
     topk_at_targets,
     uses_chunked_head,
 )
-from posttrain.workers.metrics import Metric, MetricDict
+from posttrain.workers.metrics import Metric, MetricDict, reduce_metrics
+from posttrain.workers.objectives import Objective
 from posttrain.workers.packed import packed_logits, packed_target_hidden, packed_target_outputs
 
 
@@ -73,8 +75,11 @@ class _LocalModel:
         finally:
             self.model.train(was_training)
 
-    def _outputs(self, batch: AnyBatch, kind: Outputs = "logits", temperature: float = 1.0):
-        """`kind` (workers/forward.py's Outputs) of `batch`, log-probabilities under `temperature`."""
+    def _outputs(self, batch: AnyBatch | PairBatch, kind: Outputs = "logits", temperature: float = 1.0):
+        """`kind` (workers/forward.py's Outputs) of `batch`, log-probabilities under `temperature` (a PairBatch:
+        of its rows)."""
+        if isinstance(batch, PairBatch):
+            batch = batch.rows
         if self._packs(batch):
             with autocast(self.trainer, self.device):
                 if kind == "logits":
@@ -129,10 +134,23 @@ class _LocalModel:
                 parts.append(self._outputs(chunk, "target_logprobs", temperature).cpu())
         return torch.cat(parts)
 
-    def evaluate(self, batch: AnyBatch, metrics_fn: MetricsFn, outputs: Outputs = "logits") -> MetricDict:
+    def evaluate(self, batch: AnyBatch | PairBatch, loss: Objective) -> MetricDict:
+        """`loss`'s metrics on `batch` and the batch's mean loss (`loss`, weighted by its normalizer), in eval mode
+        and without a graph."""
         with self._frozen_pass():
             batch = batch_to(batch, self.device)
-            return metrics_fn(self._outputs(batch, outputs), batch)
+            value, metrics = loss(self._outputs(batch, loss.outputs, loss.temperature), batch, None)
+            return {**metrics, "loss": Metric.mean(value, loss.normalizer([batch]))}
+
+
+def micro_batches_of(batch: TrainBatch, micro_batch_size: int, ranks: int) -> list:
+    """The micro-batches of one optimizer step: a list of collated micro-batches as given (SFT, pairs); a
+    RolloutBatch split into ranks·⌈N / (micro_batch_size·ranks)⌉ contiguous pieces of near-equal size, so that
+    every data-parallel rank gets as many and none exceeds micro_batch_size rows."""
+    if not isinstance(batch, RolloutBatch):
+        return list(batch)
+    pieces = ranks * math.ceil(len(batch) / (micro_batch_size * ranks))
+    return [batch.select(index) for index in torch.tensor_split(torch.arange(len(batch)), pieces)]
 
 
 class LocalPolicyWorker(_LocalModel):
@@ -159,23 +177,47 @@ class LocalPolicyWorker(_LocalModel):
     def is_lora(self) -> bool:
         return is_lora_model(self.model)
 
-    def shard(self, items: list) -> list:
-        """This process's share of a step's micro-batches: all of them."""
-        return items
+    @property
+    def version(self) -> int:
+        """The policy version: optimizer steps taken (restored with the schedule when resuming)."""
+        return self.scheduler.last_epoch
 
-    def all_reduce(self, metrics: MetricDict) -> MetricDict:
-        """The step's metrics over every process: these."""
+    # Data parallelism: one process holds every micro-batch and needs no reduction (distributed/fsdp.py overrides
+    # these three).
+    def _ranks(self) -> int:
+        return 1
+
+    def _my_share(self, micro_batches: list) -> list:
+        return micro_batches
+
+    def _reduce_over_ranks(self, metrics: MetricDict) -> MetricDict:
         return metrics
 
-    def forward_backward(self, batch: AnyBatch, loss_fn: LossFn, normalizer: float,
-                         outputs: Outputs = "logits", temperature: float = 1.0) -> MetricDict:
-        batch = batch_to(batch, self.device)
-        loss, metrics = loss_fn(self._outputs(batch, outputs, temperature), batch, normalizer)
-        loss.backward()
-        # Kept on the device (read once per step, in optim_step and with the step's metrics): no wait per micro-batch.
-        loss = loss.detach()
-        self._nonfinite_loss = self._nonfinite_loss | ~torch.isfinite(loss)
-        return {**metrics, "loss": Metric.sum(loss)}
+    def forward_backward(self, batch: TrainBatch, loss: Objective) -> MetricDict:
+        """Forward and backward one minibatch (a RolloutBatch, split here into micro-batches of at most
+        trainer.micro_batch_size rows; or a step's collated micro-batches) with `loss` normalized over all of it
+        and every rank; gradients add up until `optim_step`. Metrics reduced over micro-batches and ranks; `loss`
+        is the step's loss (0 without a forward pass when nothing in the minibatch carries loss)."""
+        micro_batches = micro_batches_of(batch, self.trainer.micro_batch_size, self._ranks())
+        normalizer = loss.normalizer([batch] if isinstance(batch, RolloutBatch) else micro_batches)
+        if normalizer == 0:  # every sample masked (all filtered or failed): nothing to learn from
+            return {"loss": Metric.sum(0.0)}
+        records = []
+        for micro_batch in self._my_share(micro_batches):
+            micro_batch = batch_to(micro_batch, self.device)
+            value, metrics = loss(self._outputs(micro_batch, loss.outputs, loss.temperature), micro_batch, normalizer)
+            (value * self._gradient_scale()).backward()
+            # Kept on the device (read once per step, in optim_step and with the step's metrics): no wait per
+            # micro-batch.
+            value = value.detach()
+            self._nonfinite_loss = self._nonfinite_loss | ~torch.isfinite(value)
+            records.append({**metrics, "loss": Metric.sum(value)})
+        return self._reduce_over_ranks(reduce_metrics(records))
+
+    def _gradient_scale(self) -> int:
+        """What each rank's backward is multiplied by: 1 here; the world size under FSDP2, which averages
+        gradients over ranks while the loss contract wants their sum."""
+        return 1
 
     def optim_step(self) -> MetricDict:
         learning_rate = self.scheduler.get_last_lr()[0]
@@ -196,7 +238,7 @@ class LocalPolicyWorker(_LocalModel):
         metrics = {"grad_norm": Metric.mean(grad_norm), "learning_rate": Metric.mean(learning_rate)}
         if self.device.type == "cuda":  # the largest of any rank's, under data parallelism
             metrics["peak_memory_gib"] = Metric.max(torch.cuda.max_memory_allocated(self.device) / 2**30)
-        return metrics
+        return self._reduce_over_ranks(metrics)
 
     def _any_rank_nonfinite_loss(self) -> bool:
         """Whether a micro-batch loss since the last step was not finite, here or on any data-parallel rank: every
@@ -223,6 +265,28 @@ class LocalPolicyWorker(_LocalModel):
             return
         yield from merged_lora_weights(self.model)
 
+    def push_weights(self, generator: WeightReceiver) -> dict[str, float]:
+        """Give `generator` this policy's current weights, stamped with `version`; streamed tensor by tensor (the
+        generator loads them in buckets), so the caller never holds a second full copy. A generator that samples
+        from this worker's own module takes the version and reads no tensor. Metrics weight_sync/seconds and
+        weight_sync/bytes."""
+        started = time.perf_counter()
+        sent = generator.update_weights(self.version, self.named_weights())
+        return {"weight_sync/seconds": time.perf_counter() - started, "weight_sync/bytes": float(sent)}
+
+    def sampling_module(self) -> torch.nn.Module | None:
+        """The module a generator in this process may sample from directly, sharing the trained weights (for a
+        LoRA policy its base model, into whose layers peft put the adapters): this worker's own."""
+        return self.model.get_base_model() if self.is_lora else self.model
+
+    def base_model_scorer(self, role: str = "reference") -> LocalScoringWorker | None:
+        """The starting model as a frozen scorer without a second copy, when this worker can give one: a LoRA
+        policy's base (its own module with the adapters switched off for every pass); None otherwise (load a
+        frozen copy)."""
+        if not self.is_lora:
+            return None
+        return LocalScoringWorker(self.model, self.trainer, role, adapters_off=True)
+
     def interpolation_problem(self) -> str | None:
         """Why `interpolate_toward_start` could not be exact for this model, or None. With LoRA an adapter's
         update is B·A (lora_embedding_B·lora_embedding_A on an embedding), linear in its B; anything else that
@@ -234,10 +298,10 @@ class LocalPolicyWorker(_LocalModel):
                 return f"{name} trains and is not a LoRA A or B matrix, so its update cannot be scaled exactly"
         return None
 
-    def interpolate_toward_start(self, weight: float, start_weights: Callable[[], dict[str, torch.Tensor]]) -> None:
+    def interpolate_toward_start(self, weight: float, start: ModelConfig) -> None:
         """Set the weights to start + weight·(current − start), in place. With LoRA the start is the base model,
-        and scaling every adapter's B matrix by `weight` scales its update exactly so; otherwise
-        `start_weights()` gives the starting model's full tensors by parameter name (called only then)."""
+        and scaling every adapter's B matrix by `weight` scales its update exactly so; otherwise the starting model
+        `start` is loaded on the CPU for its full tensors."""
         if problem := self.interpolation_problem():
             raise RunError(f"cannot interpolate toward the base model: {problem}")
         with torch.no_grad():
@@ -246,12 +310,13 @@ class LocalPolicyWorker(_LocalModel):
                     if parameter.requires_grad and _lora_part(name) in ("lora_B", "lora_embedding_B"):
                         parameter.mul_(weight)
                 return
-            start = start_weights()
+            # The starting model's parameters by name, loaded afresh on the CPU.
+            start_weights = {name: tensor.detach() for name, tensor in load_causal_lm(start).named_parameters()}
             # named_parameters lists a tied tensor once, so the embedding and the head it shares are moved once.
             for name, parameter in self.model.named_parameters():
-                if name not in start:
+                if name not in start_weights:
                     raise RunError(f"cannot interpolate toward the starting model: it has no weight {name}")
-                begin = start[name].to(device=parameter.device, dtype=parameter.dtype)
+                begin = start_weights[name].to(device=parameter.device, dtype=parameter.dtype)
                 if hasattr(parameter, "device_mesh"):  # an FSDP2 shard: the same slice of the start tensor
                     from torch.distributed.tensor import distribute_tensor
 
@@ -347,13 +412,6 @@ def build_scorer(model: ModelConfig, trainer: TrainerConfig, device: torch.devic
     return LocalScoringWorker(load_causal_lm(model, device=device), trainer, role)
 
 
-def base_model_scorer(policy: LocalPolicyWorker, role: str = "reference") -> LocalScoringWorker:
-    """A LoRA policy's frozen base as a scorer: the same module, adapters switched off for every pass."""
-    if not policy.is_lora:
-        raise ValueError("base_model_scorer needs a LoRA policy; load a frozen copy with build_scorer instead")
-    return LocalScoringWorker(policy.model, policy.trainer, role, adapters_off=True)
-
-
 def export_model(output_dir: Path, model: torch.nn.Module, tokenizer) -> Exported:
     """OUTPUT/final/ from an unsharded model; a LoRA model first writes its adapter alone to OUTPUT/adapter/ and
     is then merged into its base (in place) for final/."""
@@ -365,16 +423,19 @@ def export_model(output_dir: Path, model: torch.nn.Module, tokenizer) -> Exporte
     return Exported(export_final(output_dir, model, tokenizer), adapter_dir)
 
 
-def merged_lora_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+def merged_lora_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """A peft LoRA model's weights with the adapters merged in, under the base model's Hugging Face names (what a
-    generator loads). The merge is undone afterwards: the adapters keep training."""
+    generator loads), one tensor at a time. The merge is undone when the iteration ends (or is abandoned): the
+    adapters keep training."""
     model.merge_adapter()
     try:
-        merged = [(name, tensor.detach().clone()) for name, tensor in model.get_base_model().state_dict().items()]
+        for name, tensor in model.get_base_model().state_dict().items():
+            if "lora_" in name or ".original_module." in name:
+                continue
+            yield (name.replace(".base_layer.", ".").replace(".modules_to_save.default.", "."),
+                   tensor.detach().clone())
     finally:
         model.unmerge_adapter()
-    return [(name.replace(".base_layer.", ".").replace(".modules_to_save.default.", "."), tensor)
-            for name, tensor in merged if "lora_" not in name and ".original_module." not in name]
 
 
 def load_weights(model: torch.nn.Module, directory: Path) -> None:

@@ -1,0 +1,231 @@
+"""Loss descriptions: what a recipe hands a worker's `forward_backward` and `evaluate`.
+
+A description is a frozen dataclass holding only its configuration (which pure function of `posttrain.losses`,
+its config, the sampling temperature): it pickles, so the same call crosses a process boundary to a Ray actor or a
+subprocess. Everything it reads per example travels in the typed batch (a `RolloutBatch`'s advantages, π_old and
+π_ref log-probabilities, a critic's old values and returns; a `PairBatch`'s reference log-probabilities and
+margins), never in a closure.
+
+Each description says
+  - `outputs`: what the worker's forward pass hands it (workers/forward.py's Outputs: logits, target_logprobs,
+    target_scores), under `temperature`;
+  - `normalizer(micro_batches)`: the step's normalizer (valid tokens, sequences or pairs) over the whole minibatch,
+    which the worker computes once before dividing the micro-batches among its ranks;
+  - `__call__(outputs, micro_batch, normalizer)`: this micro-batch's share of the step's loss and its metrics
+    (each carrying its reduction). `normalizer=None` asks for the micro-batch's own mean (evaluation passes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from posttrain.data.types import PairBatch, RolloutBatch, SFTBatch, SharedPromptBatch
+from posttrain.losses.nll import nll_of_logprobs
+from posttrain.losses.policy_gradient import PolicyLossConfig, loss_normalizer, policy_gradient_loss
+from posttrain.losses.preference import PreferenceLossConfig, preference_loss, sequence_logps
+from posttrain.losses.reward_model import bradley_terry_loss
+from posttrain.losses.value import value_loss, value_loss_normalizer
+from posttrain.workers.forward import Outputs, TargetScores
+from posttrain.workers.metrics import Metric, MetricDict
+
+
+class Objective(Protocol):
+    """The protocol every loss description satisfies (see the module docstring)."""
+
+    outputs: Outputs
+    temperature: float
+
+    def normalizer(self, micro_batches: Sequence[Any]) -> float: ...
+
+    def __call__(self, outputs: Any, batch: Any, normalizer: float | None) -> tuple[torch.Tensor, MetricDict]: ...
+
+
+# ---- supervised -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NLLObjective:
+    """SFT: the summed target-token NLL of a micro-batch divided by the target count of the whole step.
+    Metrics nll_sum and target_tokens (sums), from which evaluation reads the mean NLL per target token."""
+
+    outputs: Outputs = "target_logprobs"
+    temperature: float = 1.0
+
+    def normalizer(self, micro_batches: Sequence[SFTBatch]) -> float:
+        return sum(batch.num_target_tokens for batch in micro_batches)
+
+    def __call__(self, logprobs: torch.Tensor, batch: SFTBatch, normalizer: float | None
+                 ) -> tuple[torch.Tensor, MetricDict]:
+        loss, stats = nll_of_logprobs(logprobs, batch.loss_mask, 1.0 if normalizer is None else normalizer)
+        return loss, {"nll_sum": Metric.sum(stats["nll_sum"]), "target_tokens": Metric.sum(stats["target_tokens"])}
+
+
+# ---- pairs ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompletionLogps:
+    """Per-completion scores of B pairs, each [B].
+
+    chosen, rejected: log-probabilities of the completions (summed over tokens, or their mean).
+    chosen_lengths, rejected_lengths: completion token counts.
+    chosen_nll: mean per-token NLL of the chosen completion (for ORPO and loss.sft_weight).
+    """
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    chosen_lengths: torch.Tensor
+    rejected_lengths: torch.Tensor
+    chosen_nll: torch.Tensor
+
+
+def completion_logps(token_logps: torch.Tensor, batch: SFTBatch | SharedPromptBatch, average: bool) -> CompletionLogps:
+    """Per-completion scores of a batch of pairs from its token log-probabilities ([rows, T], as a worker's
+    target_logprobs outputs or its `logprobs` give them): a `collate_preference` batch (chosen rows, then rejected
+    rows) or a `collate_shared_prompt` one (one row per pair)."""
+    if isinstance(batch, SharedPromptBatch):
+        chosen_logps = rejected_logps = token_logps
+        chosen_mask, rejected_mask = batch.chosen_mask, batch.rejected_mask
+    else:
+        pairs = batch.input_ids.shape[0] // 2
+        chosen_logps, rejected_logps = token_logps[:pairs], token_logps[pairs:]
+        chosen_mask, rejected_mask = batch.loss_mask[:pairs], batch.loss_mask[pairs:]
+    return CompletionLogps(
+        sequence_logps(chosen_logps, chosen_mask, average), sequence_logps(rejected_logps, rejected_mask, average),
+        chosen_mask.sum(-1), rejected_mask.sum(-1), -sequence_logps(chosen_logps, chosen_mask, average=True),
+    )
+
+
+def pair_means(metrics: dict[str, torch.Tensor], num_pairs: int) -> MetricDict:
+    """A loss function's per-batch means as metrics weighted by the batch's pair count (its `loss` is left out:
+    the worker reports the loss itself)."""
+    return {name: Metric.mean(value, num_pairs) for name, value in metrics.items() if name != "loss"}
+
+
+def _pairs_in(micro_batches: Sequence[PairBatch]) -> int:
+    return sum(batch.num_pairs for batch in micro_batches)
+
+
+def _on(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)
+
+
+@dataclass(frozen=True)
+class PreferenceObjective:
+    """DPO's family, SimPO and ORPO on a `PairBatch`: the summed per-pair loss over the step's pair count; the
+    reference log-probabilities travel in the batch. `average_logprobs`: completion log-probabilities as the mean
+    over their tokens instead of the sum."""
+
+    config: PreferenceLossConfig
+    average_logprobs: bool = False
+    outputs: Outputs = "target_logprobs"
+    temperature: float = 1.0
+
+    def normalizer(self, micro_batches: Sequence[PairBatch]) -> float:
+        return _pairs_in(micro_batches)
+
+    def __call__(self, target_logps: torch.Tensor, batch: PairBatch, normalizer: float | None
+                 ) -> tuple[torch.Tensor, MetricDict]:
+        policy = completion_logps(target_logps, batch.rows, self.average_logprobs)
+        device = target_logps.device
+        loss, metrics = preference_loss(
+            self.config, policy.chosen, policy.rejected, _on(batch.reference_chosen_logps, device),
+            _on(batch.reference_rejected_logps, device), chosen_lengths=policy.chosen_lengths,
+            rejected_lengths=policy.rejected_lengths, chosen_nll=policy.chosen_nll, num_pairs_in_step=normalizer,
+        )
+        return loss, pair_means(metrics, batch.num_pairs)
+
+
+@dataclass(frozen=True)
+class BradleyTerryObjective:
+    """A reward model's Bradley-Terry loss on a `PairBatch` of chosen rows then rejected rows; the model's outputs
+    are [2B, 1] scores. `use_margin`: subtract the batch's per-pair margins (Llama 2's margin loss)."""
+
+    use_margin: bool = False
+    center_rewards_coefficient: float | None = None
+    outputs: Outputs = "logits"
+    temperature: float = 1.0
+
+    def normalizer(self, micro_batches: Sequence[PairBatch]) -> float:
+        return _pairs_in(micro_batches)
+
+    def __call__(self, outputs: torch.Tensor, batch: PairBatch, normalizer: float | None
+                 ) -> tuple[torch.Tensor, MetricDict]:
+        rewards = outputs.squeeze(-1).float()
+        pairs = batch.num_pairs
+        margin = None
+        if self.use_margin:
+            if batch.margins is None:
+                raise ValueError("use_margin needs the batch's margins (PairBatch.margins)")
+            margin = batch.margins.to(dtype=rewards.dtype, device=rewards.device)
+        loss, metrics = bradley_terry_loss(rewards[:pairs], rewards[pairs:], margin, normalizer,
+                                           center_rewards_coefficient=self.center_rewards_coefficient)
+        return loss, pair_means(metrics, pairs)
+
+
+# ---- online RL --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PolicyGradientObjective:
+    """The clipped policy-gradient loss (losses/policy_gradient.py) of a `RolloutBatch` carrying its advantages
+    ([N] or per token [N, T]), π_old (None: on-policy, the training pass itself, detached) and π_ref (None: no KL
+    term) log-probabilities. Log-probabilities are taken under the sampling `temperature`. Metrics are
+    token-weighted means, except minima and maxima (`*_min`, `*_max`: the ratio, the IS weight)."""
+
+    config: PolicyLossConfig
+    temperature: float = 1.0
+    outputs: Outputs = "target_scores"
+
+    def normalizer(self, micro_batches: Sequence[RolloutBatch]) -> float:
+        return sum(loss_normalizer(batch.loss_mask, self.config) for batch in micro_batches)
+
+    def __call__(self, scores: TargetScores, batch: RolloutBatch, normalizer: float | None
+                 ) -> tuple[torch.Tensor, MetricDict]:
+        if batch.advantages is None:
+            raise ValueError("the policy-gradient loss needs RolloutBatch.advantages; set them before training")
+        logprobs = scores.logprobs
+        device = logprobs.device
+        mask = batch.loss_mask
+        old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs.to(device)
+        if normalizer is None:
+            normalizer = loss_normalizer(mask, self.config)
+        loss, metrics = policy_gradient_loss(
+            logprobs, old, batch.advantages.to(device), mask, self.config, normalizer,
+            generator_logprobs=batch.generator_logprobs, reference_logprobs=_on(batch.reference_logprobs, device),
+        )
+        valid = mask.bool()
+        metrics["entropy"] = torch.where(valid, scores.entropy, 0.0).sum() / valid.sum().clamp(min=1)
+        tokens = mask.sum()
+        return loss, {name: Metric.min(value) if name.endswith("_min") else Metric.max(value) if name.endswith("_max")
+                      else Metric.mean(value, tokens) for name, value in metrics.items()}
+
+
+@dataclass(frozen=True)
+class ValueObjective:
+    """PPO's (clipped) value loss on a `RolloutBatch` carrying the critic's old values and return targets
+    ([N, T]); the critic's outputs are its values. Metrics value/<name> as token-weighted means (the loss itself
+    is the worker's `loss`)."""
+
+    clip: float | None = None
+    outputs: Outputs = "logits"
+    temperature: float = 1.0
+
+    def normalizer(self, micro_batches: Sequence[RolloutBatch]) -> float:
+        return sum(value_loss_normalizer(batch.loss_mask) for batch in micro_batches)
+
+    def __call__(self, values: torch.Tensor, batch: RolloutBatch, normalizer: float | None
+                 ) -> tuple[torch.Tensor, MetricDict]:
+        if batch.returns is None:
+            raise ValueError("the value loss needs RolloutBatch.returns (and old_values to clip); set them first")
+        if normalizer is None:
+            normalizer = value_loss_normalizer(batch.loss_mask)
+        loss, metrics = value_loss(values, _on(batch.old_values, values.device), batch.returns.to(values.device),
+                                   batch.loss_mask, self.clip, normalizer)
+        tokens = batch.loss_mask.sum()
+        return loss, {f"value/{name.removeprefix('value_')}": Metric.mean(value, tokens)
+                      for name, value in metrics.items() if name != "value_loss"}
