@@ -15,6 +15,7 @@ like any other failed reward.
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 import math
 import statistics
 import time
@@ -26,7 +27,8 @@ import torch
 from posttrain.data.formats import Message, Messages
 from posttrain.data.types import RolloutBatch
 from posttrain.data.tokenize import tokenize_next_turn
-from posttrain.envs.base import Environment, Reward
+from posttrain.envs.base import Environment, EnvStep, Reward
+from posttrain.errors import RunError
 from posttrain.envs.rewards import combine_components, validate_reward
 from posttrain.generation.base import Generator, SamplingParams
 
@@ -82,15 +84,29 @@ class RolloutTimes:
     generated_tokens: int
 
 
+ENVIRONMENT_STEP_DEADLINE_SECONDS = 900.0
+"""How long a multi-turn rollout waits for any one of its episodes' environment calls before it gives up, naming
+the episode (reward functions and judges have shorter limits of their own; this catches an environment that has
+none)."""
+
+
 def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, generator: Generator,
                  environment: Environment, tokenizer, params: SamplingParams, max_turns: int,
-                 group_seed: int | None = None) -> tuple[list[Episode], RolloutTimes]:
+                 group_seed: int | None = None,
+                 step_deadline: float = ENVIRONMENT_STEP_DEADLINE_SECONDS) -> tuple[list[Episode], RolloutTimes]:
     """`num_samples` episodes per row (group ids first_group_id, first_group_id + 1, ...), run to the end.
 
-    Sampling is seeded by `params.seed` (the whole call's stream, offset per turn), or with `group_seed` per
-    group: each episode draws from a stream of its own, seeded from `group_seed`, its group id, its index in the
-    group and the turn (`episode_stream_seed`), so a group samples the same episodes whichever groups share the
-    call."""
+    The first turn samples every episode in one generation call (each prompt prefilled once). With one turn the
+    environment then scores them all in one call. With several, every episode advances on its own: its
+    environment call runs in a thread as soon as its reply is sampled, and the episodes whose observations have
+    arrived are sampled together while the others' calls are still running, so one slow environment call holds
+    back only its own episode. `environment.step` is then called with one episode at a time, from worker threads.
+
+    Sampling is seeded by `params.seed` (the first turn's whole call), or with `group_seed` per group: each episode
+    draws from a stream of its own, seeded from `group_seed`, its group id, its index in the group and the turn
+    (`episode_stream_seed`), so a group samples the same episodes whichever groups share the call. Later turns
+    always draw from per-episode streams (seeded from `group_seed`, else `params.seed`), since which episodes share
+    a call depends on when their environment calls return."""
     episodes = [
         Episode(group_id=first_group_id + i, messages=_initial_messages(row.prompt), metadata=dict(row.metadata),
                 token_ids=list(row.prompt_ids), prompt_length=len(row.prompt_ids),
@@ -98,25 +114,71 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
         for i, row in enumerate(rows) for _ in range(num_samples)
     ]
     sample_index = {id(e): k % num_samples for k, e in enumerate(episodes)}
-    generate_seconds = score_seconds = 0.0
-    generated_tokens = 0
-    active = episodes
-    for turn in range(max_turns):
+    times = _Times()
+
+    # Turn 1: all samples of a prompt start alike, so the generator prefills each prompt once.
+    if group_seed is not None:  # vLLM's convention: the j-th sample of a prompt seeded `seeds[i] + j`
+        first_params = replace(params, seed=None, seeds=tuple(
+            episode_stream_seed(group_seed, e.group_id, 0) for e in episodes[::num_samples]))
+    else:
+        first_params = params
+    times.sample(generator, [row.prompt_ids for row in rows], first_params, num_samples, episodes)
+    if max_turns == 1:
         started = time.perf_counter()
-        if group_seed is not None:  # vLLM's convention: the j-th sample of a prompt seeded `seeds[i] + j`
-            firsts = active[::num_samples] if turn == 0 else active
-            turn_params = replace(params, seed=None, seeds=tuple(
-                episode_stream_seed(group_seed, e.group_id, turn) + sample_index[id(e)] for e in firsts))
-        else:
-            turn_params = params if params.seed is None else replace(params, seed=params.seed + 7919 * turn)
-        if turn == 0:  # all samples of a prompt start alike: the generator prefills each prompt once
-            output = generator.generate([row.prompt_ids for row in rows], turn_params, num_samples=num_samples)
-        else:
-            output = generator.generate([e.token_ids for e in active], turn_params, num_samples=1)
-        generate_seconds += time.perf_counter() - started
-        generated_tokens += output.num_generated_tokens
+        result = environment.step([e.messages for e in episodes], [e.metadata for e in episodes])
+        _apply_step(episodes, result, environment, tokenizer, max_turns)
+        times.score += time.perf_counter() - started
+        return episodes, times.rollout_times()
+
+    stream_base = group_seed if group_seed is not None else params.seed
+    pool = ThreadPoolExecutor(max_workers=min(len(episodes), 32), thread_name_prefix="environment-step")
+    try:
+        pending = {pool.submit(environment.step, [e.messages], [e.metadata]): e for e in episodes}
+        while pending:
+            started = time.perf_counter()
+            finished, _ = wait(pending, timeout=step_deadline, return_when=FIRST_COMPLETED)
+            times.score += time.perf_counter() - started
+            if not finished:
+                waiting = sorted((e.group_id, sample_index[id(e)]) for e in pending.values())
+                raise RunError(f"{type(environment).__name__}.step returned nothing within {step_deadline:g} s for "
+                               f"{len(waiting)} episode(s) (group, sample) {waiting[:5]}; the rollout is abandoned")
+            ready = []
+            for future in finished:
+                episode = pending.pop(future)
+                _apply_step([episode], future.result(), environment, tokenizer, max_turns)
+                if not episode.done:
+                    ready.append(episode)
+            if not ready:
+                continue
+            turn_params = params
+            if stream_base is not None:
+                turn_params = replace(params, seed=None, seeds=tuple(
+                    episode_stream_seed(stream_base, e.group_id, e.num_turns) + sample_index[id(e)] for e in ready))
+            times.sample(generator, [e.token_ids for e in ready], turn_params, 1, ready)
+            pending.update({pool.submit(environment.step, [e.messages], [e.metadata]): e for e in ready})
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return episodes, times.rollout_times()
+
+
+@dataclass
+class _Times:
+    """Generation and scoring seconds and sampled tokens of one `run_episodes` call."""
+
+    generate: float = 0.0
+    score: float = 0.0
+    tokens: int = 0
+
+    def sample(self, generator: Generator, prompts: list[list[int]], params: SamplingParams, num_samples: int,
+               episodes: list[Episode]) -> None:
+        """Sample the next turn of `episodes` (prompts in their order, `num_samples` episodes each) and append each
+        completion to its episode."""
+        started = time.perf_counter()
+        output = generator.generate(prompts, params, num_samples=num_samples)
+        self.generate += time.perf_counter() - started
+        self.tokens += output.num_generated_tokens
         completions = [completion for samples in output.completions for completion in samples]
-        for episode, completion in zip(active, completions, strict=True):
+        for episode, completion in zip(episodes, completions, strict=True):
             episode.token_ids += completion.token_ids
             episode.sampled += [True] * len(completion.token_ids)
             episode.generator_logprobs += completion.logprobs
@@ -125,26 +187,26 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
             episode.last_turn_length = len(completion.token_ids)
             episode.num_turns += 1
 
-        started = time.perf_counter()
-        result = environment.step([e.messages for e in active], [e.metadata for e in active])
-        if len(result.rewards) != len(active):
-            raise ValueError(f"the environment returned {len(result.rewards)} rewards for {len(active)} episodes")
-        for i, episode in enumerate(active):
-            episode.reward, episode.error = _checked_reward(result.rewards[i], result.errors[i], environment)
-            episode.metadata = result.metadata[i]
-            observation = result.observations[i]
-            episode.done = result.done[i] or observation is None or turn + 1 == max_turns
-            if not episode.done:
-                next_ids = tokenize_next_turn(episode.messages, observation, tokenizer)
-                episode.token_ids += next_ids
-                episode.sampled += [False] * len(next_ids)
-                episode.generator_logprobs += [0.0] * len(next_ids)
-                episode.messages.append(observation)
-        score_seconds += time.perf_counter() - started
-        active = [e for e in active if not e.done]
-        if not active:
-            break
-    return episodes, RolloutTimes(generate_seconds, score_seconds, generated_tokens)
+    def rollout_times(self) -> RolloutTimes:
+        return RolloutTimes(self.generate, self.score, self.tokens)
+
+
+def _apply_step(episodes: list[Episode], result: EnvStep, environment: Environment, tokenizer, max_turns: int) -> None:
+    """The environment's answer for `episodes` (their last turns): rewards checked, metadata carried, and for the
+    episodes that continue the observation's chat-template tokens appended (no loss on them)."""
+    if len(result.rewards) != len(episodes):
+        raise ValueError(f"the environment returned {len(result.rewards)} rewards for {len(episodes)} episodes")
+    for i, episode in enumerate(episodes):
+        episode.reward, episode.error = _checked_reward(result.rewards[i], result.errors[i], environment)
+        episode.metadata = result.metadata[i]
+        observation = result.observations[i]
+        episode.done = result.done[i] or observation is None or episode.num_turns == max_turns
+        if not episode.done:
+            next_ids = tokenize_next_turn(episode.messages, observation, tokenizer)
+            episode.token_ids += next_ids
+            episode.sampled += [False] * len(next_ids)
+            episode.generator_logprobs += [0.0] * len(next_ids)
+            episode.messages.append(observation)
 
 
 def episode_stream_seed(group_seed: int, group_id: int, turn: int) -> int:

@@ -131,6 +131,11 @@ class PolicyWorker(Protocol):
 
     def num_parameters(self, trainable_only: bool = False) -> int: ...
 
+    @property
+    def device(self) -> torch.device:
+        """Where the worker computes (for messages; batches cross the seam on the CPU)."""
+        ...
+
 
 @runtime_checkable
 class ScoringWorker(Protocol):
