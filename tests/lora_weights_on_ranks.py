@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from posttrain.config.schema import LoraSection, ModelConfig, TrainerConfig
-from posttrain.distributed import build_policy
+from posttrain.distributed.builders import build_policy
 from posttrain.distributed.env import init_from_env, is_main, world_size
 from posttrain.models.loading import load_tokenizer
 

@@ -45,7 +45,7 @@ from posttrain.data.types import PairBatch, PreferenceExample
 from posttrain.losses.preference import PreferenceLossConfig
 from posttrain.workers import PolicyWorker, ScoringWorker
 from posttrain.rundir import one_run_per_output_dir
-from posttrain.distributed import build_policy, build_scorer
+from posttrain.distributed.builders import build_policy, build_scorer
 from posttrain.errors import RunError
 from posttrain.models.loading import custom_mask_problem_of
 from posttrain.workers.objectives import PreferenceObjective, completion_logps

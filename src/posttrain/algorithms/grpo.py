@@ -47,7 +47,7 @@ from posttrain.algorithms.rl import (
 from posttrain.checkpoint import POLICY
 from posttrain.config.schema import GRPOConfig
 from posttrain.data.types import RolloutBatch
-from posttrain.distributed import build_policy
+from posttrain.distributed.builders import build_policy
 from posttrain.rundir import one_run_per_output_dir
 from posttrain.workers.objectives import PolicyGradientObjective
 

@@ -34,7 +34,7 @@ from posttrain.algorithms.common import (
 from posttrain.checkpoint import POLICY, Checkpoint, checkpoint_to_resume
 from posttrain.config.schema import RecipeConfig
 from posttrain.data.dataset import DataStats
-from posttrain.distributed import check_split
+from posttrain.distributed.builders import check_split
 from posttrain.data.preference import collate_preference, load_preference_examples
 from posttrain.data.sampler import EpochSampler
 from posttrain.data.types import PairBatch, PreferenceExample, SFTBatch, SharedPromptBatch

@@ -43,7 +43,7 @@ from posttrain.algorithms.rl import (
 from posttrain.checkpoint import POLICY
 from posttrain.config.schema import PPOConfig
 from posttrain.data.types import RolloutBatch
-from posttrain.distributed import build_critic, build_policy
+from posttrain.distributed.builders import build_critic, build_policy
 from posttrain.losses.policy_gradient import kl_estimate
 from posttrain.losses.value import explained_variance
 from posttrain.rundir import one_run_per_output_dir

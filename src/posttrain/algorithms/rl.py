@@ -43,7 +43,7 @@ from posttrain.errors import RunError
 from posttrain.generation.base import Generator, SamplingParams
 from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer, resolve_model_path
-from posttrain.distributed import build_scorer
+from posttrain.distributed.builders import build_scorer
 from posttrain.workers import Metric, MetricDict, PolicyWorker, ScoringWorker, as_floats, reduce_metrics
 from posttrain.workers.metrics import materialized
 

@@ -35,7 +35,7 @@ from posttrain.data.sampler import check_step_fits
 from posttrain.data.types import PairBatch, PreferenceExample
 from posttrain.workers.objectives import BradleyTerryObjective
 from posttrain.rundir import one_run_per_output_dir
-from posttrain.distributed import build_policy
+from posttrain.distributed.builders import build_policy
 
 EVAL_METRICS = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
 

@@ -46,7 +46,7 @@ from posttrain.errors import RunError
 from posttrain.models.loading import custom_mask_problem_of, default_device, load_tokenizer
 from posttrain.workers import PolicyWorker, as_floats, reduce_metrics
 from posttrain.workers.objectives import NLLObjective
-from posttrain.distributed import build_policy, check_split
+from posttrain.distributed.builders import build_policy, check_split
 from posttrain.rundir import one_run_per_output_dir
 
 log = logging.getLogger(__name__)

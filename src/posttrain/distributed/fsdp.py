@@ -27,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -95,6 +97,13 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
     def _reduce_over_ranks(self, metrics: MetricDict) -> MetricDict:
         return all_reduce_metrics(metrics)
 
+    def _any_rank_nonfinite_loss(self) -> bool:
+        """Whether a micro-batch loss since the last step was not finite on any rank: every rank must make the same
+        skip decision, or their shards of the model would part ways."""
+        flag = torch.as_tensor(self._nonfinite_loss, device=self.device).float().reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
     def _gradient_scale(self) -> int:
         # FSDP2 averages gradients over ranks; the loss contract wants their sum (the normalizer already counts
         # the whole step on every rank), so each rank's backward is scaled by the world size.
@@ -135,8 +144,6 @@ class FSDP2PolicyWorker(LocalPolicyWorker):
         if is_sharded(directory):
             load_sharded_state(directory, self.model, self.optimizer)
         else:  # a single-process checkpoint: full weights and an optimizer.pt keyed by parameter index
-            from safetensors.torch import load_file
-
             if self.is_lora:
                 weights = adapter_weights_by_name(self.model, load_file(directory / "adapter_model.safetensors"),
                                                   directory)

@@ -14,10 +14,13 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file
+from torch.distributed.tensor import distribute_tensor
 
 from posttrain.checkpoint import (
     check_finite_weights,
@@ -241,25 +244,15 @@ class LocalPolicyWorker(_LocalModel):
         return self._reduce_over_ranks(metrics)
 
     def _any_rank_nonfinite_loss(self) -> bool:
-        """Whether a micro-batch loss since the last step was not finite, here or on any data-parallel rank: every
-        rank must make the same skip decision, or their shards of the model would part ways."""
-        from posttrain.distributed.env import is_distributed
-
-        if not is_distributed():
-            return bool(self._nonfinite_loss)
-        import torch.distributed as dist
-
-        flag = torch.as_tensor(self._nonfinite_loss, device=self.device).float().reshape(1)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        """Whether a micro-batch loss since the last step was not finite (on any data-parallel rank: FSDP2
+        overrides this, since every rank must make the same skip decision)."""
+        return bool(self._nonfinite_loss)
 
     def named_weights(self, adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         if not self.is_lora:
             for name, tensor in self.model.state_dict().items():
                 yield name, tensor.detach()
             return
-        from peft import get_peft_model_state_dict
-
         if adapters_only:
             yield from get_peft_model_state_dict(self.model).items()
             return
@@ -318,8 +311,6 @@ class LocalPolicyWorker(_LocalModel):
                     raise RunError(f"cannot interpolate toward the starting model: it has no weight {name}")
                 begin = start_weights[name].to(device=parameter.device, dtype=parameter.dtype)
                 if hasattr(parameter, "device_mesh"):  # an FSDP2 shard: the same slice of the start tensor
-                    from torch.distributed.tensor import distribute_tensor
-
                     begin = distribute_tensor(begin, parameter.device_mesh, parameter.placements)
                 parameter.copy_(begin + weight * (parameter - begin))
 
@@ -441,12 +432,8 @@ def merged_lora_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
 def load_weights(model: torch.nn.Module, directory: Path) -> None:
     """Load the weights `save_model_state` wrote into `model` in place: a peft adapter into a LoRA model, the
     safetensors files of a Hugging Face directory into a full one (weights tied to a loaded one may be absent)."""
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     if is_lora_model(model):
-        from peft import set_peft_model_state_dict
-
         result = set_peft_model_state_dict(model, load_file(directory / "adapter_model.safetensors"))
         unexpected = list(getattr(result, "unexpected_keys", []))
         if unexpected:

@@ -1,0 +1,66 @@
+"""Which worker a recipe gets: local in one process, FSDP2-sharded under torchrun (the same protocols).
+
+Under torchrun (or `posttrain RECIPE --nproc-per-node N`, which starts it) `build_policy`, `build_critic` and
+`build_scorer` return FSDP2 workers sharded over the ranks (distributed/fsdp.py); in a single process the local
+workers. The recipe loops call these and are otherwise unaware of the number of processes. See
+docs/distributed.md and docs/design.md (how another kind of worker plugs in here).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from posttrain.config.schema import LoraSection, ModelConfig, TrainerConfig
+from posttrain.distributed.env import is_distributed, world_size
+from posttrain.distributed.fsdp import FSDP2ScoringWorker, FSDP2ValueWorker, build_fsdp_policy
+from posttrain.models.loading import load_causal_lm, load_trainable_model
+from posttrain.models.lora import TaskKind
+from posttrain.workers import local, value
+from posttrain.workers.base import CriticWorker, PolicyWorker, ScoringWorker
+
+
+def build_policy(model: ModelConfig, lora: LoraSection, trainer: TrainerConfig, tokenizer, device: torch.device,
+                 task: TaskKind = "causal_lm", schedule: TrainerConfig | None = None,
+                 resume_dir: Path | None = None) -> PolicyWorker:
+    """The policy worker of a recipe: local in one process, FSDP2-sharded under torchrun."""
+    if not is_distributed():
+        return local.build_policy(model, lora, trainer, tokenizer, device, task, schedule, resume_dir)
+    def load(on: torch.device) -> torch.nn.Module:
+        return load_trainable_model(model, lora, None, on, task=task, pad_token_id=tokenizer.pad_token_id)
+
+    unsharded = (lambda: load(torch.device("cpu"))) if lora.enabled else None
+    return build_fsdp_policy(load(device), tokenizer, trainer, schedule, resume_dir, unsharded)
+
+
+def build_critic(init_from: str, model: ModelConfig, trainer: TrainerConfig, tokenizer, device: torch.device,
+                 schedule: TrainerConfig | None = None, resume_dir: Path | None = None) -> CriticWorker:
+    """PPO's critic (posttrain.workers.value): local in one process, FSDP2-sharded under torchrun."""
+    if not is_distributed():
+        return value.build_critic(init_from, model, trainer, tokenizer, device, schedule, resume_dir)
+    worker = FSDP2ValueWorker(value.load_critic_model(init_from, model, tokenizer, device), tokenizer, trainer,
+                              schedule)
+    if resume_dir is not None:
+        worker.load(resume_dir)
+    return worker
+
+
+def build_scorer(model: ModelConfig, trainer: TrainerConfig, device: torch.device,
+                 role: str = "reference") -> ScoringWorker:
+    """A frozen scoring worker: local in one process, FSDP2-sharded under torchrun."""
+    if not is_distributed():
+        return local.build_scorer(model, trainer, device, role)
+    return FSDP2ScoringWorker(load_causal_lm(model, device=device), trainer, role)
+
+
+def check_split(trainer: TrainerConfig) -> None:
+    """A step's micro-batches are divided among the ranks (sft, dpo, rm): gradient_accumulation_steps must be a
+    multiple of them. Called before any model loads; nothing to check in one process."""
+    n = world_size()
+    if trainer.gradient_accumulation_steps % n:
+        raise ValueError(
+            f"trainer.gradient_accumulation_steps={trainer.gradient_accumulation_steps} does not split over {n} "
+            f"processes: each optimizer step's trainer.micro_batch_size x trainer.gradient_accumulation_steps "
+            f"examples are divided among the ranks by micro-batch, so gradient_accumulation_steps must be a "
+            f"multiple of {n} (the same config then makes the same update on any number of processes)")
