@@ -58,13 +58,14 @@ class PickledCalls:
         return None if scorer is None else PickledCalls(scorer, self._calls)
 
 
-def pickle_every_worker(monkeypatch, calls: list[str] | None = None) -> list[str]:
-    """Make every recipe's policy, critic and scorers PickledCalls; returns the list of names they are asked for."""
+def pickle_every_worker(monkeypatch=None, calls: list[str] | None = None) -> list[str]:
+    """Make every recipe's policy, critic and scorers PickledCalls (through pytest's `monkeypatch`, or for good
+    without one); returns the list of names they are asked for."""
     calls = [] if calls is None else calls
+    patch = monkeypatch.setattr if monkeypatch is not None else setattr
     for module in (sft, dpo, rm, grpo, ppo, rl):
         for builder in ("build_policy", "build_critic", "build_scorer"):
             real = getattr(module, builder, None)
             if real is not None:
-                monkeypatch.setattr(module, builder,
-                                    lambda *args, real=real, **kwargs: PickledCalls(real(*args, **kwargs), calls))
+                patch(module, builder, lambda *args, real=real, **kwargs: PickledCalls(real(*args, **kwargs), calls))
     return calls
