@@ -88,7 +88,7 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
     tokenizer, prompts, environment = data.tokenizer, data.prompts, data.environment
     weights = reward_weights(environment)
     evaluation = TrainingEvaluation(cfg.evaluation, tokenizer, trainer.max_steps)
-    loss_cfg = cfg.loss.to_loss_config(rollout.max_new_tokens * rollout.max_turns)
+    loss_cfg = cfg.loss.resolved(max_completion_tokens=rollout.max_new_tokens * rollout.max_turns)
 
     resume = checkpoint_to_resume(output_dir)
     updates_per_step = cfg.update.ppo_epochs * cfg.update.num_minibatches

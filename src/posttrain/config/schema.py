@@ -8,38 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Literal, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-
-class Section(BaseModel):
-    """Base of every config node: unknown keys are errors, field docstrings are the help text, and a number
-    given as NaN or infinity is an error wherever one is read (`trainer.learning_rate=inf` would train NaN)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
-                              allow_inf_nan=False)
-
-
-class NumericSection(Section):
-    """A section of thresholds, coefficients and counts, where a boolean given for a number is an error naming the
-    key: pydantic would otherwise read `loss.ratio_clip_low=true` as 1.0 and `trainer.max_steps=true` as 1."""
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        annotation = cls.model_fields[info.field_name].annotation
-        if get_origin(annotation) is dict and isinstance(value, dict):
-            flagged = [key for key, item in value.items() if _boolean_for_number(get_args(annotation)[1], item)]
-            if flagged:
-                raise ValueError(f"expected a number for {flagged[0]!r}, got the boolean {value[flagged[0]]!r}")
-        elif _boolean_for_number(annotation, value):
-            raise ValueError(f"expected a number, got the boolean {value!r}")
-        return value
-
-
-def _boolean_for_number(annotation: Any, value: Any) -> bool:
-    """True when `value` is a bool where `annotation` expects an int or a float (bool alone is an int to Python)."""
-    args = get_args(annotation)
-    return isinstance(value, bool) and bool({annotation, *args} & {int, float}) and bool not in args
+from posttrain.config.losses import PolicyLossConfig, PreferenceLossConfig
+from posttrain.config.sections import NumericSection, Section
 
 
 def _run_folder(value: str) -> str:
@@ -307,65 +279,13 @@ class SFTConfig(RecipeConfig):
         return self
 
 
-class PreferenceLossSection(Section):
-    """The preference loss and its coefficients (posttrain.losses.preference.PreferenceLossConfig)."""
-
-    type: Literal["dpo", "ipo", "cdpo", "dpop", "rdpo", "simpo", "orpo"] = "dpo"
-    """The loss: dpo, ipo, cdpo, dpop, rdpo (against a reference model) or simpo, orpo (reference-free)."""
-
-    beta: float = Field(0.1, gt=0)
-    """β: scale of the implicit reward β·log(π/π_ref) (SimPO: β·π/|y|); IPO's τ, target margin 1/(2β)."""
-
-    label_smoothing: float = Field(0.0, ge=0, le=0.5)
-    """cdpo: the assumed probability ε that a preference label is flipped."""
-
-    dpop_lambda: float = Field(50.0, ge=0)
-    """dpop: weight λ of max(0, ref_c − π_c), the penalty for lowering the chosen log-probability."""
-
-    rdpo_alpha: float = 0.0
-    """rdpo: per-token weight α of the length difference |y_w| − |y_l| inside the sigmoid."""
-
-    simpo_gamma: float = 0.5
-    """simpo: the target reward margin γ itself (not γ/β)."""
-
-    orpo_lambda: float = Field(0.1, ge=0)
-    """orpo: weight λ of the odds-ratio term added to the NLL of the chosen completion."""
-
-    sft_weight: float = Field(0.0, ge=0)
-    """Weight of an extra NLL-on-chosen term (mean per token) added to any loss; 0 turns it off."""
-
-    average_logprobs: bool = False
-    """Score each completion by its per-token MEAN log-probability instead of the sum (e.g. for IPO).
-    simpo and orpo length-normalize themselves and need it false."""
-
-    truncate_rejected: bool = False
-    """Train on each rejected completion only up to and including its first token that differs from the chosen
-    one (the first wrong step, as in Step-DPO). The tokens after it continue a prefix that is already wrong:
-    pushing them down also teaches the model to avoid them after a right prefix, which is where they may be
-    correct (an answer's units digit after a wrong tens digit). The training pairs only; evaluation pairs are
-    scored whole, so eval_reward_accuracy stays the standard measure."""
-
-    @model_validator(mode="after")
-    def _check(self) -> PreferenceLossSection:
-        if self.average_logprobs and self.type in ("simpo", "orpo"):
-            raise ValueError(
-                f"loss.average_logprobs=true does not apply to loss.type={self.type!r}: it normalizes by length "
-                "itself and needs summed log-probabilities; set loss.average_logprobs=false"
-            )
-        return self
-
-    @property
-    def reference_free(self) -> bool:
-        return self.type in ("simpo", "orpo")
-
-
 class DPOConfig(RecipeConfig):
     """Offline preference optimization (DPO and its family) on prompt/chosen/rejected pairs."""
 
     output_dir: str = "runs/dpo"
     """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/. Re-running with the same directory resumes."""
 
-    loss: PreferenceLossSection = Field(default_factory=PreferenceLossSection)
+    loss: PreferenceLossConfig = Field(default_factory=PreferenceLossConfig)
     """The preference loss."""
 
     reference: Literal["frozen_copy", "precomputed"] = "frozen_copy"
@@ -595,67 +515,6 @@ class AdvantageSection(NumericSection):
 
     component_weights: dict[str, float] = Field(default_factory=dict)
     """gdpo: weight of each named reward component (missing components weigh 1)."""
-
-
-class PolicyLossSection(NumericSection):
-    """The clipped policy-gradient loss (posttrain.losses.policy_gradient.PolicyLossConfig); see docs/rl.md."""
-
-    ratio_level: Literal["token", "sequence", "none"] = "token"
-    """token: PPO/GRPO per-token ratio; sequence: GSPO's length-normalized sequence ratio; none: REINFORCE/RLOO."""
-
-    clip_mode: Literal["ppo", "cispo"] = "ppo"
-    """ppo: clipped surrogate; cispo: detached clipped ratio times A·logπ (every token keeps a gradient)."""
-
-    ratio_clip_low: float = Field(0.2, ge=0)
-    """ε_low: the ratio is clipped below at 1 − ε_low."""
-
-    ratio_clip_high: float = Field(0.2, ge=0)
-    """ε_high: clipped above at 1 + ε_high (DAPO clip-higher: 0.28)."""
-
-    ratio_clip_c: float | None = None
-    """Dual clip c > 1 bounding the loss of negative-advantage tokens with huge ratios; null: off."""
-
-    reference_kl_penalty: float = Field(0.0, ge=0)
-    """β of the per-token KL(π‖π_ref) penalty; > 0 loads a frozen reference model."""
-
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (k3 = exp(d) − 1 − d, unbiased value; see docs/rl.md for their gradients)."""
-
-    kl_clamp: float | None = Field(10.0, gt=0)
-    """Clamp the log-ratio to ±kl_clamp before the estimator; null: no clamp."""
-
-    kl_output_clamp: float | None = Field(None, gt=0)
-    """Clamp the KL estimate itself to ±kl_output_clamp per token (no KL gradient where it binds); null: no clamp."""
-
-    importance_correction: Literal["none", "tis", "icepop", "seq-mask-tis", "seq-tis"] = "none"
-    """Correct the generator/trainer logprob mismatch: tis (truncated weight), icepop (mask tokens outside the
-    band), seq-mask-tis (mask whole sequences outside the band, truncate the rest), seq-tis (one truncated
-    weight per sequence, the product of its token weights); none."""
-
-    is_threshold_low: float = Field(0.5, ge=0)
-    """Lower bound of the accepted mismatch weight (icepop, seq-mask-tis)."""
-
-    is_threshold_high: float = Field(2.0, gt=0)
-    """Upper bound of the mismatch weight and truncation value (tis, seq-tis, seq-mask-tis)."""
-
-    tis_lower_bound: float | None = Field(None, ge=0)
-    """tis and seq-tis: also truncate the weight from below at this value; null: no lower bound."""
-
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
-    """token-mean (over the step's valid tokens), seq-mean-token-mean, seq-mean-token-sum, or seq-mean-token-sum-norm
-    (Dr. GRPO: token sums divided by a constant, aggregation_constant or rollout.max_new_tokens)."""
-
-    aggregation_constant: float | None = Field(None, gt=0)
-    """Constant divisor of seq-mean-token-sum-norm (default: rollout.max_new_tokens × rollout.max_turns)."""
-
-    def to_loss_config(self, default_constant: float | None = None):
-        """The loss's own (validated) dataclass; raises ValueError on incompatible knobs."""
-        from posttrain.losses.policy_gradient import PolicyLossConfig
-
-        values = self.model_dump()
-        if values["aggregation"] == "seq-mean-token-sum-norm" and values["aggregation_constant"] is None:
-            values["aggregation_constant"] = default_constant
-        return PolicyLossConfig(**values)
 
 
 class PolicyUpdateSection(Section):
@@ -974,7 +833,7 @@ class GRPOConfig(RecipeConfig):
     advantage: AdvantageSection = Field(default_factory=AdvantageSection)
     """Advantage estimator."""
 
-    loss: PolicyLossSection = Field(default_factory=PolicyLossSection)
+    loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     """Policy-gradient loss."""
 
     update: PolicyUpdateSection = Field(default_factory=PolicyUpdateSection)
@@ -1011,10 +870,6 @@ class GRPOConfig(RecipeConfig):
         if self.environment.normalize_rewards and self.advantage.estimator == "gdpo":
             raise ValueError("environment.normalize_rewards does not apply to advantage.estimator='gdpo', which "
                              "normalizes each reward component within its group itself; leave it false")
-        try:
-            self.loss.to_loss_config(self.rollout.max_new_tokens * self.rollout.max_turns)
-        except ValueError as error:
-            raise ValueError(f"loss: {error}") from None
         return self
 
 
