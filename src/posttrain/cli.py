@@ -25,7 +25,7 @@ from posttrain.config import (
     SFTConfig,
     load_config,
 )
-from posttrain.config.loader import type_name
+from posttrain.config.loader import tagged_members, type_name
 from posttrain.config.presets import quickstart_base_config
 from posttrain.config.schema import GRPOConfig, PPOConfig, Section
 from posttrain.data.errors import DataError
@@ -167,6 +167,9 @@ def describe_fields(schema: type[BaseModel], defaults: dict[str, Any] | None = N
         if isinstance(annotation, type) and issubclass(annotation, Section):
             lines += describe_fields(annotation, defaults.get(name) or {}, prefix=f"{key}.")
             continue
+        if tagged_members(annotation):
+            lines += describe_variants(key, tagged_members(annotation), info.default_factory(), defaults.get(name) or {})
+            continue
         if name in defaults:
             default = defaults[name]
         elif info.default is not PydanticUndefined:
@@ -179,6 +182,32 @@ def describe_fields(schema: type[BaseModel], defaults: dict[str, Any] | None = N
         if info.description:
             lines += textwrap.wrap(info.description, width=96, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return lines
+
+
+def describe_variants(key: str, members: dict[str, type[BaseModel]], default: BaseModel,
+                      defaults: dict[str, Any]) -> list[str]:
+    """The keys of a section that is a union discriminated on `kind` (environment): its kind, the keys every
+    variant has, then each variant's options under the kind that takes them."""
+    kind = defaults.get("kind", default.kind)
+    variant = members[kind]
+    lines = [f"  {key}.kind  one of {', '.join(repr(tag) for tag in members)} = {json.dumps(kind)}"]
+    if variant.model_fields["kind"].description:
+        lines += textwrap.wrap(variant.model_fields["kind"].description, width=96, initial_indent=" " * 6,
+                               subsequent_indent=" " * 6)
+    shared = {name: info for name, info in variant.model_fields.items() if name not in ("kind", "options")}
+    lines += describe_fields(_fields_only(variant, shared), defaults, prefix=f"{key}.")
+    for tag, member in members.items():
+        options = member.model_fields["options"].annotation
+        chosen = defaults.get("options") or {} if tag == kind else {}
+        described = describe_fields(options, chosen, prefix=f"{key}.options.")
+        lines += [f"  {key}.options with {key}.kind={tag}:" + ("" if described else " none")]
+        lines += ["  " + line for line in described]
+    return lines
+
+
+def _fields_only(model: type[BaseModel], fields: dict[str, Any]) -> type[BaseModel]:
+    """A view of `model` listing only `fields`, for describe_fields."""
+    return type(model.__name__, (), {"model_fields": fields})
 
 
 def _recipe_epilog(recipe: Recipe) -> str:

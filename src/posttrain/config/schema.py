@@ -10,6 +10,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from pydantic import Field, field_validator, model_validator
 
+from posttrain.config.environments import ArithmeticEnvironment, EnvironmentSection
 from posttrain.config.losses import PolicyLossConfig, PreferenceLossConfig
 from posttrain.config.sections import NumericSection, Section
 
@@ -436,70 +437,6 @@ class RolloutSection(NumericSection):
     """Largest soft overlong penalty subtracted from the reward."""
 
 
-class EnvironmentSection(Section):
-    """What scores the completions."""
-
-    kind: Literal["arithmetic", "math", "code", "python", "reward_model", "judge", "mixture"] = "arithmetic"
-    """arithmetic (exact match of the sum), math (math-verify on the final or boxed answer against the row's
-    `answer`), code (the program run against the row's `tests` in a sandbox), python (your reward functions),
-    reward_model (a trained reward model's score; options {path: runs/rm/final}), judge (an LLM's score; options
-    {path: a local model} or {base_url: http://host:8000, model: NAME}), mixture (several of these, each a named,
-    weighted reward component; options {components: [{name, kind, weight, options}, ...]}); see docs/rl.md."""
-
-    options: dict[str, Any] = Field(default_factory=dict)
-    """Keyword options of the environment, e.g. {timeout_s: 5, num_workers: 2}; python takes
-    {functions: ["my_pkg.rewards:fn", ...]} (see docs/rl.md)."""
-
-    normalize_rewards: bool = False
-    """Scale each training reward to (r - mean) / std, with the mean and standard deviation running over every
-    valid reward of the run's training batches so far, this step's included (checkpointed, so a resumed run
-    continues them; with dynamic sampling, the groups kept). For rewards without a fixed scale, such as a reward
-    model's scores, under PPO, whose critic regresses on them. Under GRPO: the grpo estimator with normalize_std
-    and reinforce++ give the same advantages; Dr. GRPO (normalize_std false), rloo and raw scale theirs by 1/std
-    (so the KL penalty weighs more or less against them); gdpo, which normalizes each reward component itself, is
-    refused. Logged rewards, validation and evaluation sets stay raw."""
-
-    max_error_fraction: float = Field(0.5, ge=0, le=1)
-    """Samples whose reward failed (raised, timed out, NaN) are masked and counted in reward/errors; the run
-    stops with a clear message only when a step's failed fraction exceeds this."""
-
-    worker_memory_mb: int = Field(4096, ge=0)
-    """Address-space limit (RLIMIT_AS) in MiB of each reward worker process (python and math environments),
-    inherited by whatever a reward function starts; a call that needs more fails with MemoryError and its sample
-    is masked and counted. 0: no limit (needed by reward functions that use CUDA, which reserves far more address
-    space than it uses)."""
-
-    @model_validator(mode="after")
-    def _one_memory_limit(self) -> EnvironmentSection:
-        if "worker_memory_mb" in self.options:
-            raise ValueError("options.worker_memory_mb: set environment.worker_memory_mb instead, the one place "
-                             "for the reward workers' memory limit")
-        return self
-
-    def spec(self) -> dict[str, Any]:
-        """The environment's spec for `envs.registry.build_environment`: kind, options, and worker_memory_mb for
-        the environments whose constructor takes it (those that run reward workers)."""
-        import inspect
-
-        from posttrain.envs.registry import ENVIRONMENTS
-
-        limit = {"worker_memory_mb": self.worker_memory_mb}
-        takes_limit = "worker_memory_mb" in inspect.signature(ENVIRONMENTS[self.kind]).parameters
-        return {"kind": self.kind, **(limit if takes_limit else {}), **self.options}
-
-    @model_validator(mode="after")
-    def _check_options(self) -> EnvironmentSection:
-        # The environment's constructor is the one definition of its options, so the check lives beside it
-        # (imported here, not at the top: the config tree is importable without the environments); run at load,
-        # a misspelt or ill-typed option stops before the data is read or a model loads.
-        from posttrain.envs.registry import option_problems
-
-        problems = option_problems(self.kind, self.options)
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
-
-
 class AdvantageSection(NumericSection):
     """How rewards become advantages (posttrain.advantages)."""
 
@@ -574,7 +511,7 @@ class EvaluationSettings(Section):
     prompt: PromptSection = Field(default_factory=PromptSection)
     """Prompt formatting (template, chat template, system prompt), as GRPO's prompt section."""
 
-    environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
+    environment: EnvironmentSection = Field(default_factory=ArithmeticEnvironment)
     """What scores the completions (kind and options), as GRPO's environment section. A failed reward is masked
     and counted in reward/errors; max_error_fraction does not stop an evaluation."""
 
@@ -623,8 +560,6 @@ class EvaluationSettings(Section):
     def check_sampling(self) -> None:
         """ValueError (naming the keys) for pass_k above num_samples, several greedy samples, or pass_k without a
         notion of correct."""
-        from posttrain.envs.registry import REWARD_ONLY
-
         too_large = [k for k in self.pass_k if k > self.num_samples]
         if too_large:
             raise ValueError(f"pass_k={self.pass_k}: k={too_large[0]} is more than num_samples={self.num_samples}; "
@@ -633,20 +568,10 @@ class EvaluationSettings(Section):
             raise ValueError(f"num_samples={self.num_samples} with temperature=0 (greedy) samples the same "
                              "completion each time; set temperature > 0 or num_samples=1")
         kind = self.environment.kind
-        reward_only = kind in REWARD_ONLY or (kind == "mixture" and all(
-            isinstance(c, dict) and c.get("kind") in REWARD_ONLY for c in self.environment.options.get("components", [])))
-        if self.pass_k and reward_only and self.correct_threshold is None:
+        if self.pass_k and self.environment.reward_only and self.correct_threshold is None:
             raise ValueError(f"pass_k needs to know which samples are correct, and the {kind} environment does not "
                              "say (a mixture says only through a verifier component: arithmetic, math or code); set "
                              "correct_threshold (a sample is correct when its reward is at least that) or drop pass_k")
-
-    def sampling_params(self, max_new_tokens: int | None = None):
-        """The generator's SamplingParams, seeded with `seed`."""
-        from posttrain.generation.base import SamplingParams
-
-        return SamplingParams(max_new_tokens=max_new_tokens or self.max_new_tokens, temperature=self.temperature,
-                              top_p=self.top_p, top_k=self.top_k, stop_strings=tuple(self.stop_strings),
-                              seed=self.seed)
 
 
 class EvaluationSet(EvaluationSettings):
@@ -827,7 +752,7 @@ class GRPOConfig(RecipeConfig):
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     """Sampling."""
 
-    environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
+    environment: EnvironmentSection = Field(default_factory=ArithmeticEnvironment)
     """Rewards."""
 
     advantage: AdvantageSection = Field(default_factory=AdvantageSection)
