@@ -6,7 +6,7 @@ are rejected (``extra="forbid"``) so a typo never silently falls back to a defau
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -739,12 +739,10 @@ class GenerateConfig(Section):
         return self
 
 
-class GRPOConfig(RecipeConfig):
-    """Online RL with verifiable rewards: sample groups of completions, score them, compute group-relative
-    advantages, and update with the clipped policy-gradient loss (GRPO, DAPO, GSPO, CISPO, RLOO, Dr. GRPO, GDPO)."""
-
-    output_dir: str = "runs/grpo"
-    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/. Re-running with the same directory resumes."""
+class OnlineRLConfig(RecipeConfig):
+    """Keys both online RL recipes (grpo, ppo) have: the prompts, how completions are sampled and scored, the policy
+    loss and the update. A base of shared sections, not a recipe: GRPO adds its advantage estimator, PPO its critic
+    and GAE."""
 
     prompt: PromptSection = Field(default_factory=PromptSection)
     """Prompt formatting."""
@@ -753,10 +751,7 @@ class GRPOConfig(RecipeConfig):
     """Sampling."""
 
     environment: EnvironmentSection = Field(default_factory=ArithmeticEnvironment)
-    """Rewards."""
-
-    advantage: AdvantageSection = Field(default_factory=AdvantageSection)
-    """Advantage estimator."""
+    """Rewards: kind picks the environment, options are that environment's."""
 
     loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     """Policy-gradient loss."""
@@ -768,8 +763,9 @@ class GRPOConfig(RecipeConfig):
     """Evaluation sets sampled with the rollout generator during training (see docs/evaluation.md), each logged
     as eval/<name>/<metric>; none by default."""
 
-    @model_validator(mode="after")
-    def _check(self) -> GRPOConfig:
+    def check_online_rl(self, recipe: str) -> None:
+        """ValueError (naming the keys) for what no online RL recipe takes: compiled modules, no prompts, gradient
+        accumulation, minibatches that do not divide the rollout batch, an overlong buffer past the budget."""
         check_evaluation_names(self.evaluation)
         if self.trainer.compile:
             raise ValueError("trainer.compile=true is not available to the RL recipes: the rollout generator runs "
@@ -777,21 +773,36 @@ class GRPOConfig(RecipeConfig):
         if not self.data.train_files:
             raise ValueError("data.train_files is empty: give at least one file or dataset of prompts")
         if self.data.format not in ("auto", "prompt_only"):
-            raise ValueError(f"data.format={self.data.format!r}: GRPO reads prompts; use auto or prompt_only "
+            raise ValueError(f"data.format={self.data.format!r}: {recipe} reads prompts; use auto or prompt_only "
                              "(every column other than prompt is passed to the environment)")
         if self.trainer.gradient_accumulation_steps != 1:
-            raise ValueError("trainer.gradient_accumulation_steps does not apply to GRPO: each minibatch "
+            raise ValueError(f"trainer.gradient_accumulation_steps does not apply to {recipe}: each minibatch "
                              "(rollout batch / update.num_minibatches) is split into micro-batches of "
                              "trainer.micro_batch_size; leave it at 1")
         rollout_size = self.rollout.prompts_per_step * self.rollout.num_generations_per_prompt
         if rollout_size % self.update.num_minibatches:
             raise ValueError(f"update.num_minibatches={self.update.num_minibatches} must divide the rollout batch "
                              f"(rollout.prompts_per_step × num_generations_per_prompt = {rollout_size})")
+        if self.rollout.overlong_buffer_length >= self.rollout.max_new_tokens:
+            raise ValueError("rollout.overlong_buffer_length must be smaller than rollout.max_new_tokens")
+
+
+class GRPOConfig(OnlineRLConfig):
+    """Online RL with verifiable rewards: sample groups of completions, score them, compute group-relative
+    advantages, and update with the clipped policy-gradient loss (GRPO, DAPO, GSPO, CISPO, RLOO, Dr. GRPO, GDPO)."""
+
+    output_dir: str = "runs/grpo"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/. Re-running with the same directory resumes."""
+
+    advantage: AdvantageSection = Field(default_factory=AdvantageSection)
+    """Advantage estimator."""
+
+    @model_validator(mode="after")
+    def _check(self) -> GRPOConfig:
+        self.check_online_rl("GRPO")
         if self.advantage.estimator in ("grpo", "rloo", "gdpo") and self.rollout.num_generations_per_prompt < 2:
             raise ValueError(f"advantage.estimator={self.advantage.estimator!r} compares samples of a group: "
                              "rollout.num_generations_per_prompt must be at least 2")
-        if self.rollout.overlong_buffer_length >= self.rollout.max_new_tokens:
-            raise ValueError("rollout.overlong_buffer_length must be smaller than rollout.max_new_tokens")
         if self.environment.normalize_rewards and self.advantage.estimator == "gdpo":
             raise ValueError("environment.normalize_rewards does not apply to advantage.estimator='gdpo', which "
                              "normalizes each reward component within its group itself; leave it false")
@@ -837,11 +848,11 @@ class GAESection(NumericSection):
     """Whiten the advantages over the batch's valid tokens (mean 0, std 1)."""
 
 
-class PPOConfig(GRPOConfig):
+class PPOConfig(OnlineRLConfig):
     """Online RL with a learned critic: sample completions, score them, compute token-level advantages with GAE
     from the critic's values, and update the policy with the clipped policy-gradient loss and the critic with
     the clipped value loss (PPO, Schulman et al. 2017; for language models Ziegler et al. 2019, Ouyang et al. 2022).
-    The rollout, environment, loss and update sections are GRPO's."""
+    The prompt, rollout, environment, loss and update sections are the same as GRPO's."""
 
     output_dir: str = "runs/ppo"
     """Run directory: config.yaml, metrics.jsonl, checkpoints/ (policy/ and critic/), final/ (the policy)."""
@@ -852,14 +863,17 @@ class PPOConfig(GRPOConfig):
     gae: GAESection = Field(default_factory=GAESection)
     """Advantages."""
 
-    advantage: AdvantageSection = Field(default_factory=lambda: AdvantageSection(estimator="raw"))
-    """Not used by PPO (its advantages are GAE's); kept so that GRPO's checks read one shape of config."""
-
-    @model_validator(mode="after")
-    def _check_ppo(self) -> PPOConfig:
-        if self.advantage != AdvantageSection(estimator="raw"):
+    @model_validator(mode="before")
+    @classmethod
+    def _no_advantage_section(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "advantage" in value:
             raise ValueError("advantage.* does not apply to PPO: its advantages come from the critic through GAE "
                              "(set gae.gamma, gae.lam, gae.whiten_advantages)")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> PPOConfig:
+        self.check_online_rl("PPO")
         if self.rollout.dynamic_sampling:
             raise ValueError("rollout.dynamic_sampling filters groups with equal rewards, a GRPO device; PPO's "
                              "baseline is the critic, so leave it off")
