@@ -13,7 +13,7 @@ from posttrain.config import ConfigError, load_config
 from posttrain.config.schema import GRPOConfig, ModelConfig
 from posttrain.algorithms.environments import build_recipe_environment
 from posttrain.logging import read_metrics
-from posttrain.models import RewardModel
+from posttrain.workers import RewardModel
 from posttrain.models.loading import load_reward_backbone, load_tokenizer
 
 REWARDS = str(Path(__file__).with_name("reward_fns_for_tests.py"))

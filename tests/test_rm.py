@@ -19,7 +19,7 @@ from posttrain.data.formats import PreferenceRow
 from posttrain.data.preference import collate_preference, tokenize_preference_row
 from posttrain.algorithms.environments import build_recipe_environment
 from posttrain.logging import read_metrics
-from posttrain.models import RewardModel
+from posttrain.workers import RewardModel
 from posttrain.models.loading import load_reward_backbone, load_tokenizer
 
 BASE = [

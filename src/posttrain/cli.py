@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import os
+import errno
 import json
+import logging
+import os
+import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import transformers
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
@@ -32,6 +36,7 @@ from posttrain.data.errors import DataError
 from posttrain.envs.rewards import RewardError
 from posttrain.errors import RunError
 from posttrain.models.errors import ModelNotFoundError
+from posttrain.process_group import is_main
 
 
 @dataclass(frozen=True)
@@ -46,8 +51,6 @@ class Recipe:
 
 def _done(line: str) -> None:
     """The recipe's closing line, printed once (by rank 0 of a data-parallel run)."""
-    from posttrain.distributed.env import is_main
-
     if is_main():
         print(line)
 
@@ -320,8 +323,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"posttrain {recipe.name}: {kind}{err}", file=sys.stderr)
         return 1
     except OSError as err:
-        import errno
-
         # Only what the file system refuses to store (checkpoints and exports say so themselves, as RunError).
         if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
             raise
@@ -366,8 +367,6 @@ def _without_option(argv: list[str], option: str) -> list[str]:
 
 def _launch_torchrun(nproc: int, argv: list[str]) -> int:
     """Run this command again under torchrun with `nproc` processes on this machine; its exit status."""
-    import subprocess
-
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "posttrain", *argv]
     print(f"posttrain: starting {nproc} processes: torchrun --standalone --nproc-per-node={nproc} -m posttrain "
@@ -377,10 +376,6 @@ def _launch_torchrun(nproc: int, argv: list[str]) -> int:
 
 def _quiet_libraries() -> None:
     """Our own progress display replaces the libraries' per-file bars and advisory warnings."""
-    import logging
-
-    import transformers
-
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     logging.getLogger("posttrain").setLevel(logging.INFO)

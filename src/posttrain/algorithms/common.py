@@ -23,7 +23,7 @@ from posttrain.checkpoint import (
 )
 from posttrain.config.schema import EvaluationSettings, TrainerConfig
 from posttrain.data.sampler import EpochSampler
-from posttrain.distributed.env import broadcast_object, init_from_env, is_distributed, is_main
+from posttrain.process_group import broadcast_object, init_from_env, is_distributed, is_main
 from posttrain.errors import RunError
 from posttrain.generation.base import SamplingParams
 from posttrain.logging import RunLogger

@@ -75,7 +75,7 @@ from posttrain.data.sampler import EpochSampler
 from posttrain.data.types import RolloutBatch
 from posttrain.envs.rewards import RewardErrorBudget
 from posttrain.distributed import build_policy, build_scorer
-from posttrain.distributed.env import world_size
+from posttrain.process_group import world_size
 from posttrain.logging import RunLogger
 from posttrain.rundir import one_run_per_output_dir
 from posttrain.losses.policy_gradient import (

@@ -63,7 +63,7 @@ from posttrain.config.schema import PPOConfig
 from posttrain.data.sampler import EpochSampler
 from posttrain.data.types import RolloutBatch
 from posttrain.distributed import build_critic, build_policy
-from posttrain.distributed.env import world_size
+from posttrain.process_group import world_size
 from posttrain.envs.rewards import RewardErrorBudget
 from posttrain.losses.policy_gradient import kl_estimate
 from posttrain.losses.value import explained_variance, value_loss, value_loss_normalizer

@@ -19,7 +19,7 @@ from posttrain.data.formats import PromptOnlyRow
 from posttrain.data.sampler import check_draw_fits
 from posttrain.data.tokenize import tokenize_prompt
 from posttrain.data.types import RolloutBatch
-from posttrain.distributed.env import all_gather_results, is_distributed, rank, world_size
+from posttrain.process_group import all_gather_results, is_distributed, rank, world_size
 from posttrain.envs.base import Environment
 from posttrain.algorithms.environments import build_recipe_environment
 from posttrain.envs.registry import NEEDED_COLUMNS

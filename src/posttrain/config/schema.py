@@ -348,7 +348,7 @@ class RMConfig(RecipeConfig):
     """Reward model training: a scalar head on a language-model backbone, Bradley-Terry loss on
     prompt/chosen/rejected pairs. OUTPUT/final/ loads with AutoModelForSequenceClassification (for architectures
     transformers has a sequence classifier for; posttrain.models.value_head otherwise) and scores text through
-    posttrain.models.RewardModel."""
+    posttrain.workers.RewardModel."""
 
     output_dir: str = "runs/rm"
     """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/. Re-running with the same directory resumes."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from posttrain.config.schema import LoraSection, ModelConfig, TrainerConfig
-from posttrain.distributed.env import is_distributed, world_size
+from posttrain.process_group import is_distributed, world_size
 from posttrain.models.lora import TaskKind
 from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker
 

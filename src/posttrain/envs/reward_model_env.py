@@ -21,7 +21,7 @@ from posttrain.envs.base import (
 
 
 class RewardScorer(Protocol):
-    """A reward model built by the caller (posttrain.models.RewardModel is one)."""
+    """A reward model built by the caller (posttrain.workers.RewardModel is one)."""
 
     def score(self, prompts: list[Any], completions: list[Any]) -> list[float]:
         """One score per (prompt, completion); each a string, or a list of chat messages when conversational."""

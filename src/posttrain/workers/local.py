@@ -201,7 +201,7 @@ class LocalPolicyWorker(_LocalModel):
     def _any_rank_nonfinite_loss(self) -> bool:
         """Whether a micro-batch loss since the last step was not finite, here or on any data-parallel rank: every
         rank must make the same skip decision, or their shards of the model would part ways."""
-        from posttrain.distributed.env import is_distributed
+        from posttrain.process_group import is_distributed
 
         if not is_distributed():
             return bool(self._nonfinite_loss)

@@ -1,7 +1,7 @@
 """Scoring text with a trained reward model (the OUTPUT/final/ of `posttrain rm`, or any Hugging Face sequence
 classifier with one label).
 
-    from posttrain.workers import RewardModel       # also importable as posttrain.models.RewardModel
+    from posttrain.workers import RewardModel
     rm = RewardModel.from_pretrained("runs/rm_arithmetic/final")
     rm.score(["12+34="], ["46"])          # -> [reward]
 
