@@ -399,10 +399,13 @@ class JudgeComponent(_ComponentSettings):
 
 
 def _kind_of(value: Any, default: str | None = None) -> str | None:
-    """The discriminator: `kind` of a mapping (`default` when it has none) or of a built section."""
+    """The discriminator: `kind` of a mapping (`default` when it has none), of a built section, else None (an
+    error naming the kinds)."""
     if isinstance(value, Mapping):
         return value.get("kind", default)
-    return getattr(value, "kind", None)
+    if isinstance(value, (_EnvironmentSettings, _ComponentSettings)):
+        return value.kind
+    return None
 
 
 def _component_kind(value: Any) -> str | None:

@@ -137,11 +137,20 @@ def _describe(schema: type[BaseModel], error: dict[str, Any]) -> str:
             message += f"; did you mean {prefix}?" if close else f"; known keys here: {', '.join(known)}"
         return message
     if error["type"] == "missing":
+        missing_options = _strip(annotation)
+        if isinstance(missing_options, type) and issubclass(missing_options, EnvironmentOptions):
+            fields = missing_options.model_fields
+            required = [name for name, info in fields.items() if info.is_required()]
+            where = f"{key}.{required[0]}" if required else key
+            return f"{where}: required by the {missing_options.kind} environment (its options are {', '.join(fields)})"
         if options_of is not None:
             return f"{key}: required by the {options_of} environment (its options are {', '.join(parent.model_fields)})"
         return f"{key}: required key is missing"
     if error["type"] == "environment_kind":
-        return f"{key}: {error['msg']}, got {_kind_given(error.get('input'))!r}"
+        given = error.get("input")
+        if not isinstance(given, dict):
+            return f"{key}: expected a mapping {{kind, options, ...}}, got {given!r} ({type(given).__name__})"
+        return f"{key}: {error['msg']}, got {given.get('kind')!r}"
     if not error["loc"] or error["type"] == "value_error":
         return f"{key}: {error['msg'].removeprefix('Value error, ')}"
     expected = type_name(annotation) if annotation is not None else "a valid value"
@@ -149,10 +158,6 @@ def _describe(schema: type[BaseModel], error: dict[str, Any]) -> str:
     if options_of is not None:
         return f"{key}: the {options_of} environment expects {expected}, got {got!r} ({type(got).__name__})"
     return f"{key}: expected {expected}, got {got!r} ({type(got).__name__}): {error['msg']}"
-
-
-def _kind_given(value: Any) -> Any:
-    return value.get("kind") if isinstance(value, dict) else value
 
 
 def _walk(schema: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], type[BaseModel] | None, Any]:
