@@ -492,17 +492,6 @@ EnvironmentSection = Annotated[
 ]
 """The environment section: a union discriminated on `kind` (arithmetic when left out)."""
 
-ENVIRONMENT_SECTIONS: dict[str, type[_EnvironmentSettings]] = {
-    "arithmetic": ArithmeticEnvironment,
-    "math": MathEnvironment,
-    "python": PythonEnvironment,
-    "code": CodeEnvironment,
-    "reward_model": RewardModelEnvironment,
-    "judge": JudgeEnvironment,
-    "mixture": MixtureEnvironment,
-}
-"""The section of each environment kind."""
-
 AnyEnvironmentOptions = Union[ArithmeticOptions, MathOptions, PythonOptions, CodeOptions, RewardModelOptions,
                               JudgeOptions, MixtureOptions]
 
