@@ -61,7 +61,7 @@ from posttrain.config.schema import LoraSection, ModelConfig, TrainerConfig
 from posttrain.data.collate import collate_padded
 from posttrain.data.types import TokenizedExample
 from posttrain.distributed.builders import build_policy
-from posttrain.distributed.env import init_from_env, rank
+from posttrain.process_group import init_from_env, rank
 from posttrain.losses.nll import nll_loss
 from posttrain.models.loading import load_tokenizer
 init_from_env()

@@ -44,11 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     from posttrain.config.loader import load_config
     from posttrain.config.schema import GRPOConfig
     from posttrain.envs.arithmetic import exact_match, sample_problems
-    from posttrain.envs.registry import build_environment
+    from posttrain.algorithms.environments import build_recipe_environment
 
     preset = load_config(GRPOConfig, Path(__file__).resolve().parent.parent / "configs/grpo_judge_arithmetic.yaml")
-    options = next(c for c in preset.environment.options["components"] if c["kind"] == "judge")["options"]
-    judge = build_environment({"kind": "judge", **options, "path": args.judge})
+    options = next(c for c in preset.environment.options.components if c.kind == "judge").options
+    judge = build_recipe_environment({"kind": "judge", "options": {**options.model_dump(), "path": args.judge}})
     rng = random.Random(0)
     logs, truth = [], []
     for problem in sample_problems("heldout", args.problems):

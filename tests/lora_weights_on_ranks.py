@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from posttrain.config.schema import LoraSection, ModelConfig, TrainerConfig
 from posttrain.distributed.builders import build_policy
-from posttrain.distributed.env import init_from_env, is_main, world_size
+from posttrain.process_group import init_from_env, is_main, world_size
 from posttrain.models.loading import load_tokenizer
 
 if __name__ == "__main__":

@@ -267,7 +267,7 @@ def test_an_option_value_the_environment_refuses_is_a_message_not_a_traceback(tm
 
 
 @pytest.mark.parametrize("options, expected", [
-    ("{timeout_seconds: 3}", r"environment: options\.timeout_seconds: the math environment has no option "
+    ("{timeout_seconds: 3}", r"environment\.options\.timeout_seconds: the math environment has no option "
                              r"'timeout_seconds' \(did you mean timeout_s\?\); its options are timeout_s, num_workers"),
     ("{timeout_s: soon}", r"options\.timeout_s: the math environment expects float, got 'soon' \(str\)"),
     ("{num_workers: 1.5}", r"options\.num_workers: the math environment expects int, got 1\.5 \(float\)"),

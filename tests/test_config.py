@@ -128,5 +128,5 @@ def test_policy_loss_knobs_that_do_not_combine_fail_at_load(overrides, message):
         load_config(GRPOConfig, None, ["data.train_files=[x]", *overrides])
     cfg = load_config(GRPOConfig, None, ["data.train_files=[x]", "loss.importance_correction=seq-tis",
                                          "loss.tis_lower_bound=0.5", "loss.kl_output_clamp=10"])
-    loss = cfg.loss.to_loss_config()
+    loss = cfg.loss
     assert (loss.importance_correction, loss.tis_lower_bound, loss.kl_output_clamp) == ("seq-tis", 0.5, 10.0)

@@ -10,7 +10,10 @@ from posttrain.envs.arithmetic_env import ArithmeticEnvironment
 from posttrain.envs.base import EnvStep
 from posttrain.envs.math import MathEnvironment
 from posttrain.envs.python_reward import PythonRewardEnvironment
-from posttrain.envs.registry import build_environment
+from posttrain.config import ConfigError, load_config
+from posttrain.config.environments import MathOptions, PythonOptions, environment_section
+from posttrain.config.schema import GRPOConfig
+from posttrain.envs.registry import EnvironmentOptionError, build_environment
 from posttrain.envs.rewards import (
     RewardError,
     RewardErrorBudget,
@@ -284,15 +287,21 @@ def test_error_budget_raises_only_past_the_fraction():
 
 
 def test_build_environment():
-    assert isinstance(build_environment({"kind": "arithmetic"}), ArithmeticEnvironment)
-    env = build_environment({"kind": "python", "functions": [f"{FNS}:length"], "num_workers": 0})
+    assert isinstance(build_environment(environment_section({"kind": "arithmetic"}).options), ArithmeticEnvironment)
+    env = build_environment(PythonOptions(functions=[f"{FNS}:length"], num_workers=0))
     assert env.step(logs("abc"), [{}]).rewards == [3.0]
-    assert build_environment({"kind": "math", "num_workers": 0, "timeout_s": 2.0}).timeout_s == 2.0
-    with pytest.raises(ValueError, match=r"one of \['arithmetic', 'code', 'judge', 'math', 'mixture', 'python', "
-                                         r"'reward_model'\], got 'chess'"):
-        build_environment({"kind": "chess"})
-    with pytest.raises(TypeError, match="environment kind 'math'.*timeout_seconds.*its options are"):
-        build_environment({"kind": "math", "timeout_seconds": 3})
+    assert build_environment(MathOptions(num_workers=0, timeout_s=2.0)).timeout_s == 2.0
+    with pytest.raises(ValueError, match="environment kind must be one of arithmetic, code, judge, math, mixture, "
+                                         "python, reward_model"):
+        environment_section({"kind": "chess"})
+    with pytest.raises(ValueError, match="timeout_seconds"):
+        MathOptions(timeout_seconds=3)
+    with pytest.raises(ConfigError, match="environment.options.timeout_seconds: the math environment has no option "
+                                          "'timeout_seconds' \\(did you mean timeout_s\\?\\); its options are"):
+        load_config(GRPOConfig, None, ["data.train_files=[x]", "environment.kind=math",
+                                       "environment.options.timeout_seconds=3"])
+    with pytest.raises(EnvironmentOptionError, match="environment.options of the math environment: timeout_s"):
+        build_environment(MathOptions(timeout_s=-1.0, num_workers=0))
 
 
 def test_math_verify_timeout_masks_the_sample(math_env):

@@ -27,7 +27,7 @@ from posttrain.generation.base import Completion, GenerationOutput, SamplingPara
 from posttrain.logging import read_metrics, read_samples
 from posttrain.metrics import mean_pass_at_k, pass_at_k
 from posttrain.models.loading import load_causal_lm, load_reward_backbone, load_tokenizer
-from posttrain.models import RewardModel
+from posttrain.workers import RewardModel
 
 REWARDS = str(Path(__file__).with_name("reward_fns_for_tests.py"))
 SAMPLE_KEYS = {"step", "split", "prompt", "completion", "reward", "components", "correct", "error"}

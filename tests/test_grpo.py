@@ -303,7 +303,7 @@ def test_seed_per_group_failure_on_one_rank_raises_on_every_rank(tmp_path, tiny_
     """When sampling is divided, a rank whose rows make the environment fail still joins the gather, and the
     other ranks raise too (naming that rank and its error) instead of waiting in the collective."""
     from posttrain.algorithms import rl
-    from posttrain.distributed import env
+    from posttrain import process_group as env
 
     cfg = config(tmp_path, "rollout.seed_per_group=true", "rollout.num_generations_per_prompt=2")
     model_cfg = ModelConfig(name_or_path=str(tiny_model_dir))

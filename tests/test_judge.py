@@ -11,7 +11,14 @@ import pytest
 from posttrain.config import ConfigError, load_config
 from posttrain.config.schema import GRPOConfig
 from posttrain.envs.judge import DEFAULT_SCORE_PATTERN, JudgeEnvironment, parse_score
+from posttrain.algorithms.environments import build_recipe_environment
+from posttrain.config.environments import JudgeOptions
 from posttrain.envs.registry import EnvironmentOptionError, build_environment
+
+
+def judge_env(**options) -> JudgeEnvironment:
+    """A judge environment built from its typed options, as the registry builds it for a recipe."""
+    return build_environment(JudgeOptions(**options))
 
 
 def logs(*pairs: tuple[str, str]) -> list[list[dict[str, str]]]:
@@ -127,7 +134,7 @@ def server():
 
 
 def http_judge(server: JudgeServer, **options) -> JudgeEnvironment:
-    return build_environment({"kind": "judge", "base_url": server.url, "model": "judge-1", "retry_backoff_s": 0.01,
+    return judge_env(**{"base_url": server.url, "model": "judge-1", "retry_backoff_s": 0.01,
                               **options})
 
 
@@ -145,7 +152,7 @@ def test_http_judge_scores_and_sends_a_chat_completion(server, monkeypatch):
     assert body["messages"] == [{"role": "system", "content": "You grade answers."},
                                 {"role": "user", "content": "Q: 2+2=\nA: 4\nGold: 4\nRange 1-10."}]
     # A base_url that already ends in /v1 is not given a second one; normalize=false gives the raw score.
-    raw = build_environment({"kind": "judge", "base_url": server.url + "/v1/", "model": "judge-1",
+    raw = judge_env(**{"base_url": server.url + "/v1/", "model": "judge-1",
                              "normalize": False})
     assert raw.step(logs(("q", "r")), [{}]).rewards == [7.0]
     assert server.requests[-1]["path"] == "/v1/chat/completions"
@@ -221,28 +228,30 @@ def test_identical_pairs_are_judged_once(server):
 def test_unreachable_server_is_a_connection_error(server):
     url = server.url
     server.close()
-    judge = build_environment({"kind": "judge", "base_url": url, "model": "m", "max_retries": 1,
+    judge = judge_env(**{"base_url": url, "model": "m", "max_retries": 1,
                                "retry_backoff_s": 0.0, "timeout_s": 2.0})
     step = judge.step(logs(("q", "r")), [{}])
     assert step.rewards == [None] and "connection_error" in step.errors[0] and "after 2 attempts" in step.errors[0]
 
 
 def test_setup_errors_are_clear():
-    with pytest.raises(EnvironmentOptionError, match="exactly one of them"):
-        build_environment({"kind": "judge"})
-    with pytest.raises(EnvironmentOptionError, match="exactly one of them"):
-        build_environment({"kind": "judge", "path": "x", "base_url": "http://127.0.0.1:1"})
-    with pytest.raises(EnvironmentOptionError, match="needs model"):
-        build_environment({"kind": "judge", "base_url": "http://127.0.0.1:1"})
+    with pytest.raises(ValueError, match="exactly one of them"):
+        judge_env()
+    with pytest.raises(ValueError, match="exactly one of them"):
+        judge_env(**{"path": "x", "base_url": "http://127.0.0.1:1"})
+    with pytest.raises(ValueError, match="needs model"):
+        judge_env(**{"base_url": "http://127.0.0.1:1"})
+    with pytest.raises(ValueError, match="judge environment scores with a model the caller builds"):
+        judge_env(path="x")  # an environment never loads a model itself
     with pytest.raises(EnvironmentOptionError, match="NO_SUCH_JUDGE_KEY"):
-        build_environment({"kind": "judge", "base_url": "http://127.0.0.1:1", "model": "m",
+        judge_env(**{"base_url": "http://127.0.0.1:1", "model": "m",
                            "api_key_env": "NO_SUCH_JUDGE_KEY"})
     with pytest.raises(EnvironmentOptionError, match="min_score"):
-        build_environment({"kind": "judge", "base_url": "http://127.0.0.1:1", "model": "m", "min_score": 5.0,
+        judge_env(**{"base_url": "http://127.0.0.1:1", "model": "m", "min_score": 5.0,
                            "max_score": 5.0})
     with pytest.raises(EnvironmentOptionError, match="positional placeholder"):
-        build_environment({"kind": "judge", "base_url": "http://127.0.0.1:1", "model": "m", "template": "{} {0}"})
-    judge = build_environment({"kind": "judge", "base_url": "http://127.0.0.1:1", "model": "m",
+        judge_env(**{"base_url": "http://127.0.0.1:1", "model": "m", "template": "{} {0}"})
+    judge = judge_env(**{"base_url": "http://127.0.0.1:1", "model": "m",
                                "template": "{prompt} {response} {reference}"})
     with pytest.raises(ValueError, match=r"\{reference\}.*row 0"):
         judge.step(logs(("q", "r")), [{"answer": "1"}])
@@ -252,7 +261,7 @@ def test_judge_options_are_checked_when_the_config_loads():
     base = ["data.train_files=[x]", "environment.kind=judge"]
     cfg = load_config(GRPOConfig, None, [*base, "environment.options={base_url: 'http://127.0.0.1:8000', model: m, "
                                                 "timeout_s: 5, max_retries: 1}"])
-    assert cfg.environment.spec()["base_url"] == "http://127.0.0.1:8000"
+    assert cfg.environment.options.base_url == "http://127.0.0.1:8000"
     with pytest.raises(ConfigError, match="options.timeout: the judge environment has no option 'timeout'"):
         load_config(GRPOConfig, None, [*base, "environment.options={base_url: x, model: m, timeout: 5}"])
     with pytest.raises(ConfigError, match="options.max_retries: the judge environment expects int"):
@@ -265,7 +274,8 @@ def test_judge_options_are_checked_when_the_config_loads():
 def test_local_model_judge_on_the_tiny_model_masks_and_counts_its_garbage(tiny_model_dir):
     # The embedded tiny model has learned nothing: its verdicts hold no score. Every sample is masked with the
     # reason, and counted; none becomes a zero.
-    judge = build_environment({"kind": "judge", "path": str(tiny_model_dir), "max_new_tokens": 6, "batch_size": 2})
+    judge = build_recipe_environment({"kind": "judge", "options": {"path": str(tiny_model_dir), "max_new_tokens": 6,
+                                                                   "batch_size": 2}})
     replies = logs(("1+1=", "2"), ("1+1=", "3"), ("2+2=", "4"), ("1+1=", "2"))
     step = judge.step(replies, [{}] * 4)
     assert step.rewards == [None] * 4 and all(e.startswith("judge (") for e in step.errors)
@@ -308,11 +318,11 @@ def test_the_judge_preset_asks_what_the_judge_learned_and_reads_its_verdicts():
     from posttrain.envs.arithmetic import JUDGE_TEMPLATE, Problem, judge_verdict
 
     cfg = load_config(GRPOConfig, "configs/grpo_judge_arithmetic.yaml")
-    judge = next(c for c in cfg.environment.options["components"] if c["kind"] == "judge")
-    assert judge["options"]["template"] == JUDGE_TEMPLATE
-    assert judge["options"]["path"] == "posttrain/tiny-arithmetic-judge"
-    options = judge["options"]
+    judge = next(c for c in cfg.environment.options.components if c.kind == "judge")
+    assert judge.options.template == JUDGE_TEMPLATE
+    assert judge.options.path == "posttrain/tiny-arithmetic-judge"
+    options = judge.options
     for reply, score in (("46", 1.0), ("47", 0.0), ("", 0.0)):
-        verdict = parse_score(judge_verdict(Problem(12, 34), reply), DEFAULT_SCORE_PATTERN, options["min_score"],
-                              options["max_score"])
+        verdict = parse_score(judge_verdict(Problem(12, 34), reply), DEFAULT_SCORE_PATTERN, options.min_score,
+                              options.max_score)
         assert (verdict.score, verdict.failure) == (score, None)

@@ -535,7 +535,6 @@ def test_missing_or_misshapen_inputs_name_the_argument():
         ({"ratio_level": "none", "ratio_clip_c": 3.0}, "ratio_clip_c.*ratio_level='none'"),
         ({"ratio_clip_c": 1.0}, "ratio_clip_c"),
         ({"ratio_level": "sequence"}, "ratio_level='sequence'.*aggregation='token-mean'"),
-        ({"aggregation": "seq-mean-token-sum-norm"}, "seq-mean-token-sum-norm.*aggregation_constant"),
         ({"ratio_clip_low": -0.1}, "ratio_clip_low"),
         ({"ratio_clip_high": -0.1}, "ratio_clip_high"),
         ({"is_threshold_low": 2.0, "is_threshold_high": 2.0}, "is_threshold_low.*is_threshold_high"),
@@ -555,3 +554,34 @@ def test_missing_or_misshapen_inputs_name_the_argument():
 def test_config_rejects_incompatible_knobs_naming_the_fields(kwargs, fields):
     with pytest.raises(ValueError, match=fields):
         PolicyLossConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"is_threshold_high": True}, {"ratio_clip_low": False},
+                                    {"aggregation_constant": True}, {"ratio_clip_c": True}])
+def test_config_from_python_refuses_a_boolean_for_a_number_as_the_yaml_path_does(kwargs):
+    # A dataclass would read True as 1.0; the loss config is the recipe's loss section and is validated alike.
+    with pytest.raises(ValueError, match=f"{next(iter(kwargs))}.*\\n.*expected a number, got the boolean"):
+        PolicyLossConfig(**kwargs)
+
+
+def test_config_is_a_frozen_picklable_value():
+    import pickle
+
+    cfg = PolicyLossConfig(ratio_clip_high=0.28, importance_correction="tis")
+    assert pickle.loads(pickle.dumps(cfg)) == cfg
+    assert hash(cfg) == hash(PolicyLossConfig(ratio_clip_high=0.28, importance_correction="tis"))
+    with pytest.raises(ValueError, match="frozen"):
+        cfg.ratio_clip_high = 0.3
+
+
+def test_resolved_fills_dr_grpo_constant_only_when_unset():
+    cfg = PolicyLossConfig(aggregation="seq-mean-token-sum-norm")
+    resolved = cfg.resolved(max_completion_tokens=12)
+    assert (cfg.aggregation_constant, resolved.aggregation_constant) == (None, 12.0)
+    given = PolicyLossConfig(aggregation="seq-mean-token-sum-norm", aggregation_constant=7.0)
+    assert given.resolved(max_completion_tokens=12).aggregation_constant == 7.0
+    assert PolicyLossConfig().resolved(max_completion_tokens=12) == PolicyLossConfig()
+    # Unresolved, the loss itself refuses to divide by a constant it does not have.
+    mask = torch.ones(2, 3)
+    with pytest.raises(ValueError, match="seq-mean-token-sum-norm.*aggregation_constant"):
+        policy_gradient_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2), mask, cfg, 2.0)

@@ -316,7 +316,7 @@ def test_shape_mismatch_and_missing_nll_are_errors():
 
 
 def test_config_rejects_bad_values():
-    with pytest.raises(ValueError, match="unknown preference loss"):
+    with pytest.raises(ValueError, match="type"):
         PreferenceLossConfig(type="kto")
     with pytest.raises(ValueError, match="beta"):
         PreferenceLossConfig(beta=0.0)
@@ -365,3 +365,15 @@ def test_bradley_terry_step_normalization_and_gradient():
     assert split.item() == pytest.approx(full.item(), abs=1e-12)
     full.backward()
     assert (chosen.grad < 0).all()
+
+
+def test_config_from_python_refuses_a_boolean_for_a_number_and_is_frozen():
+    import pickle
+
+    with pytest.raises(ValueError, match="beta.*\\n.*expected a number, got the boolean"):
+        PreferenceLossConfig(beta=True)
+    with pytest.raises(ValueError, match="average_logprobs=true does not apply"):
+        PreferenceLossConfig(type="simpo", average_logprobs=True)
+    cfg = PreferenceLossConfig(type="ipo", beta=0.5)
+    assert pickle.loads(pickle.dumps(cfg)) == cfg and not cfg.reference_free
+    assert PreferenceLossConfig(type="orpo").reference_free

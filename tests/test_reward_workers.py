@@ -14,7 +14,8 @@ import reward_fns_for_worker_tests
 import torch
 
 from posttrain.algorithms.rollout import PromptRow, run_episodes, to_batch
-from posttrain.config.schema import EnvironmentSection
+from posttrain.algorithms.environments import build_recipe_environment
+from posttrain.config.environments import CodeOptions, environment_section
 from posttrain.envs import sandbox
 from posttrain.envs.base import EnvStep
 from posttrain.envs.code import CodeEnvironment, UnisolatedSandboxError
@@ -159,9 +160,9 @@ def test_output_is_captured_capped_and_shown_only_in_the_failure(capfd):
 
 
 def test_memory_limit_fails_the_call_and_the_worker_keeps_serving():
-    section = EnvironmentSection(kind="python", options={"functions": [f"{FNS_FILE}:allocates"], "num_workers": 1},
-                                 worker_memory_mb=256)
-    with build_environment(section.spec()) as env:
+    section = environment_section({"kind": "python", "options": {"functions": [f"{FNS_FILE}:allocates"],
+                                                                  "num_workers": 1}, "worker_memory_mb": 256})
+    with build_recipe_environment(section) as env:
         assert env._pool.memory_limit_mb == 256
         step = env.step(logs("1", "512", "1"), [{}] * 3)
         assert env._pool.workers_replaced == 0  # the MemoryError was the call's, not the worker's end
@@ -169,8 +170,8 @@ def test_memory_limit_fails_the_call_and_the_worker_keeps_serving():
     assert "MemoryError" in step.errors[1] and "worker_memory_mb=256 MiB" in step.errors[1]
     assert RewardErrorBudget(max_error_fraction=1.0).record(step.errors).step_errors == 1
     with pytest.raises(ValueError, match="set environment.worker_memory_mb instead"):
-        EnvironmentSection(kind="python", options={"functions": [f"{FNS_FILE}:allocates"], "worker_memory_mb": 1})
-    assert "worker_memory_mb" not in EnvironmentSection(kind="arithmetic").spec()
+        environment_section({"kind": "python", "options": {"functions": [f"{FNS_FILE}:allocates"],
+                                                           "worker_memory_mb": 1}})
 
 
 def test_timeout_kills_children_that_left_the_session(tmp_path):
@@ -199,7 +200,7 @@ def test_code_environment_refuses_the_unisolated_fallback_unless_allowed(monkeyp
     assert "not a security boundary" in message and "/etc/shadow" in message
     assert "environment.options.allow_unisolated_fallback=true" in message
     with pytest.warns(RuntimeWarning, match="without namespace isolation"):
-        env = build_environment({"kind": "code", "allow_unisolated_fallback": True})
+        env = build_environment(CodeOptions(allow_unisolated_fallback=True))
     program = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
     step = env.step(logs(program), [{"tests": [{"input": "1 2", "output": "3"}]}])
     assert step.rewards == [1.0] and step.errors == [None]

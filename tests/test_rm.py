@@ -17,9 +17,9 @@ from posttrain.config.schema import ModelConfig, TrainerConfig
 from posttrain.data.errors import DataError
 from posttrain.data.formats import PreferenceRow
 from posttrain.data.preference import collate_preference, tokenize_preference_row
-from posttrain.envs.registry import build_environment
+from posttrain.algorithms.environments import build_recipe_environment
 from posttrain.logging import read_metrics
-from posttrain.models import RewardModel
+from posttrain.workers import RewardModel
 from posttrain.models.loading import load_reward_backbone, load_tokenizer
 
 BASE = [
@@ -106,7 +106,7 @@ def test_short_rm_run_learns_a_clear_preference_and_scores_through_reward_model(
     assert margin == pytest.approx(records[-1]["eval_margin"], abs=1e-4)
 
     # The same model as an RL environment: reward = its score of (prompt, reply).
-    environment = build_environment({"kind": "reward_model", "path": str(result.final_dir)})
+    environment = build_recipe_environment({"kind": "reward_model", "options": {"path": str(result.final_dir)}})
     logs = [[{"role": "user", "content": "70+70="}, {"role": "assistant", "content": reply}] for reply in ("140!", "140?")]
     step = environment.step(logs, [{}, {}])
     assert step.done == [True, True] and step.errors == [None, None]

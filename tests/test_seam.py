@@ -50,7 +50,7 @@ def ppo_config(output_dir: Path, *overrides: str) -> PPOConfig:
 
 
 def test_loss_descriptions_pickle_to_equal_values():
-    losses = [NLLObjective(), PreferenceObjective(PreferenceLossConfig(type="ipo", beta=0.3), average_logprobs=True),
+    losses = [NLLObjective(), PreferenceObjective(PreferenceLossConfig(type="ipo", beta=0.3, average_logprobs=True)),
               BradleyTerryObjective(use_margin=True), PolicyGradientObjective(PolicyLossConfig(ratio_clip_high=0.28), 0.7),
               ValueObjective(clip=0.2)]
     for loss in losses:

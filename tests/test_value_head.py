@@ -13,7 +13,7 @@ from posttrain.algorithms.rm import train_rm
 from posttrain.config import RMConfig, load_config
 from posttrain.config.schema import ModelConfig
 from posttrain.logging import read_metrics
-from posttrain.models import RewardModel
+from posttrain.workers import RewardModel
 from posttrain.models.loading import load_reward_backbone, load_tokenizer
 from posttrain.models.tiny import build_tokenizer
 from posttrain.models.value_head import scalar_head_model_class, token_scores

@@ -62,7 +62,7 @@ from posttrain.data.preference import (
     load_preference_examples,
 )
 from posttrain.logging import read_metrics
-from posttrain.models import RewardModel
+from posttrain.workers import RewardModel
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.workers.forward import batch_to, forward_logits
 from posttrain.workers.local import LocalScoringWorker

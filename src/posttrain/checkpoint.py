@@ -23,7 +23,6 @@ per-worker layout, the policy's files directly in ``step_N/``) still resume, unv
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import random
@@ -40,11 +39,19 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from posttrain.errors import RunError
+from posttrain.process_group import barrier, broadcast_object, is_main
+from posttrain.rundir import (  # the run directory's manifest format; re-exported for checkpoint readers
+    MANIFEST,
+    check_export_dir,
+    read_manifest,
+    remove_dead_staging,
+    sha256_all,
+    write_manifest,
+)
 
 CHECKPOINT_DIR = "checkpoints"
 FINAL_DIR = "final"
 POLICY = "policy"
-MANIFEST = "manifest.json"
 CHECKPOINT_FORMAT = 2
 """trainer_state.json's `format`: 2 for checkpoints with a manifest (one without it is then damaged)."""
 DAMAGED_SUFFIX = ".damaged"
@@ -97,8 +104,6 @@ def checkpoint_to_resume(output_dir: str | Path) -> Checkpoint | None:
     are reported, moved aside to step_N.damaged (kept for inspection, out of keep_last's rotation) and passed
     over. Every rank of a data-parallel run gets rank 0's answer. Raises RunError when checkpoints exist but
     none is intact: starting over silently would discard them."""
-    from posttrain.distributed.env import broadcast_object, is_main
-
     chosen, problem = None, None
     if is_main():
         damaged = []
@@ -131,18 +136,6 @@ def _set_aside(path: Path) -> Path:
     return aside
 
 
-def write_manifest(directory: Path) -> None:
-    """DIRECTORY/manifest.json: the size and SHA-256 of every other file below `directory`."""
-    paths = [p for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST]
-    files = {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": digest}
-             for p, digest in zip(paths, _sha256_all(paths))}
-    (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
-
-
-def read_manifest(directory: Path) -> dict[str, dict[str, Any]]:
-    return json.loads((directory / MANIFEST).read_text())["files"]
-
-
 def verify_checkpoint(directory: Path) -> str | None:
     """What is wrong with the checkpoint in `directory` (a missing, truncated or altered file), or None. One
     written before manifests is checked only for its trainer_state.json."""
@@ -162,29 +155,12 @@ def verify_checkpoint(directory: Path) -> str | None:
             if size != expected["size"]:
                 return f"{path} has {size} bytes, {expected['size']} were written"
         paths = [directory / name for name in files]
-        for path, digest in zip(paths, _sha256_all(paths)):
+        for path, digest in zip(paths, sha256_all(paths)):
             if digest != files[str(path.relative_to(directory))]["sha256"]:
                 return f"{path} does not match the checksum written with it"
     except (OSError, ValueError, KeyError, TypeError) as error:
         return f"{directory} could not be checked ({type(error).__name__}: {error})"
     return None
-
-
-def _sha256_all(paths: list[Path]) -> list[str]:
-    """SHA-256 of each file, several at a time (hashlib releases the GIL on large blocks): a sharded checkpoint
-    is many files, and rank 0 hashes all of them."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(paths)))) as pool:
-        return list(pool.map(_sha256, paths))
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -212,9 +188,6 @@ def save_checkpoint(
     """Write checkpoint `step` atomically (every worker into its role's folder, then the RNG and trainer state,
     then the manifest), then delete all but the `keep_last` newest. A write the file system refuses removes the
     staging folder and raises RunError on every rank."""
-    from posttrain.distributed.env import barrier, broadcast_object, is_main
-    from posttrain.rundir import remove_dead_staging
-
     root = Path(output_dir) / CHECKPOINT_DIR
     # Every rank writes into the same staging folder (rank 0 names it), and only rank 0 publishes it, after
     # every rank has finished writing.
@@ -367,8 +340,6 @@ def check_finite_weights(model: torch.nn.Module, where: Path) -> None:
 def export_final(output_dir: str | Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> Path:
     """Write OUTPUT/final/ (a Hugging Face model directory with a manifest) atomically, replacing an older
     export; never from non-finite weights, and never over a final/ holding the user's own files."""
-    from posttrain.rundir import check_export_dir
-
     target = Path(output_dir) / FINAL_DIR
     staging = Path(output_dir) / f".tmp-{FINAL_DIR}-{os.getpid()}"
     check_finite_weights(model, target)

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import os
+import errno
 import json
+import logging
+import os
+import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import transformers
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
@@ -25,13 +29,14 @@ from posttrain.config import (
     SFTConfig,
     load_config,
 )
-from posttrain.config.loader import type_name
+from posttrain.config.loader import tagged_members, type_name
 from posttrain.config.presets import quickstart_base_config
 from posttrain.config.schema import GRPOConfig, PPOConfig, Section
 from posttrain.data.errors import DataError
 from posttrain.envs.rewards import RewardError
 from posttrain.errors import RunError
 from posttrain.models.errors import ModelNotFoundError
+from posttrain.process_group import is_main
 
 
 @dataclass(frozen=True)
@@ -46,8 +51,6 @@ class Recipe:
 
 def _done(line: str) -> None:
     """The recipe's closing line, printed once (by rank 0 of a data-parallel run)."""
-    from posttrain.distributed.env import is_main
-
     if is_main():
         print(line)
 
@@ -167,6 +170,9 @@ def describe_fields(schema: type[BaseModel], defaults: dict[str, Any] | None = N
         if isinstance(annotation, type) and issubclass(annotation, Section):
             lines += describe_fields(annotation, defaults.get(name) or {}, prefix=f"{key}.")
             continue
+        if tagged_members(annotation):
+            lines += describe_variants(key, tagged_members(annotation), info.default_factory(), defaults.get(name) or {})
+            continue
         if name in defaults:
             default = defaults[name]
         elif info.default is not PydanticUndefined:
@@ -179,6 +185,32 @@ def describe_fields(schema: type[BaseModel], defaults: dict[str, Any] | None = N
         if info.description:
             lines += textwrap.wrap(info.description, width=96, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return lines
+
+
+def describe_variants(key: str, members: dict[str, type[BaseModel]], default: BaseModel,
+                      defaults: dict[str, Any]) -> list[str]:
+    """The keys of a section that is a union discriminated on `kind` (environment): its kind, the keys every
+    variant has, then each variant's options under the kind that takes them."""
+    kind = defaults.get("kind", default.kind)
+    variant = members[kind]
+    lines = [f"  {key}.kind  one of {', '.join(repr(tag) for tag in members)} = {json.dumps(kind)}"]
+    if variant.model_fields["kind"].description:
+        lines += textwrap.wrap(variant.model_fields["kind"].description, width=96, initial_indent=" " * 6,
+                               subsequent_indent=" " * 6)
+    shared = {name: info for name, info in variant.model_fields.items() if name not in ("kind", "options")}
+    lines += describe_fields(_fields_only(variant, shared), defaults, prefix=f"{key}.")
+    for tag, member in members.items():
+        options = member.model_fields["options"].annotation
+        chosen = defaults.get("options") or {} if tag == kind else {}
+        described = describe_fields(options, chosen, prefix=f"{key}.options.")
+        lines += [f"  {key}.options with {key}.kind={tag}:" + ("" if described else " none")]
+        lines += ["  " + line for line in described]
+    return lines
+
+
+def _fields_only(model: type[BaseModel], fields: dict[str, Any]) -> type[BaseModel]:
+    """A view of `model` listing only `fields`, for describe_fields."""
+    return type(model.__name__, (), {"model_fields": fields})
 
 
 def _recipe_epilog(recipe: Recipe) -> str:
@@ -291,8 +323,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"posttrain {recipe.name}: {kind}{err}", file=sys.stderr)
         return 1
     except OSError as err:
-        import errno
-
         # Only what the file system refuses to store (checkpoints and exports say so themselves, as RunError).
         if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
             raise
@@ -337,8 +367,6 @@ def _without_option(argv: list[str], option: str) -> list[str]:
 
 def _launch_torchrun(nproc: int, argv: list[str]) -> int:
     """Run this command again under torchrun with `nproc` processes on this machine; its exit status."""
-    import subprocess
-
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "posttrain", *argv]
     print(f"posttrain: starting {nproc} processes: torchrun --standalone --nproc-per-node={nproc} -m posttrain "
@@ -348,10 +376,6 @@ def _launch_torchrun(nproc: int, argv: list[str]) -> int:
 
 def _quiet_libraries() -> None:
     """Our own progress display replaces the libraries' per-file bars and advisory warnings."""
-    import logging
-
-    import transformers
-
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     logging.getLogger("posttrain").setLevel(logging.INFO)

@@ -6,6 +6,7 @@
   touches nothing.
 - Staging folders (``.tmp-<what>-<pid>``) are removed only when they are this process's own or their PID is
   not running: never another live run's.
+- Every export and checkpoint folder carries a manifest (`write_manifest`): its files' sizes and SHA-256.
 - `final/` is replaced only when it holds what an export writes (its manifest's files, or for one written
   before manifests, the files a Hugging Face model directory holds); a user's own files there stop the run
   before it starts.
@@ -15,15 +16,22 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
+import json
 import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from posttrain.errors import RunError
+from posttrain.process_group import broadcast_object, init_from_env, is_main
+
+MANIFEST = "manifest.json"
+"""Every export and checkpoint folder holds DIRECTORY/manifest.json: the size and SHA-256 of its other files."""
 
 LOCK_FILE = ".lock"
 _STAGING = re.compile(r"^\.tmp-.+-(\d+)$")
@@ -45,8 +53,6 @@ def one_run_per_output_dir(train: Callable[..., R]) -> Callable[..., R]:
 
     @functools.wraps(train)
     def run(cfg, *args, **kwargs) -> R:
-        from posttrain.distributed.env import init_from_env
-
         init_from_env()  # the lock is rank 0's, and every rank must learn whether it got it
         with output_dir_lock(cfg.output_dir):
             return train(cfg, *args, **kwargs)
@@ -57,8 +63,6 @@ def one_run_per_output_dir(train: Callable[..., R]) -> Callable[..., R]:
 @contextmanager
 def output_dir_lock(output_dir: str | Path) -> Iterator[None]:
     """Hold OUTPUT/.lock for the block (rank 0 of a data-parallel run; every rank raises if it is taken)."""
-    from posttrain.distributed.env import broadcast_object, is_main
-
     out = Path(output_dir)
     handle, problem = None, None
     if is_main():
@@ -128,8 +132,6 @@ def _running(pid: int) -> bool:
 
 def foreign_files(export_dir: Path) -> list[str]:
     """Files in `export_dir` that no export wrote (empty when it is absent or holds only an export)."""
-    from posttrain.checkpoint import MANIFEST, read_manifest
-
     if not export_dir.is_dir():
         return []
     present = sorted(str(p.relative_to(export_dir)) for p in export_dir.rglob("*") if p.is_file())
@@ -146,3 +148,30 @@ def check_export_dir(export_dir: Path) -> None:
         shown = ", ".join(extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
         raise RunError(f"{export_dir} holds files this run did not write ({shown}); the export would replace the "
                        "folder: move them, or choose another output_dir")
+
+
+def write_manifest(directory: Path) -> None:
+    """DIRECTORY/manifest.json: the size and SHA-256 of every other file below `directory`."""
+    paths = [p for p in sorted(directory.rglob("*")) if p.is_file() and p.name != MANIFEST]
+    files = {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": digest}
+             for p, digest in zip(paths, sha256_all(paths))}
+    (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
+
+
+def read_manifest(directory: Path) -> dict[str, dict[str, Any]]:
+    return json.loads((directory / MANIFEST).read_text())["files"]
+
+
+def sha256_all(paths: list[Path]) -> list[str]:
+    """SHA-256 of each file, several at a time (hashlib releases the GIL on large blocks): a sharded checkpoint
+    is many files, and rank 0 hashes all of them."""
+    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(paths)))) as pool:
+        return list(pool.map(_sha256, paths))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -21,10 +21,11 @@ from posttrain.checkpoint import (
     restore_trainer_state,
     save_checkpoint,
 )
-from posttrain.config.schema import TrainerConfig
+from posttrain.config.schema import EvaluationSettings, TrainerConfig
 from posttrain.data.sampler import EpochSampler
-from posttrain.distributed.env import broadcast_object, init_from_env, is_distributed, is_main
+from posttrain.process_group import broadcast_object, init_from_env, is_distributed, is_main
 from posttrain.errors import RunError
+from posttrain.generation.base import SamplingParams
 from posttrain.logging import RunLogger
 from posttrain.logging.report import write_run_info
 from posttrain.models.lora import ADAPTER_DIR
@@ -33,6 +34,14 @@ from posttrain.rundir import check_export_dir, remove_dead_staging
 from posttrain.workers import PolicyWorker
 
 CONFIG_FILE = "config.yaml"
+
+
+def evaluation_sampling(settings: EvaluationSettings, max_new_tokens: int | None = None) -> SamplingParams:
+    """The generator's SamplingParams of an evaluation (`posttrain eval` or a recipe's evaluation set), seeded with
+    its `seed`; `max_new_tokens` replaces the settings' own when given."""
+    return SamplingParams(max_new_tokens=max_new_tokens or settings.max_new_tokens, temperature=settings.temperature,
+                          top_p=settings.top_p, top_k=settings.top_k, stop_strings=tuple(settings.stop_strings),
+                          seed=settings.seed)
 
 
 def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, list[str]]:

@@ -167,9 +167,7 @@ def train_dpo(cfg: DPOConfig) -> DPOResult:
     # After start_pair_run: rank 0 has built an embedded model there before any rank reads its config.
     cfg = resolve_share_prompt(cfg)
     check_step_fits(cfg.trainer, len(run.train_examples), "training pairs")
-    loss = PreferenceObjective(PreferenceLossConfig(**cfg.loss.model_dump(exclude={"average_logprobs",
-                                                                                   "truncate_rejected"})),
-                               average_logprobs=cfg.loss.average_logprobs)
+    loss = PreferenceObjective(cfg.loss)
     # Evaluation sets' prompts and environments before the model: their errors, too, come before minutes of loading.
     evaluation = TrainingEvaluation(cfg.evaluation, run.tokenizer, cfg.trainer.max_steps, cfg.trainer.eval_batch_size)
     with contextlib.closing(evaluation):

@@ -28,13 +28,13 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from posttrain.algorithms.common import chunks
+from posttrain.algorithms.common import chunks, evaluation_sampling
 from posttrain.algorithms.rl import build_generator, load_prompts
 from posttrain.algorithms.rollout import Episode, PromptRow, rollout_metrics, run_episodes, scalar_reward
 from posttrain.config.schema import EvalConfig, EvaluationSet, ModelConfig
 from posttrain.envs import arithmetic
 from posttrain.envs.base import Environment
-from posttrain.envs.registry import build_environment
+from posttrain.algorithms.environments import build_recipe_environment
 from posttrain.generation.base import Generator, SamplingParams
 from posttrain.metrics import mean_pass_at_k
 from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer
@@ -218,12 +218,12 @@ def evaluate_files(cfg: EvalConfig) -> EvalReport:
     tokenizer = load_tokenizer(cfg.model)
     prompts, summary = load_prompts(cfg.data.files, cfg.data.data_config(), cfg.prompt, cfg.environment.kind,
                                     tokenizer, limit=cfg.num_examples)
-    environment = build_environment(cfg.environment.spec())
+    environment = build_recipe_environment(cfg.environment)
     try:
         generator = build_generator(cfg.model, cfg.backend, tokenizer, batch_size=cfg.batch_size, seed=cfg.seed,
                                     vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization)
         report = evaluate_prompts(prompts, generator, environment, tokenizer,
-                                  cfg.sampling_params(cfg.max_new_tokens or 256), cfg.num_samples, cfg.pass_k,
+                                  evaluation_sampling(cfg, cfg.max_new_tokens or 256), cfg.num_samples, cfg.pass_k,
                                   cfg.max_turns, reward_weights(environment), cfg.correct_threshold)
     finally:
         environment.close()
@@ -284,7 +284,7 @@ class TrainingEvaluation:
                                              tokenizer, limit=s.num_examples)[0] for s in sets}
         self.environments: dict[str, Environment] = {}
         for s in sets:
-            self.environments[s.name] = build_environment(s.environment.spec())
+            self.environments[s.name] = build_recipe_environment(s.environment)
         self._policy_generator: Generator | None = None
 
     def is_due(self, step: int) -> bool:
@@ -301,7 +301,7 @@ class TrainingEvaluation:
                 continue
             environment = self.environments[s.name]
             report = evaluate_prompts(self.prompts[s.name], generator, environment, self.tokenizer,
-                                      s.sampling_params(), s.num_samples, s.pass_k, s.max_turns,
+                                      evaluation_sampling(s), s.num_samples, s.pass_k, s.max_turns,
                                       reward_weights(environment), s.correct_threshold)
             metrics.update({f"eval/{s.name}/{key}": value for key, value in report.metrics.items()})
             run_log.log_samples(step, f"eval/{s.name}", [r.to_json() for r in report.samples[: s.samples_logged]])

@@ -60,7 +60,7 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
     trainer, rollout, tokenizer, environment = cfg.trainer, cfg.rollout, run.data.tokenizer, run.data.environment
     weights = {**reward_weights(environment), **cfg.advantage.component_weights}
     evaluation = TrainingEvaluation(cfg.evaluation, tokenizer, trainer.max_steps)
-    loss = PolicyGradientObjective(cfg.loss.to_loss_config(rollout.max_new_tokens * rollout.max_turns),
+    loss = PolicyGradientObjective(cfg.loss.resolved(max_completion_tokens=rollout.max_new_tokens * rollout.max_turns),
                                    temperature=rollout.temperature)
 
     updates_per_step = cfg.update.ppo_epochs * cfg.update.num_minibatches

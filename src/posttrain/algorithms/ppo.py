@@ -59,7 +59,7 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
     trainer, rollout, tokenizer, environment = cfg.trainer, cfg.rollout, run.data.tokenizer, run.data.environment
     weights = reward_weights(environment)
     evaluation = TrainingEvaluation(cfg.evaluation, tokenizer, trainer.max_steps)
-    loss = PolicyGradientObjective(cfg.loss.to_loss_config(rollout.max_new_tokens * rollout.max_turns),
+    loss = PolicyGradientObjective(cfg.loss.resolved(max_completion_tokens=rollout.max_new_tokens * rollout.max_turns),
                                    temperature=rollout.temperature)
     value_loss = ValueObjective(cfg.critic.value_clip)
 

@@ -37,7 +37,8 @@ from posttrain.data.sampler import EpochSampler, check_draw_fits
 from posttrain.data.tokenize import tokenize_prompt
 from posttrain.data.types import RolloutBatch
 from posttrain.envs.base import Environment
-from posttrain.envs.registry import NEEDED_COLUMNS, build_environment
+from posttrain.algorithms.environments import build_recipe_environment
+from posttrain.envs.registry import NEEDED_COLUMNS
 from posttrain.envs.rewards import RewardErrorBudget
 from posttrain.errors import RunError
 from posttrain.generation.base import Generator, SamplingParams
@@ -209,7 +210,7 @@ def load_rl_data(cfg: GRPOConfig) -> RLData:
     prompts, data_summary = load_prompts(cfg.data.train_files, cfg.data, cfg.prompt, kind, tokenizer)
     eval_prompts = load_prompts(cfg.data.eval_files, cfg.data, cfg.prompt, kind, tokenizer)[0]
     check_draw_fits({"rollout.prompts_per_step": cfg.rollout.prompts_per_step}, len(prompts), "training prompts")
-    environment = build_environment(cfg.environment.spec())
+    environment = build_recipe_environment(cfg.environment)
     return RLData(tokenizer, prompts, eval_prompts[: cfg.data.max_eval_examples], data_summary, environment)
 
 

@@ -29,7 +29,7 @@ from posttrain.algorithms.rollout import (
 )
 from posttrain.config.schema import GRPOConfig
 from posttrain.data.sampler import EpochSampler
-from posttrain.distributed.env import gather_divided
+from posttrain.process_group import gather_divided
 from posttrain.envs.base import Environment
 from posttrain.envs.rewards import RewardErrorBudget
 from posttrain.generation.base import Generator, SamplingParams

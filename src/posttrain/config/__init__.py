@@ -1,5 +1,7 @@
 """Validated config trees (pydantic) loaded from YAML with dotted command-line overrides."""
 
+from posttrain.config.environments import EnvironmentSection, environment_section
+from posttrain.config.losses import PolicyLossConfig, PreferenceLossConfig
 from posttrain.config.loader import (
     ConfigError,
     deep_merge,
@@ -27,18 +29,22 @@ __all__ = [
     "ConfigError",
     "DPOConfig",
     "DataConfig",
+    "EnvironmentSection",
     "EvalConfig",
     "EvaluationSet",
     "GenerateConfig",
     "LoggingConfig",
     "LoraSection",
     "ModelConfig",
+    "PolicyLossConfig",
+    "PreferenceLossConfig",
     "QuickstartConfig",
     "RMConfig",
     "RecipeConfig",
     "SFTConfig",
     "TrainerConfig",
     "deep_merge",
+    "environment_section",
     "load_config",
     "parse_overrides",
     "validate",

@@ -18,7 +18,9 @@ from typing import Any, TypeVar
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Tag, ValidationError
+
+from posttrain.config.environments import EnvironmentOptions
 
 C = TypeVar("C", bound=BaseModel)
 
@@ -118,38 +120,111 @@ def validate(schema: type[C], tree: dict[str, Any], source: str = "config") -> C
 
 
 def _describe(schema: type[BaseModel], error: dict[str, Any]) -> str:
-    loc = [part for part in error["loc"] if isinstance(part, str)]
-    key = ".".join(str(part) for part in error["loc"]) or "(top level)"
+    shown, parent, annotation = _walk(schema, error["loc"])
+    key = ".".join(shown) or "(top level)"
+    name = shown[-1] if shown else ""
+    options_of = parent.kind if isinstance(parent, type) and issubclass(parent, EnvironmentOptions) else None
     if error["type"] == "extra_forbidden":
-        parent = _schema_at(schema, loc[:-1])
+        known = list(parent.model_fields) if parent is not None else []
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        if options_of is not None:
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            return (f"{key}: the {options_of} environment has no option {name!r}{hint}; its options are "
+                    f"{', '.join(known) or 'none'}")
         message = f"{key}: unknown key"
         if parent is not None:
-            known = list(parent.model_fields)
-            close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
-            prefix = ".".join(loc[:-1] + [close[0]]) if close else None
+            prefix = ".".join(shown[:-1] + [close[0]]) if close else None
             message += f"; did you mean {prefix}?" if close else f"; known keys here: {', '.join(known)}"
         return message
     if error["type"] == "missing":
+        missing_options = _strip(annotation)
+        if isinstance(missing_options, type) and issubclass(missing_options, EnvironmentOptions):
+            fields = missing_options.model_fields
+            required = [name for name, info in fields.items() if info.is_required()]
+            where = f"{key}.{required[0]}" if required else key
+            return f"{where}: required by the {missing_options.kind} environment (its options are {', '.join(fields)})"
+        if options_of is not None:
+            return f"{key}: required by the {options_of} environment (its options are {', '.join(parent.model_fields)})"
         return f"{key}: required key is missing"
+    if error["type"] == "environment_kind":
+        given = error.get("input")
+        if not isinstance(given, dict):
+            return f"{key}: expected a mapping {{kind, options, ...}}, got {given!r} ({type(given).__name__})"
+        return f"{key}: {error['msg']}, got {given.get('kind')!r}"
     if not error["loc"] or error["type"] == "value_error":
         return f"{key}: {error['msg'].removeprefix('Value error, ')}"
-    expected = _expected_type(schema, loc)
+    expected = type_name(annotation) if annotation is not None else "a valid value"
     got = error.get("input")
+    if options_of is not None:
+        return f"{key}: the {options_of} environment expects {expected}, got {got!r} ({type(got).__name__})"
     return f"{key}: expected {expected}, got {got!r} ({type(got).__name__}): {error['msg']}"
 
 
-def _schema_at(schema: type[BaseModel], loc: list[str]) -> type[BaseModel] | None:
-    node: type[BaseModel] | None = schema
+def _walk(schema: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], type[BaseModel] | None, Any]:
+    """Follow an error's location through the schema: (the key path as the user writes it, without the tags of
+    discriminated unions such as environment's kind; the model that holds the last key, or None; that key's
+    annotation, or None)."""
+    shown: list[str] = []
+    parent: type[BaseModel] | None = None
+    annotation: Any = schema
     for part in loc:
-        if node is None or part not in node.model_fields:
-            return None
-        node = _model_in(node.model_fields[part].annotation)
-    return node
+        tagged = _tagged_members(annotation)
+        if part in tagged:  # the union's tag, which the user wrote as `kind`, not as a key
+            annotation = tagged[part]
+            continue
+        model = _model_in(annotation)
+        shown.append(str(part))
+        if isinstance(part, str) and model is not None and part in model.model_fields:
+            parent, annotation = model, model.model_fields[part].annotation
+        elif isinstance(part, int) and _item_type(annotation) is not None:
+            annotation = _item_type(annotation)
+        else:
+            parent, annotation = (model, None) if model is not None else (None, None)
+    return shown, parent, annotation
+
+
+def _strip(annotation: Any) -> Any:
+    while typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return annotation
+
+
+def tagged_members(annotation: Any) -> dict[str, Any]:
+    """{tag: member model} of a union discriminated on a tag (the environment section's kinds), else {}."""
+    return _tagged_members(annotation)
+
+
+def _tagged_members(annotation: Any) -> dict[str, Any]:
+    """{tag: member} of a discriminated union with tags (environment's kinds), else {}."""
+    annotation = _strip(annotation)
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return {}
+    members = {}
+    for arg in typing.get_args(annotation):
+        if typing.get_origin(arg) is typing.Annotated:
+            for meta in arg.__metadata__:
+                if isinstance(meta, Tag):
+                    members[meta.tag] = typing.get_args(arg)[0]
+    return members
+
+
+def _item_type(annotation: Any) -> Any:
+    """The item type of a list annotation (possibly optional), else None."""
+    annotation = _strip(annotation)
+    if typing.get_origin(annotation) is list:
+        return typing.get_args(annotation)[0]
+    for arg in typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ():
+        if typing.get_origin(_strip(arg)) is list:
+            return typing.get_args(_strip(arg))[0]
+    return None
 
 
 def _model_in(annotation: Any) -> type[BaseModel] | None:
+    annotation = _strip(annotation)
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
+    if _tagged_members(annotation):
+        return None
     for arg in typing.get_args(annotation):
         found = _model_in(arg)
         if found is not None:
@@ -157,15 +232,12 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
-def _expected_type(schema: type[BaseModel], loc: list[str]) -> str:
-    parent = _schema_at(schema, loc[:-1]) if loc else None
-    if parent is None or not loc or loc[-1] not in parent.model_fields:
-        return "a valid value"
-    return type_name(parent.model_fields[loc[-1]].annotation)
-
-
 def type_name(annotation: Any) -> str:
     """Readable type for messages and --help: int, float, list[str], one of 'a', 'b', ..."""
+    annotation = _strip(annotation)
+    tagged = _tagged_members(annotation)
+    if tagged:
+        return f"a mapping with kind one of {', '.join(repr(tag) for tag in tagged)}"
     origin = typing.get_origin(annotation)
     if origin is typing.Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(annotation))

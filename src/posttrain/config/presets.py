@@ -6,6 +6,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from posttrain.config.loader import read_yaml_with_defaults
+
 
 def preset_path(name: str) -> Path:
     return Path(str(resources.files("posttrain") / "configs" / name))
@@ -13,7 +15,5 @@ def preset_path(name: str) -> Path:
 
 def quickstart_base_config() -> dict[str, Any]:
     """The quickstart's stage defaults: configs/sft_arithmetic_small.yaml and configs/grpo_arithmetic.yaml."""
-    from posttrain.config.loader import read_yaml_with_defaults
-
     return {"sft": read_yaml_with_defaults(preset_path("sft_arithmetic_small.yaml")),
             "grpo": read_yaml_with_defaults(preset_path("grpo_arithmetic.yaml"))}

@@ -6,40 +6,13 @@ are rejected (``extra="forbid"``) so a typo never silently falls back to a defau
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-
-class Section(BaseModel):
-    """Base of every config node: unknown keys are errors, field docstrings are the help text, and a number
-    given as NaN or infinity is an error wherever one is read (`trainer.learning_rate=inf` would train NaN)."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
-                              allow_inf_nan=False)
-
-
-class NumericSection(Section):
-    """A section of thresholds, coefficients and counts, where a boolean given for a number is an error naming the
-    key: pydantic would otherwise read `loss.ratio_clip_low=true` as 1.0 and `trainer.max_steps=true` as 1."""
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _no_boolean_numbers(cls, value: Any, info: ValidationInfo) -> Any:
-        annotation = cls.model_fields[info.field_name].annotation
-        if get_origin(annotation) is dict and isinstance(value, dict):
-            flagged = [key for key, item in value.items() if _boolean_for_number(get_args(annotation)[1], item)]
-            if flagged:
-                raise ValueError(f"expected a number for {flagged[0]!r}, got the boolean {value[flagged[0]]!r}")
-        elif _boolean_for_number(annotation, value):
-            raise ValueError(f"expected a number, got the boolean {value!r}")
-        return value
-
-
-def _boolean_for_number(annotation: Any, value: Any) -> bool:
-    """True when `value` is a bool where `annotation` expects an int or a float (bool alone is an int to Python)."""
-    args = get_args(annotation)
-    return isinstance(value, bool) and bool({annotation, *args} & {int, float}) and bool not in args
+from posttrain.config.environments import ArithmeticEnvironment, EnvironmentSection
+from posttrain.config.losses import PolicyLossConfig, PreferenceLossConfig
+from posttrain.config.sections import NumericSection, Section
 
 
 def _run_folder(value: str) -> str:
@@ -307,65 +280,13 @@ class SFTConfig(RecipeConfig):
         return self
 
 
-class PreferenceLossSection(Section):
-    """The preference loss and its coefficients (posttrain.losses.preference.PreferenceLossConfig)."""
-
-    type: Literal["dpo", "ipo", "cdpo", "dpop", "rdpo", "simpo", "orpo"] = "dpo"
-    """The loss: dpo, ipo, cdpo, dpop, rdpo (against a reference model) or simpo, orpo (reference-free)."""
-
-    beta: float = Field(0.1, gt=0)
-    """β: scale of the implicit reward β·log(π/π_ref) (SimPO: β·π/|y|); IPO's τ, target margin 1/(2β)."""
-
-    label_smoothing: float = Field(0.0, ge=0, le=0.5)
-    """cdpo: the assumed probability ε that a preference label is flipped."""
-
-    dpop_lambda: float = Field(50.0, ge=0)
-    """dpop: weight λ of max(0, ref_c − π_c), the penalty for lowering the chosen log-probability."""
-
-    rdpo_alpha: float = 0.0
-    """rdpo: per-token weight α of the length difference |y_w| − |y_l| inside the sigmoid."""
-
-    simpo_gamma: float = 0.5
-    """simpo: the target reward margin γ itself (not γ/β)."""
-
-    orpo_lambda: float = Field(0.1, ge=0)
-    """orpo: weight λ of the odds-ratio term added to the NLL of the chosen completion."""
-
-    sft_weight: float = Field(0.0, ge=0)
-    """Weight of an extra NLL-on-chosen term (mean per token) added to any loss; 0 turns it off."""
-
-    average_logprobs: bool = False
-    """Score each completion by its per-token MEAN log-probability instead of the sum (e.g. for IPO).
-    simpo and orpo length-normalize themselves and need it false."""
-
-    truncate_rejected: bool = False
-    """Train on each rejected completion only up to and including its first token that differs from the chosen
-    one (the first wrong step, as in Step-DPO). The tokens after it continue a prefix that is already wrong:
-    pushing them down also teaches the model to avoid them after a right prefix, which is where they may be
-    correct (an answer's units digit after a wrong tens digit). The training pairs only; evaluation pairs are
-    scored whole, so eval_reward_accuracy stays the standard measure."""
-
-    @model_validator(mode="after")
-    def _check(self) -> PreferenceLossSection:
-        if self.average_logprobs and self.type in ("simpo", "orpo"):
-            raise ValueError(
-                f"loss.average_logprobs=true does not apply to loss.type={self.type!r}: it normalizes by length "
-                "itself and needs summed log-probabilities; set loss.average_logprobs=false"
-            )
-        return self
-
-    @property
-    def reference_free(self) -> bool:
-        return self.type in ("simpo", "orpo")
-
-
 class DPOConfig(RecipeConfig):
     """Offline preference optimization (DPO and its family) on prompt/chosen/rejected pairs."""
 
     output_dir: str = "runs/dpo"
     """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/. Re-running with the same directory resumes."""
 
-    loss: PreferenceLossSection = Field(default_factory=PreferenceLossSection)
+    loss: PreferenceLossConfig = Field(default_factory=PreferenceLossConfig)
     """The preference loss."""
 
     reference: Literal["frozen_copy", "precomputed"] = "frozen_copy"
@@ -427,7 +348,7 @@ class RMConfig(RecipeConfig):
     """Reward model training: a scalar head on a language-model backbone, Bradley-Terry loss on
     prompt/chosen/rejected pairs. OUTPUT/final/ loads with AutoModelForSequenceClassification (for architectures
     transformers has a sequence classifier for; posttrain.models.value_head otherwise) and scores text through
-    posttrain.models.RewardModel."""
+    posttrain.workers.RewardModel."""
 
     output_dir: str = "runs/rm"
     """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/. Re-running with the same directory resumes."""
@@ -516,70 +437,6 @@ class RolloutSection(NumericSection):
     """Largest soft overlong penalty subtracted from the reward."""
 
 
-class EnvironmentSection(Section):
-    """What scores the completions."""
-
-    kind: Literal["arithmetic", "math", "code", "python", "reward_model", "judge", "mixture"] = "arithmetic"
-    """arithmetic (exact match of the sum), math (math-verify on the final or boxed answer against the row's
-    `answer`), code (the program run against the row's `tests` in a sandbox), python (your reward functions),
-    reward_model (a trained reward model's score; options {path: runs/rm/final}), judge (an LLM's score; options
-    {path: a local model} or {base_url: http://host:8000, model: NAME}), mixture (several of these, each a named,
-    weighted reward component; options {components: [{name, kind, weight, options}, ...]}); see docs/rl.md."""
-
-    options: dict[str, Any] = Field(default_factory=dict)
-    """Keyword options of the environment, e.g. {timeout_s: 5, num_workers: 2}; python takes
-    {functions: ["my_pkg.rewards:fn", ...]} (see docs/rl.md)."""
-
-    normalize_rewards: bool = False
-    """Scale each training reward to (r - mean) / std, with the mean and standard deviation running over every
-    valid reward of the run's training batches so far, this step's included (checkpointed, so a resumed run
-    continues them; with dynamic sampling, the groups kept). For rewards without a fixed scale, such as a reward
-    model's scores, under PPO, whose critic regresses on them. Under GRPO: the grpo estimator with normalize_std
-    and reinforce++ give the same advantages; Dr. GRPO (normalize_std false), rloo and raw scale theirs by 1/std
-    (so the KL penalty weighs more or less against them); gdpo, which normalizes each reward component itself, is
-    refused. Logged rewards, validation and evaluation sets stay raw."""
-
-    max_error_fraction: float = Field(0.5, ge=0, le=1)
-    """Samples whose reward failed (raised, timed out, NaN) are masked and counted in reward/errors; the run
-    stops with a clear message only when a step's failed fraction exceeds this."""
-
-    worker_memory_mb: int = Field(4096, ge=0)
-    """Address-space limit (RLIMIT_AS) in MiB of each reward worker process (python and math environments),
-    inherited by whatever a reward function starts; a call that needs more fails with MemoryError and its sample
-    is masked and counted. 0: no limit (needed by reward functions that use CUDA, which reserves far more address
-    space than it uses)."""
-
-    @model_validator(mode="after")
-    def _one_memory_limit(self) -> EnvironmentSection:
-        if "worker_memory_mb" in self.options:
-            raise ValueError("options.worker_memory_mb: set environment.worker_memory_mb instead, the one place "
-                             "for the reward workers' memory limit")
-        return self
-
-    def spec(self) -> dict[str, Any]:
-        """The environment's spec for `envs.registry.build_environment`: kind, options, and worker_memory_mb for
-        the environments whose constructor takes it (those that run reward workers)."""
-        import inspect
-
-        from posttrain.envs.registry import ENVIRONMENTS
-
-        limit = {"worker_memory_mb": self.worker_memory_mb}
-        takes_limit = "worker_memory_mb" in inspect.signature(ENVIRONMENTS[self.kind]).parameters
-        return {"kind": self.kind, **(limit if takes_limit else {}), **self.options}
-
-    @model_validator(mode="after")
-    def _check_options(self) -> EnvironmentSection:
-        # The environment's constructor is the one definition of its options, so the check lives beside it
-        # (imported here, not at the top: the config tree is importable without the environments); run at load,
-        # a misspelt or ill-typed option stops before the data is read or a model loads.
-        from posttrain.envs.registry import option_problems
-
-        problems = option_problems(self.kind, self.options)
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
-
-
 class AdvantageSection(NumericSection):
     """How rewards become advantages (posttrain.advantages)."""
 
@@ -595,67 +452,6 @@ class AdvantageSection(NumericSection):
 
     component_weights: dict[str, float] = Field(default_factory=dict)
     """gdpo: weight of each named reward component (missing components weigh 1)."""
-
-
-class PolicyLossSection(NumericSection):
-    """The clipped policy-gradient loss (posttrain.losses.policy_gradient.PolicyLossConfig); see docs/rl.md."""
-
-    ratio_level: Literal["token", "sequence", "none"] = "token"
-    """token: PPO/GRPO per-token ratio; sequence: GSPO's length-normalized sequence ratio; none: REINFORCE/RLOO."""
-
-    clip_mode: Literal["ppo", "cispo"] = "ppo"
-    """ppo: clipped surrogate; cispo: detached clipped ratio times A·logπ (every token keeps a gradient)."""
-
-    ratio_clip_low: float = Field(0.2, ge=0)
-    """ε_low: the ratio is clipped below at 1 − ε_low."""
-
-    ratio_clip_high: float = Field(0.2, ge=0)
-    """ε_high: clipped above at 1 + ε_high (DAPO clip-higher: 0.28)."""
-
-    ratio_clip_c: float | None = None
-    """Dual clip c > 1 bounding the loss of negative-advantage tokens with huge ratios; null: off."""
-
-    reference_kl_penalty: float = Field(0.0, ge=0)
-    """β of the per-token KL(π‖π_ref) penalty; > 0 loads a frozen reference model."""
-
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    """KL estimator (k3 = exp(d) − 1 − d, unbiased value; see docs/rl.md for their gradients)."""
-
-    kl_clamp: float | None = Field(10.0, gt=0)
-    """Clamp the log-ratio to ±kl_clamp before the estimator; null: no clamp."""
-
-    kl_output_clamp: float | None = Field(None, gt=0)
-    """Clamp the KL estimate itself to ±kl_output_clamp per token (no KL gradient where it binds); null: no clamp."""
-
-    importance_correction: Literal["none", "tis", "icepop", "seq-mask-tis", "seq-tis"] = "none"
-    """Correct the generator/trainer logprob mismatch: tis (truncated weight), icepop (mask tokens outside the
-    band), seq-mask-tis (mask whole sequences outside the band, truncate the rest), seq-tis (one truncated
-    weight per sequence, the product of its token weights); none."""
-
-    is_threshold_low: float = Field(0.5, ge=0)
-    """Lower bound of the accepted mismatch weight (icepop, seq-mask-tis)."""
-
-    is_threshold_high: float = Field(2.0, gt=0)
-    """Upper bound of the mismatch weight and truncation value (tis, seq-tis, seq-mask-tis)."""
-
-    tis_lower_bound: float | None = Field(None, ge=0)
-    """tis and seq-tis: also truncate the weight from below at this value; null: no lower bound."""
-
-    aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
-    """token-mean (over the step's valid tokens), seq-mean-token-mean, seq-mean-token-sum, or seq-mean-token-sum-norm
-    (Dr. GRPO: token sums divided by a constant, aggregation_constant or rollout.max_new_tokens)."""
-
-    aggregation_constant: float | None = Field(None, gt=0)
-    """Constant divisor of seq-mean-token-sum-norm (default: rollout.max_new_tokens × rollout.max_turns)."""
-
-    def to_loss_config(self, default_constant: float | None = None):
-        """The loss's own (validated) dataclass; raises ValueError on incompatible knobs."""
-        from posttrain.losses.policy_gradient import PolicyLossConfig
-
-        values = self.model_dump()
-        if values["aggregation"] == "seq-mean-token-sum-norm" and values["aggregation_constant"] is None:
-            values["aggregation_constant"] = default_constant
-        return PolicyLossConfig(**values)
 
 
 class PolicyUpdateSection(Section):
@@ -715,7 +511,7 @@ class EvaluationSettings(Section):
     prompt: PromptSection = Field(default_factory=PromptSection)
     """Prompt formatting (template, chat template, system prompt), as GRPO's prompt section."""
 
-    environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
+    environment: EnvironmentSection = Field(default_factory=ArithmeticEnvironment)
     """What scores the completions (kind and options), as GRPO's environment section. A failed reward is masked
     and counted in reward/errors; max_error_fraction does not stop an evaluation."""
 
@@ -764,8 +560,6 @@ class EvaluationSettings(Section):
     def check_sampling(self) -> None:
         """ValueError (naming the keys) for pass_k above num_samples, several greedy samples, or pass_k without a
         notion of correct."""
-        from posttrain.envs.registry import REWARD_ONLY
-
         too_large = [k for k in self.pass_k if k > self.num_samples]
         if too_large:
             raise ValueError(f"pass_k={self.pass_k}: k={too_large[0]} is more than num_samples={self.num_samples}; "
@@ -774,20 +568,10 @@ class EvaluationSettings(Section):
             raise ValueError(f"num_samples={self.num_samples} with temperature=0 (greedy) samples the same "
                              "completion each time; set temperature > 0 or num_samples=1")
         kind = self.environment.kind
-        reward_only = kind in REWARD_ONLY or (kind == "mixture" and all(
-            isinstance(c, dict) and c.get("kind") in REWARD_ONLY for c in self.environment.options.get("components", [])))
-        if self.pass_k and reward_only and self.correct_threshold is None:
+        if self.pass_k and self.environment.reward_only and self.correct_threshold is None:
             raise ValueError(f"pass_k needs to know which samples are correct, and the {kind} environment does not "
                              "say (a mixture says only through a verifier component: arithmetic, math or code); set "
                              "correct_threshold (a sample is correct when its reward is at least that) or drop pass_k")
-
-    def sampling_params(self, max_new_tokens: int | None = None):
-        """The generator's SamplingParams, seeded with `seed`."""
-        from posttrain.generation.base import SamplingParams
-
-        return SamplingParams(max_new_tokens=max_new_tokens or self.max_new_tokens, temperature=self.temperature,
-                              top_p=self.top_p, top_k=self.top_k, stop_strings=tuple(self.stop_strings),
-                              seed=self.seed)
 
 
 class EvaluationSet(EvaluationSettings):
@@ -955,12 +739,10 @@ class GenerateConfig(Section):
         return self
 
 
-class GRPOConfig(RecipeConfig):
-    """Online RL with verifiable rewards: sample groups of completions, score them, compute group-relative
-    advantages, and update with the clipped policy-gradient loss (GRPO, DAPO, GSPO, CISPO, RLOO, Dr. GRPO, GDPO)."""
-
-    output_dir: str = "runs/grpo"
-    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/. Re-running with the same directory resumes."""
+class OnlineRLConfig(RecipeConfig):
+    """Keys both online RL recipes (grpo, ppo) have: the prompts, how completions are sampled and scored, the policy
+    loss and the update. A base of shared sections, not a recipe: GRPO adds its advantage estimator, PPO its critic
+    and GAE."""
 
     prompt: PromptSection = Field(default_factory=PromptSection)
     """Prompt formatting."""
@@ -968,13 +750,10 @@ class GRPOConfig(RecipeConfig):
     rollout: RolloutSection = Field(default_factory=RolloutSection)
     """Sampling."""
 
-    environment: EnvironmentSection = Field(default_factory=EnvironmentSection)
-    """Rewards."""
+    environment: EnvironmentSection = Field(default_factory=ArithmeticEnvironment)
+    """Rewards: kind picks the environment, options are that environment's."""
 
-    advantage: AdvantageSection = Field(default_factory=AdvantageSection)
-    """Advantage estimator."""
-
-    loss: PolicyLossSection = Field(default_factory=PolicyLossSection)
+    loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     """Policy-gradient loss."""
 
     update: PolicyUpdateSection = Field(default_factory=PolicyUpdateSection)
@@ -984,8 +763,9 @@ class GRPOConfig(RecipeConfig):
     """Evaluation sets sampled with the rollout generator during training (see docs/evaluation.md), each logged
     as eval/<name>/<metric>; none by default."""
 
-    @model_validator(mode="after")
-    def _check(self) -> GRPOConfig:
+    def check_online_rl(self, recipe: str) -> None:
+        """ValueError (naming the keys) for what no online RL recipe takes: compiled modules, no prompts, gradient
+        accumulation, minibatches that do not divide the rollout batch, an overlong buffer past the budget."""
         check_evaluation_names(self.evaluation)
         if self.trainer.compile:
             raise ValueError("trainer.compile=true is not available to the RL recipes: the rollout generator runs "
@@ -993,28 +773,39 @@ class GRPOConfig(RecipeConfig):
         if not self.data.train_files:
             raise ValueError("data.train_files is empty: give at least one file or dataset of prompts")
         if self.data.format not in ("auto", "prompt_only"):
-            raise ValueError(f"data.format={self.data.format!r}: GRPO reads prompts; use auto or prompt_only "
+            raise ValueError(f"data.format={self.data.format!r}: {recipe} reads prompts; use auto or prompt_only "
                              "(every column other than prompt is passed to the environment)")
         if self.trainer.gradient_accumulation_steps != 1:
-            raise ValueError("trainer.gradient_accumulation_steps does not apply to GRPO: each minibatch "
+            raise ValueError(f"trainer.gradient_accumulation_steps does not apply to {recipe}: each minibatch "
                              "(rollout batch / update.num_minibatches) is split into micro-batches of "
                              "trainer.micro_batch_size; leave it at 1")
         rollout_size = self.rollout.prompts_per_step * self.rollout.num_generations_per_prompt
         if rollout_size % self.update.num_minibatches:
             raise ValueError(f"update.num_minibatches={self.update.num_minibatches} must divide the rollout batch "
                              f"(rollout.prompts_per_step × num_generations_per_prompt = {rollout_size})")
+        if self.rollout.overlong_buffer_length >= self.rollout.max_new_tokens:
+            raise ValueError("rollout.overlong_buffer_length must be smaller than rollout.max_new_tokens")
+
+
+class GRPOConfig(OnlineRLConfig):
+    """Online RL with verifiable rewards: sample groups of completions, score them, compute group-relative
+    advantages, and update with the clipped policy-gradient loss (GRPO, DAPO, GSPO, CISPO, RLOO, Dr. GRPO, GDPO)."""
+
+    output_dir: str = "runs/grpo"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, final/. Re-running with the same directory resumes."""
+
+    advantage: AdvantageSection = Field(default_factory=AdvantageSection)
+    """Advantage estimator."""
+
+    @model_validator(mode="after")
+    def _check(self) -> GRPOConfig:
+        self.check_online_rl("GRPO")
         if self.advantage.estimator in ("grpo", "rloo", "gdpo") and self.rollout.num_generations_per_prompt < 2:
             raise ValueError(f"advantage.estimator={self.advantage.estimator!r} compares samples of a group: "
                              "rollout.num_generations_per_prompt must be at least 2")
-        if self.rollout.overlong_buffer_length >= self.rollout.max_new_tokens:
-            raise ValueError("rollout.overlong_buffer_length must be smaller than rollout.max_new_tokens")
         if self.environment.normalize_rewards and self.advantage.estimator == "gdpo":
             raise ValueError("environment.normalize_rewards does not apply to advantage.estimator='gdpo', which "
                              "normalizes each reward component within its group itself; leave it false")
-        try:
-            self.loss.to_loss_config(self.rollout.max_new_tokens * self.rollout.max_turns)
-        except ValueError as error:
-            raise ValueError(f"loss: {error}") from None
         return self
 
 
@@ -1057,11 +848,11 @@ class GAESection(NumericSection):
     """Whiten the advantages over the batch's valid tokens (mean 0, std 1)."""
 
 
-class PPOConfig(GRPOConfig):
+class PPOConfig(OnlineRLConfig):
     """Online RL with a learned critic: sample completions, score them, compute token-level advantages with GAE
     from the critic's values, and update the policy with the clipped policy-gradient loss and the critic with
     the clipped value loss (PPO, Schulman et al. 2017; for language models Ziegler et al. 2019, Ouyang et al. 2022).
-    The rollout, environment, loss and update sections are GRPO's."""
+    The prompt, rollout, environment, loss and update sections are the same as GRPO's."""
 
     output_dir: str = "runs/ppo"
     """Run directory: config.yaml, metrics.jsonl, checkpoints/ (policy/ and critic/), final/ (the policy)."""
@@ -1072,14 +863,17 @@ class PPOConfig(GRPOConfig):
     gae: GAESection = Field(default_factory=GAESection)
     """Advantages."""
 
-    advantage: AdvantageSection = Field(default_factory=lambda: AdvantageSection(estimator="raw"))
-    """Not used by PPO (its advantages are GAE's); kept so that GRPO's checks read one shape of config."""
-
-    @model_validator(mode="after")
-    def _check_ppo(self) -> PPOConfig:
-        if self.advantage != AdvantageSection(estimator="raw"):
+    @model_validator(mode="before")
+    @classmethod
+    def _no_advantage_section(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "advantage" in value:
             raise ValueError("advantage.* does not apply to PPO: its advantages come from the critic through GAE "
                              "(set gae.gamma, gae.lam, gae.whiten_advantages)")
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> PPOConfig:
+        self.check_online_rl("PPO")
         if self.rollout.dynamic_sampling:
             raise ValueError("rollout.dynamic_sampling filters groups with equal rewards, a GRPO device; PPO's "
                              "baseline is the critic, so leave it off")

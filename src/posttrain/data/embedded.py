@@ -30,12 +30,11 @@ import math
 import random
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from posttrain.data.errors import DataError
-
-if TYPE_CHECKING:
-    from posttrain.envs.arithmetic import Problem
+from posttrain.envs import arithmetic
+from posttrain.envs.arithmetic import Problem
 
 _NAME = re.compile(r"^posttrain/(?P<task>[a-z_-]+)(?::(?P<split>[a-z]+))?(?:\[:(?P<count>\d+)\])?$")
 TASKS = ("arithmetic", "arithmetic-preference", "arithmetic-preference-dense", "arithmetic-judge", "bench-lengths",
@@ -54,8 +53,6 @@ def is_embedded_dataset(source: str) -> bool:
 
 
 def iter_embedded(source: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    from posttrain.envs import arithmetic
-
     match = _NAME.match(source)
     if match is None or match["task"] not in TASKS:
         raise DataError(source, f"unknown embedded dataset; embedded datasets: {', '.join(f'posttrain/{t}' for t in TASKS)} "
@@ -104,8 +101,6 @@ def _bench_text(rng: random.Random) -> str:
 
 
 def _rows(task: str, problems: list[Problem]) -> Iterator[dict[str, Any]]:
-    from posttrain.envs import arithmetic
-
     for problem in problems:
         if task == "arithmetic-preference":
             rejected = arithmetic.wrong_answer(problem, arithmetic.preference_rng(problem))

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from posttrain.config.schema import LoraSection, ModelConfig, TrainerConfig
-from posttrain.distributed.env import is_distributed, world_size
+from posttrain.process_group import is_distributed, world_size
 from posttrain.distributed.fsdp import FSDP2ScoringWorker, FSDP2ValueWorker, build_fsdp_policy
 from posttrain.models.loading import load_causal_lm, load_trainable_model
 from posttrain.models.lora import TaskKind

@@ -40,7 +40,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from posttrain.errors import RunError
 from posttrain.checkpoint import export_final, is_sharded, load_sharded_state, save_sharded_state
 from posttrain.config.schema import TrainerConfig
-from posttrain.distributed.env import barrier, is_main, rank, world_size
+from posttrain.process_group import barrier, is_main, rank, world_size
 from posttrain.workers.base import Exported
 from posttrain.models.lora import ADAPTER_DIR
 from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker, export_model, merged_lora_weights

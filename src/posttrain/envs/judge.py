@@ -2,8 +2,10 @@
 
 The judge is one of two things (give exactly one):
 
-- `path`: a local Hugging Face chat model (a directory, hub id or embedded name), loaded once in this process and
-  run greedily, in batches of `batch_size`, by posttrain's transformers generator (`max_new_tokens` per verdict).
+- `path`: a local Hugging Face chat model (a directory, hub id or embedded name), run greedily (`max_new_tokens` per
+  verdict). The environment never loads it: the caller builds a `JudgeModel` (the recipes do it in
+  `posttrain.algorithms.environments`, loaded once in this process, run in batches of `batch_size` by posttrain's
+  transformers generator) and hands it in as `local_model`.
 - `base_url` with `model`: an OpenAI-compatible server (vLLM, SGLang, TGI, a hosted API), one
   `POST {base_url}/v1/chat/completions` per reply to judge (a base_url that already ends in /v1 is not given a
   second one), greedy (temperature 0, `max_tokens` = max_new_tokens), `concurrency` requests at a time. Each request
@@ -55,17 +57,11 @@ import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from posttrain.config.environments import DEFAULT_JUDGE_TEMPLATE as DEFAULT_TEMPLATE
+from posttrain.config.environments import DEFAULT_SCORE_PATTERN
 from posttrain.envs.base import EnvStep, Message, check_batch, prompt_of, reply_of, single_turn_step
-
-DEFAULT_TEMPLATE = (
-    "Rate the response to the prompt below from {min_score} (worst) to {max_score} (best).\n\n"
-    "Prompt:\n{prompt}\n\nResponse:\n{response}\n\n"
-    'End your answer with one line of the form "Score: N".'
-)
-DEFAULT_SCORE_PATTERN = r"(?i)\bscore\s*[:=]\s*\**\s*([-+]?\d+(?:\.\d+)?|[^\s*]+)"
-"""'score' then ':' or '=' (markdown bold allowed), capturing a number, or else the word there (to report it)."""
 FIXED_FIELDS = ("prompt", "response", "min_score", "max_score")
 QUOTED_REPLY_CHARS = 200
 RETRIED_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -120,15 +116,28 @@ class _Reply:
     error: str | None = None
 
 
+class JudgeModel(Protocol):
+    """A local judge, built by the caller: greedy replies to conversations."""
+
+    def complete(self, conversations: list[list[Message]]) -> list[str]:
+        """The judge's reply to each conversation (a list of chat messages), in order."""
+        ...
+
+    def close(self) -> None:
+        """Release the model."""
+        ...
+
+
 class JudgeEnvironment:
     """Single turn. Reward: a judge model's score of the reply (see the module docstring for every option).
 
+    local_model: a local judge built by the caller, or base_url (with model) for a server; exactly one.
     Metadata out: the row's metadata plus `judge_score` (the raw score, None when the verdict failed).
     """
 
     def __init__(
         self,
-        path: str | None = None,
+        local_model: JudgeModel | None = None,
         base_url: str | None = None,
         model: str | None = None,
         api_key_env: str | None = None,
@@ -143,17 +152,14 @@ class JudgeEnvironment:
         max_retries: int = 3,
         retry_backoff_s: float = 1.0,
         concurrency: int = 8,
-        batch_size: int = 16,
-        use_chat_template: bool = True,
-        device: str | None = None,
     ):
-        if (path is None) == (base_url is None):
+        if (local_model is None) == (base_url is None):
             raise ValueError("give the judge as either path (a local model) or base_url (an OpenAI-compatible "
-                             f"server), exactly one of them; got path={path!r}, base_url={base_url!r}")
+                             f"server), exactly one of them; got a local model: {local_model is not None}, "
+                             f"base_url={base_url!r}")
         if not min_score < max_score:
             raise ValueError(f"min_score ({min_score}) must be below max_score ({max_score})")
-        for name, value in (("max_new_tokens", max_new_tokens), ("concurrency", concurrency),
-                            ("batch_size", batch_size)):
+        for name, value in (("max_new_tokens", max_new_tokens), ("concurrency", concurrency)):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         self.pattern = _score_regex(score_pattern)
@@ -168,7 +174,7 @@ class JudgeEnvironment:
         else:
             if model is not None or api_key_env is not None:
                 raise ValueError("model and api_key_env belong to a judge server (base_url), not a local path")
-            self.backend = _LocalJudge(path, max_new_tokens, batch_size, use_chat_template, device)
+            self.backend = _LocalJudge(local_model)
         self.cache: dict[str, Verdict] = {}
         self.counts: Counter[str] = Counter()
         """Failure kinds, `judged` and `cache_hits`, over the environment's life."""
@@ -338,32 +344,15 @@ def _chat_content(payload: bytes, url: str) -> _Reply:
 
 
 class _LocalJudge:
-    """A causal LM in this process, generating greedily with posttrain's transformers backend."""
+    """A judge model in this process, built by the caller (`JudgeModel`)."""
 
-    def __init__(self, path: str, max_new_tokens: int, batch_size: int, use_chat_template: bool,
-                 device: str | None):
-        from posttrain.config.schema import ModelConfig
-        from posttrain.generation.transformers_backend import TransformersGenerator
-        from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer
-
-        model_cfg = ModelConfig(name_or_path=path)
-        self.tokenizer = load_tokenizer(model_cfg, padding_side="left")
-        model = load_causal_lm(model_cfg, device=device if device is not None else default_device()).eval()
-        model.requires_grad_(False)
-        self.generator = TransformersGenerator(model, self.tokenizer, batch_size=batch_size)
-        self.max_new_tokens = max_new_tokens
-        self.use_chat_template = use_chat_template and self.tokenizer.chat_template is not None
+    def __init__(self, model: JudgeModel):
+        self.model = model
 
     def complete(self, conversations: list[list[Message]]) -> list[_Reply]:
-        from posttrain.data.tokenize import tokenize_prompt
-        from posttrain.generation.base import SamplingParams
-
         if not conversations:
             return []
-        prompts = [tokenize_prompt(c if self.use_chat_template else "\n\n".join(m["content"] for m in c),
-                                   self.tokenizer) for c in conversations]
-        output = self.generator.generate(prompts, SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0))
-        return [_Reply(samples[0].text) for samples in output.completions]
+        return [_Reply(text) for text in self.model.complete(conversations)]
 
     def close(self) -> None:
-        self.generator = None
+        self.model.close()

@@ -20,103 +20,36 @@ None and its error names each failing component, so a broken component can never
 components' metadata are merged into the row's, in the order given (a later component's key replaces an earlier
 one's), so a verifier's `correct` still gives the accuracy metric.
 
-Single-turn only: a component that asks to continue an episode is an error. Options of every component are
-checked against that component's constructor when the config loads (`mixture_option_problems`). The data columns a
-component needs (an arithmetic component's `answer`) are checked when its first reward is computed.
+Single-turn only: a component that asks to continue an episode is an error. The components' names, weights, kinds
+and options are checked when the config loads (`posttrain.config.environments.MixtureOptions`); the registry builds
+each component and hands them in. The data columns a component needs (an arithmetic component's `answer`) are
+checked when its first reward is computed.
 """
 
 from __future__ import annotations
 
-import inspect
-import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from posttrain.envs.base import EnvStep, Message, check_batch, single_turn_step
-from posttrain.envs.rewards import DEFAULT_WORKER_MEMORY_MB, combine_components, validate_reward
-
-COMPONENT_KEYS = ("name", "kind", "weight", "options")
-RESERVED_NAMES = frozenset({"mean", "std", "errors", "errors_total"})
-"""Names the loop already logs under reward/, which a component would overwrite."""
-
-
-def mixture_option_problems(options: Mapping[str, Any]) -> list[str]:
-    """What is wrong with a mixture's `components`, one message per problem, each naming the component (by its
-    index and name) and the key: missing or unknown keys, duplicate or reserved names, unknown or nested kinds, a
-    weight that is no number, and each component's own options as `registry.option_problems` checks them."""
-    from posttrain.envs.registry import ENVIRONMENTS, option_problems
-
-    components = options.get("components")
-    if not isinstance(components, list) or not components:
-        return ["options.components: a mixture needs a non-empty list of components, each {name, kind, weight, "
-                "options}"]
-    problems, seen = [], set()
-    for index, component in enumerate(components):
-        where = f"options.components[{index}]"
-        if not isinstance(component, Mapping):
-            problems.append(f"{where}: expected a mapping {{name, kind, weight, options}}, got {component!r}")
-            continue
-        name = component.get("name")
-        where = f"{where} ({name})" if isinstance(name, str) else where
-        unknown = sorted(set(component) - set(COMPONENT_KEYS))
-        if unknown:
-            problems.append(f"{where}: unknown keys {unknown}; a component has {', '.join(COMPONENT_KEYS)}")
-        if not isinstance(name, str) or not name or "/" in name:
-            problems.append(f"{where}.name: a non-empty name without '/' is required (it is logged as "
-                            f"reward/<name>), got {name!r}")
-        elif name in RESERVED_NAMES:
-            problems.append(f"{where}.name: {name!r} is taken by the loop's own reward/{name}; choose another")
-        elif name in seen:
-            problems.append(f"{where}.name: {name!r} is used by two components")
-        seen.add(name)
-        weight = component.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
-            problems.append(f"{where}.weight: expected a finite number, got {weight!r}")
-        kind = component.get("kind")
-        if kind == "mixture" or kind not in ENVIRONMENTS:
-            known = ", ".join(sorted(k for k in ENVIRONMENTS if k != "mixture"))
-            problems.append(f"{where}.kind: expected one of {known} (mixtures do not nest), got {kind!r}")
-            continue
-        component_options = component.get("options", {})
-        if not isinstance(component_options, Mapping):
-            problems.append(f"{where}.options: expected a mapping of the {kind} environment's options, got "
-                            f"{component_options!r}")
-            continue
-        if "worker_memory_mb" in component_options:
-            problems.append(f"{where}.options.worker_memory_mb: set environment.worker_memory_mb instead, the one "
-                            "place for the reward workers' memory limit")
-            continue
-        problems += [f"{where}: {problem}" for problem in option_problems(kind, component_options)]
-    return problems
+from posttrain.envs.base import Environment, EnvStep, Message, check_batch, single_turn_step
+from posttrain.envs.rewards import combine_components, validate_reward
 
 
 class MixtureEnvironment:
     """Single turn. Reward: {component name: that component's reward} (see the module docstring).
 
-    components: [{name, kind, weight (default 1), options (default {})}, ...], each an environment of the registry.
-    worker_memory_mb: passed to the components that run reward workers (python, math).
+    environments: {component name: its environment}, built (`registry.build_environment` builds them from
+        `MixtureOptions`); the mixture closes them.
+    reward_weights: {component name: weight} of the weighted sum the loop trains on.
     Metadata out: the row's metadata updated with each component's, in order.
     """
 
-    def __init__(self, components: list[dict[str, Any]], worker_memory_mb: int = DEFAULT_WORKER_MEMORY_MB):
-        from posttrain.envs.registry import ENVIRONMENTS, build_environment
-
-        problems = mixture_option_problems({"components": components})
-        if problems:
-            raise ValueError("; ".join(problems))
-        self.reward_weights = {c["name"]: float(c.get("weight", 1.0)) for c in components}
-        self.environments: dict[str, Any] = {}
-        try:
-            for component in components:
-                kind = component["kind"]
-                limit = ({"worker_memory_mb": worker_memory_mb}
-                         if "worker_memory_mb" in inspect.signature(ENVIRONMENTS[kind]).parameters else {})
-                spec = {"kind": kind, **limit, **component.get("options", {})}
-                self.environments[component["name"]] = build_environment(spec)
-        except BaseException:  # a later component failed to build: stop the earlier ones' workers first
-            self.close()
-            raise
+    def __init__(self, environments: Mapping[str, Environment], reward_weights: Mapping[str, float]):
+        if set(environments) != set(reward_weights):
+            raise ValueError(f"a weight for every component and no other: components {sorted(environments)}, "
+                             f"weights {sorted(reward_weights)}")
+        self.environments: dict[str, Any] = dict(environments)
+        self.reward_weights = {name: float(reward_weights[name]) for name in environments}
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:
         check_batch(message_logs, metadata)

@@ -1,55 +1,49 @@
-"""Build an environment from a spec such as `{"kind": "math", "timeout_s": 5.0, "num_workers": 4}`.
+"""Build an environment from its typed options (`posttrain.config.environments`): `MathOptions` builds a
+`MathEnvironment`, `JudgeOptions` a `JudgeEnvironment`, and so on.
 
-`kind` picks the class; every other key is a keyword argument of its constructor:
+The options classes are the one definition of each environment's options: the config loader checks them (names,
+strict types) when the config loads, naming `environment.options.NAME`, so a misspelt option stops before the data
+is read or a model loads. What a constructor still refuses (a negative time limit, a judge given both a path and a
+server) is an `EnvironmentOptionError` naming the environment.
 
-- "arithmetic": `ArithmeticEnvironment()` (no options)
-- "math": `MathEnvironment(timeout_s, num_workers, format_weight, reward_components)`
-- "python": `PythonRewardEnvironment(functions, timeout_s, num_workers, samples_per_call, reward_components)`
-- "code": `CodeEnvironment(time_limit_s, memory_limit_mb, output_limit_bytes, num_workers, all_or_nothing)`
-- "reward_model": `RewardModelEnvironment(path, conversational, batch_size, max_length, device)` (a `posttrain rm` model)
-- "judge": `JudgeEnvironment(path | base_url + model, template, score_pattern, min_score, max_score, ...)` (an LLM judge)
-- "mixture": `MixtureEnvironment(components, worker_memory_mb)`: several of the above, one named reward component each
+Environments never load models: a judge given a local `path` and a reward model are scored through models the
+caller builds (`posttrain.algorithms.environments` does it for the recipes) and hands in as `models`, keyed by
+where they are used: "" for the environment itself, a component's name for a mixture's components.
 
 How many failed samples a step tolerates (`max_error_fraction`) belongs to the training loop
-(`rewards.RewardErrorBudget`), not to the environment.
-
-The constructors are the one definition of each environment's options: `option_problems` checks names and
-types against their signatures, so that the GRPO config (environment.options) is refused at load, naming the
-option and the environment, instead of failing inside a constructor after the data has been read.
-`NEEDED_COLUMNS` says which data columns an environment scores against, so that rows are checked with the data,
-before a model loads, instead of at the first reward.
+(`rewards.RewardErrorBudget`), not to the environment. `NEEDED_COLUMNS` says which data columns an environment scores
+against, so that rows are checked with the data, before a model loads, instead of at the first reward.
 """
 
 from __future__ import annotations
 
-import difflib
-import inspect
-import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from pydantic import TypeAdapter, ValidationError
-
-from posttrain.errors import RunError
+from posttrain.config.environments import (
+    DEFAULT_WORKER_MEMORY_MB,
+    REWARD_ONLY,
+    AnyEnvironmentOptions,
+    ArithmeticOptions,
+    CodeOptions,
+    EnvironmentOptions,
+    JudgeOptions,
+    MathOptions,
+    MixtureOptions,
+    PythonOptions,
+    RewardModelOptions,
+)
 from posttrain.envs.arithmetic_env import ArithmeticEnvironment
 from posttrain.envs.base import Environment
 from posttrain.envs.code import CodeEnvironment
-from posttrain.envs.judge import JudgeEnvironment
-from posttrain.envs.mixture import MixtureEnvironment, mixture_option_problems
+from posttrain.envs.judge import JudgeEnvironment, JudgeModel
 from posttrain.envs.math import MathEnvironment
+from posttrain.envs.mixture import MixtureEnvironment
 from posttrain.envs.python_reward import PythonRewardEnvironment
-from posttrain.envs.reward_model_env import RewardModelEnvironment
+from posttrain.envs.reward_model_env import RewardModelEnvironment, RewardScorer
+from posttrain.errors import RunError
 
-ENVIRONMENTS: dict[str, type] = {
-    "arithmetic": ArithmeticEnvironment,
-    "math": MathEnvironment,
-    "python": PythonRewardEnvironment,
-    "code": CodeEnvironment,
-    "reward_model": RewardModelEnvironment,
-    "judge": JudgeEnvironment,
-    "mixture": MixtureEnvironment,
-}
-
+__all__ = ["NEEDED_COLUMNS", "REWARD_ONLY", "EnvironmentOptionError", "build_environment"]
 
 NEEDED_COLUMNS: dict[str, tuple[str, ...]] = {
     "arithmetic": ("answer",),
@@ -59,58 +53,71 @@ NEEDED_COLUMNS: dict[str, tuple[str, ...]] = {
 """The data columns each environment scores a reply against: every row needs at least one of them. python
 functions take the columns they name (a missing one is None) and a reward model needs none."""
 
-REWARD_ONLY = frozenset({"python", "reward_model", "judge"})
-"""The environments that give a reward and never say whether a reply is correct; the verifiers (arithmetic, math,
-code) put `correct` in each episode's metadata, for accuracy and pass@k, and so does a mixture with a verifier."""
-
-
-def build_environment(spec: Mapping[str, Any]) -> Environment:
-    """The environment `spec["kind"]`, constructed with the spec's other keys as keyword arguments.
-
-    Raises ValueError for an unknown kind and TypeError (naming each option) for options its constructor does
-    not take or whose values have the wrong type; see `option_problems`."""
-    options = dict(spec)
-    kind = options.pop("kind", None)
-    if kind not in ENVIRONMENTS:
-        raise ValueError(f"environment kind must be one of {sorted(ENVIRONMENTS)}, got {kind!r}")
-    problems = option_problems(kind, options)
-    if problems:
-        raise TypeError(f"environment kind {kind!r}: {'; '.join(problems)}")
-    try:
-        return ENVIRONMENTS[kind](**options)
-    except ValueError as error:  # a constructor refusing an option's value (a negative time limit, say)
-        raise EnvironmentOptionError(f"environment.options of the {kind} environment: {error}") from error
-
 
 class EnvironmentOptionError(RunError, ValueError):
     """An environment's constructor refused the value of one of its options: a message, not a traceback."""
 
 
-def option_problems(kind: str, options: Mapping[str, Any]) -> list[str]:
-    """What is wrong with `options` for the environment `kind`, one message per option, each naming the option
-    (as options.NAME) and the environment: names its constructor does not take, required ones left out, and
-    values that do not match its annotation. Types are checked strictly (an int is a float, a string is not a
-    number), since the values come typed from YAML and are passed to the constructor as they are."""
-    cls = ENVIRONMENTS[kind]
-    parameters = inspect.signature(cls).parameters
-    accepted = ", ".join(parameters) or "none"
-    hints = typing.get_type_hints(cls) if cls.__init__ is object.__init__ else typing.get_type_hints(cls.__init__)
-    problems = []
-    for name, value in options.items():
-        if name not in parameters:
-            close = difflib.get_close_matches(name, list(parameters), n=1, cutoff=0.6)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            problems.append(f"options.{name}: the {kind} environment has no option {name!r}{hint}; "
-                            f"its options are {accepted}")
-            continue
-        try:
-            TypeAdapter(hints[name]).validate_python(value, strict=True)
-        except ValidationError:
-            problems.append(f"options.{name}: the {kind} environment expects {parameters[name].annotation}, "
-                            f"got {value!r} ({type(value).__name__})")
-    for name, parameter in parameters.items():
-        if parameter.default is inspect.Parameter.empty and name not in options:
-            problems.append(f"options.{name}: required by the {kind} environment (its options are {accepted})")
-    if kind == "mixture" and not problems:  # its components are environments with options of their own
-        problems += mixture_option_problems(options)
-    return problems
+def build_environment(options: AnyEnvironmentOptions, *, worker_memory_mb: int = DEFAULT_WORKER_MEMORY_MB,
+                      models: Mapping[str, Any] | None = None) -> Environment:
+    """The environment of `options` (a `posttrain.config.environments` options object).
+
+    worker_memory_mb: address-space limit of each reward worker process (python and math environments, also as
+        mixture components); environment.worker_memory_mb in a recipe config.
+    models: the models environments score with, built by the caller: under "" a `JudgeModel` for a judge with a
+        local `path`, or a `RewardScorer` for a reward_model environment; a mixture's components' under their names.
+    Raises EnvironmentOptionError when a constructor refuses an option's value, and ValueError when a model the
+    options need was not handed in."""
+    models = dict(models or {})
+    if isinstance(options, MixtureOptions):
+        return _mixture(options, worker_memory_mb, models)
+    return _build_one(options, worker_memory_mb, models.get(""))
+
+
+def _build_one(options: EnvironmentOptions, worker_memory_mb: int, model: Any) -> Environment:
+    if options.loads_model and model is None:
+        raise ValueError(f"the {options.kind} environment scores with a model the caller builds and hands in "
+                         "(posttrain.algorithms.environments.build_recipe_environment does it from the config)")
+    try:
+        return _BUILDERS[type(options)](options, worker_memory_mb, model)
+    except ValueError as error:  # a constructor refusing an option's value (a negative time limit, say)
+        raise EnvironmentOptionError(f"environment.options of the {options.kind} environment: {error}") from error
+
+
+def _mixture(options: MixtureOptions, worker_memory_mb: int, models: dict[str, Any]) -> MixtureEnvironment:
+    environments: dict[str, Environment] = {}
+    try:
+        for component in options.components:
+            try:
+                environments[component.name] = _build_one(component.options, worker_memory_mb,
+                                                           models.get(component.name))
+            except EnvironmentOptionError as error:
+                raise EnvironmentOptionError(f"environment.options.components ({component.name}): {error}") \
+                    from error
+    except BaseException:  # a later component failed to build: stop the earlier ones' workers first
+        for environment in environments.values():
+            environment.close()
+        raise
+    return MixtureEnvironment(environments, {c.name: c.weight for c in options.components})
+
+
+def _judge(options: JudgeOptions, worker_memory_mb: int, model: JudgeModel | None) -> JudgeEnvironment:
+    return JudgeEnvironment(**options.model_dump(exclude={"path", "batch_size", "use_chat_template", "device"}),
+                            local_model=model)
+
+
+def _reward_model(options: RewardModelOptions, worker_memory_mb: int, model: RewardScorer) -> RewardModelEnvironment:
+    return RewardModelEnvironment(model, conversational=options.conversational)
+
+
+_BUILDERS: dict[type, Callable[[Any, int, Any], Environment]] = {
+    ArithmeticOptions: lambda options, worker_memory_mb, model: ArithmeticEnvironment(),
+    MathOptions: lambda options, worker_memory_mb, model: MathEnvironment(**options.model_dump(),
+                                                                          worker_memory_mb=worker_memory_mb),
+    PythonOptions: lambda options, worker_memory_mb, model: PythonRewardEnvironment(**options.model_dump(),
+                                                                                    worker_memory_mb=worker_memory_mb),
+    CodeOptions: lambda options, worker_memory_mb, model: CodeEnvironment(**options.model_dump()),
+    RewardModelOptions: _reward_model,
+    JudgeOptions: _judge,
+}
+"""How each kind of options becomes its environment (mixtures: `_mixture`)."""

@@ -1,13 +1,14 @@
 """A trained reward model as an RL environment: the reward of a reply is the model's score of (prompt, reply).
 
-The model is any directory `posttrain rm` wrote (OUTPUT/final/) or another one-label sequence classifier; it is
-scored through posttrain.workers.reward_model.RewardModel, so text is tokenized as the reward model was trained.
+The model is any directory `posttrain rm` wrote (OUTPUT/final/) or another one-label sequence classifier. The
+environment never loads it: the caller builds the scorer (the recipes, in `posttrain.algorithms.environments`, build
+a posttrain.workers.reward_model.RewardModel, so text is tokenized as the reward model was trained) and hands it in.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Protocol
 
 from posttrain.envs.base import (
     EnvStep,
@@ -19,21 +20,25 @@ from posttrain.envs.base import (
 )
 
 
+class RewardScorer(Protocol):
+    """A reward model built by the caller (posttrain.workers.RewardModel is one)."""
+
+    def score(self, prompts: list[Any], completions: list[Any]) -> list[float]:
+        """One score per (prompt, completion); each a string, or a list of chat messages when conversational."""
+        ...
+
+
 class RewardModelEnvironment:
     """Single turn. Reward: the reward model's score of the reply given the prompt.
 
-    path: the reward model directory (or hub id).
+    scorer: the reward model, built by the caller (from environment.options: path, batch_size, max_length, device).
     conversational: score the message log with the reward model's chat template (prompt = every message but the
         reply, completion = the reply) instead of the last user message and the reply as plain strings.
-    batch_size, max_length, device: passed to RewardModel (device defaults to CUDA when available).
     A non-finite score masks the sample (counted as a reward error). Metadata out: the row's metadata unchanged.
     """
 
-    def __init__(self, path: str, conversational: bool = False, batch_size: int = 32, max_length: int | None = None,
-                 device: str | None = None):
-        from posttrain.workers.reward_model import RewardModel
-
-        self.model = RewardModel.from_pretrained(path, device=device, batch_size=batch_size, max_length=max_length)
+    def __init__(self, scorer: RewardScorer, conversational: bool = False):
+        self.model = scorer
         self.conversational = conversational
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:

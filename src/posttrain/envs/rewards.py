@@ -69,14 +69,13 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
+from posttrain.config.environments import DEFAULT_WORKER_MEMORY_MB  # environment.worker_memory_mb's default
 from posttrain.envs.base import Reward
 
 MAX_ERROR_MESSAGE_CHARS = 500
 """Longer error strings (long tracebacks or reprs) are cut to this length."""
 FLOAT32_MAX = 3.4028234663852886e38
 """The largest float32. Rewards become float32 tensors in training, so a larger |reward| is an error."""
-DEFAULT_WORKER_MEMORY_MB = 4096
-"""Address-space limit of a reward worker (config: environment.worker_memory_mb)."""
 OUTPUT_TAIL_BYTES = 1024
 """How much of a failed call's stdout and stderr (its last bytes) its error shows."""
 SUPERVISOR_GRACE_S = 15.0

@@ -44,6 +44,7 @@ preexec_fn, so it is safe to call from threads) -> [namespaces: init (pid 1 of t
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
 import math
@@ -416,8 +417,6 @@ class _Libc:
     """The few libc calls the launcher needs that `os` lacks on Python 3.10/3.11."""
 
     def __init__(self) -> None:
-        import ctypes
-
         self._ctypes = ctypes
         self._libc = ctypes.CDLL(None, use_errno=True)
 

@@ -85,6 +85,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from transformers import AutoTokenizer
 
 from posttrain.generation.base import (
     Completion,
@@ -93,6 +94,7 @@ from posttrain.generation.base import (
     SamplingParams,
     weight_buckets,
 )
+from posttrain.models.loading import resolve_model_path
 
 VLLM_INSTALL_HINT = "pip install 'posttrain[vllm]' on a machine with an NVIDIA GPU (CUDA)"
 
@@ -285,8 +287,6 @@ class VLLMGenerator:
             os.environ.setdefault(name, value)  # read when the engine starts; a value set by the user wins
         self._vllm = import_vllm()
         self._tokens_prompt = importlib.import_module("vllm.inputs").TokensPrompt
-        from posttrain.models.loading import resolve_model_path
-
         self.model_path = resolve_model_path(model_path)
         self.enable_sleep_mode = enable_sleep_mode
         self.weights_version = 0
@@ -294,8 +294,6 @@ class VLLMGenerator:
         self.decode: Callable[[list[int]], str] | None = None
         self.stop_token_ids: tuple[int, ...] = ()
         if engine_kwargs.get("skip_tokenizer_init"):
-            from transformers import AutoTokenizer
-
             tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(engine_kwargs.get("tokenizer") or model_path))
             self.decode = partial(tokenizer.decode, skip_special_tokens=True)
             self.stop_token_ids = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)

@@ -35,8 +35,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
+import transformers
 import yaml
 
+from posttrain import __version__ as posttrain_version
 from posttrain.logging.metrics import read_metrics
 from posttrain.logging.samples import SAMPLES_FILENAME
 
@@ -199,11 +202,6 @@ def write_run_info(output_dir: str | os.PathLike[str], recipe: str, data_summary
     A resume appends its start to those before; a fresh start (no checkpoint) replaces them. Only this file is
     written: nothing here touches the model, the data order or a random generator.
     """
-    import torch
-    import transformers
-
-    import posttrain
-
     path = Path(output_dir) / RUN_INFO_FILENAME
     previous = read_run_info(output_dir) if resumed_from_step is not None else None
     start = {
@@ -211,7 +209,7 @@ def write_run_info(output_dir: str | os.PathLike[str], recipe: str, data_summary
         "resumed_from_step": resumed_from_step,
         "data": data_summary,
         "training": training,
-        "versions": {"posttrain": posttrain.__version__, "torch": torch.__version__,
+        "versions": {"posttrain": posttrain_version, "torch": torch.__version__,
                      "transformers": transformers.__version__},
     }
     info = {"recipe": recipe, "starts": [*(previous or {}).get("starts", []), start]}

@@ -57,112 +57,12 @@ These hold for on-policy samples; tokens from π_old ≠ π add the usual off-po
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal, NamedTuple, get_args
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-RatioLevel = Literal["token", "sequence", "none"]
-ClipMode = Literal["ppo", "cispo"]
-KLEstimator = Literal["k1", "k2", "k3"]
-ImportanceCorrection = Literal["none", "tis", "icepop", "seq-mask-tis", "seq-tis"]
-Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-
-
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    """Which policy-gradient loss to use; each knob changes one term of `policy_gradient_loss`."""
-
-    ratio_level: RatioLevel = "token"
-    """token: PPO/GRPO ratio exp(logπ − logπ_old) per token; sequence: GSPO's exp(mean_t(logπ − logπ_old)) per
-    sequence, broadcast to its tokens; none: REINFORCE/RLOO, loss −A·logπ with no ratio and no clipping."""
-    clip_mode: ClipMode = "ppo"
-    """ppo: −min(r·A, clip(r, 1 − low, 1 + high)·A), with the optional dual clip; cispo: −sg(clip(r, 1 − low,
-    1 + high))·A·logπ, every token keeps a gradient, weighted by its detached clipped ratio."""
-    ratio_clip_low: float = 0.2
-    """ε_low: the ratio is clipped below at 1 − ε_low."""
-    ratio_clip_high: float = 0.2
-    """ε_high: the ratio is clipped above at 1 + ε_high (DAPO's clip-higher uses e.g. 0.28)."""
-    ratio_clip_c: float | None = None
-    """Dual clip c > 1 (Ye et al. 2020): for A < 0 the PPO objective is max(ppo_term, c·A). None: off."""
-    reference_kl_penalty: float = 0.0
-    """β: weight of the per-token KL(π‖π_ref) estimate added to the loss. 0: no penalty."""
-    kl_estimator: KLEstimator = "k3"
-    """Estimator of the KL penalty, with d = logπ_ref − logπ: k1 = −d, k2 = d²/2, k3 = exp(d) − 1 − d."""
-    kl_clamp: float | None = 10.0
-    """The log-ratio d is clamped to [−kl_clamp, kl_clamp] before the estimator. None: no clamp."""
-    kl_output_clamp: float | None = None
-    """The estimate itself is clamped to [−kl_output_clamp, kl_output_clamp] per token (zero gradient where it
-    binds). None: no clamp."""
-    importance_correction: ImportanceCorrection = "none"
-    """Correction for the generator/trainer mismatch w = exp(logπ_old − logπ_gen), detached: tis, icepop,
-    seq-mask-tis or seq-tis (see `importance_weights`). none: no correction."""
-    is_threshold_low: float = 0.5
-    """Lower bound of the accepted mismatch weight (icepop per token, seq-mask-tis per sequence)."""
-    is_threshold_high: float = 2.0
-    """Upper bound of the accepted mismatch weight, and the truncation of tis, seq-tis and seq-mask-tis."""
-    tis_lower_bound: float | None = None
-    """tis and seq-tis only: truncate the weight below at this value too, max(w, bound). None: no lower bound."""
-    aggregation: Aggregation = "token-mean"
-    """token-mean: mean over the step's tokens; seq-mean-token-mean / -token-sum / -token-sum-norm: mean over the
-    step's sequences of each sequence's token mean / token sum / token sum divided by aggregation_constant."""
-    aggregation_constant: float | None = None
-    """Dr. GRPO's constant divisor (e.g. the maximum completion length), for seq-mean-token-sum-norm only."""
-
-    def __post_init__(self) -> None:
-        choices = {
-            "ratio_level": RatioLevel,
-            "clip_mode": ClipMode,
-            "kl_estimator": KLEstimator,
-            "importance_correction": ImportanceCorrection,
-            "aggregation": Aggregation,
-        }
-        for name, literal in choices.items():
-            if getattr(self, name) not in get_args(literal):
-                raise ValueError(f"unknown {name} {getattr(self, name)!r}; choose one of {get_args(literal)}")
-        for name in ("ratio_clip_low", "ratio_clip_high", "reference_kl_penalty", "is_threshold_low"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
-        if self.ratio_clip_c is not None and self.ratio_clip_c <= 1:
-            raise ValueError(f"ratio_clip_c (dual clip) must be > 1, got {self.ratio_clip_c}")
-        if self.clip_mode == "cispo" and self.ratio_clip_c is not None:
-            raise ValueError("clip_mode='cispo' does not combine with ratio_clip_c (dual clip): set ratio_clip_c=None")
-        if self.ratio_level == "none" and self.clip_mode == "cispo":
-            raise ValueError("clip_mode='cispo' needs a ratio: ratio_level='none' has none")
-        if self.ratio_level == "sequence" and self.clip_mode == "cispo":
-            raise ValueError(
-                "clip_mode='cispo' with ratio_level='sequence' is not defined: CISPO clips each token's own IS "
-                "weight and keeps that token's gradient; with GSPO's sequence ratio every token of a sequence would "
-                "get the same detached clipped weight, a combination neither paper defines. Use ratio_level='token' "
-                "for CISPO, or clip_mode='ppo' for GSPO"
-            )
-        if self.ratio_level == "none" and self.ratio_clip_c is not None:
-            raise ValueError("ratio_clip_c (dual clip) needs a ratio: ratio_level='none' has none")
-        if self.ratio_level == "sequence" and self.aggregation == "token-mean":
-            raise ValueError(
-                "ratio_level='sequence' (GSPO) needs a sequence-level aggregation: aggregation='token-mean' would "
-                "weight each sequence by its length; use aggregation='seq-mean-token-mean'"
-            )
-        if self.aggregation == "seq-mean-token-sum-norm" and self.aggregation_constant is None:
-            raise ValueError("aggregation='seq-mean-token-sum-norm' needs aggregation_constant (e.g. the max length)")
-        if self.aggregation_constant is not None and self.aggregation_constant <= 0:
-            raise ValueError(f"aggregation_constant must be positive, got {self.aggregation_constant}")
-        if self.is_threshold_low >= self.is_threshold_high:
-            raise ValueError(
-                f"is_threshold_low ({self.is_threshold_low}) must be below is_threshold_high ({self.is_threshold_high})"
-            )
-        if self.kl_clamp is not None and self.kl_clamp <= 0:
-            raise ValueError(f"kl_clamp must be positive or None, got {self.kl_clamp}")
-        if self.kl_output_clamp is not None and self.kl_output_clamp <= 0:
-            raise ValueError(f"kl_output_clamp must be positive or None, got {self.kl_output_clamp}")
-        if self.tis_lower_bound is not None:
-            if self.importance_correction not in ("tis", "seq-tis"):
-                raise ValueError(f"tis_lower_bound applies to importance_correction 'tis' or 'seq-tis', not "
-                                 f"{self.importance_correction!r}: set tis_lower_bound=None")
-            if not 0 <= self.tis_lower_bound < self.is_threshold_high:
-                raise ValueError(f"tis_lower_bound ({self.tis_lower_bound}) must be non-negative and below "
-                                 f"is_threshold_high ({self.is_threshold_high})")
+from posttrain.config.losses import KLEstimator, PolicyLossConfig  # the recipe's loss section is the loss's config
 
 
 # ---- KL estimators ------------------------------------------------------------------------------------------
@@ -537,6 +437,9 @@ def _check_inputs(
         raise ValueError(f"importance_correction={cfg.importance_correction!r} needs generator_logprobs")
     if cfg.reference_kl_penalty > 0 and reference_logprobs is None:
         raise ValueError(f"reference_kl_penalty={cfg.reference_kl_penalty} needs reference_logprobs")
+    if cfg.aggregation == "seq-mean-token-sum-norm" and cfg.aggregation_constant is None:
+        raise ValueError("aggregation='seq-mean-token-sum-norm' needs aggregation_constant (e.g. the max length; "
+                         "PolicyLossConfig.resolved fills in the rollout's)")
     if not normalizer > 0:
         raise ValueError(f"normalizer must be positive (the step's count from loss_normalizer), got {normalizer}")
     return mask.bool()

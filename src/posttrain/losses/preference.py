@@ -27,47 +27,12 @@ Departures from the papers and from TRL:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Literal, NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-PreferenceLossType = Literal["dpo", "ipo", "cdpo", "dpop", "rdpo", "simpo", "orpo"]
-
-
-@dataclass(frozen=True)
-class PreferenceLossConfig:
-    """Which preference loss to use and its coefficients; each knob is read only by the variants named."""
-
-    type: PreferenceLossType = "dpo"
-    """The loss: dpo, ipo, cdpo, dpop, rdpo (reference-based) or simpo, orpo (reference-free)."""
-    beta: float = 0.1
-    """β: scale of the implicit reward β·log(π/π_ref) (SimPO: β·π/|y|); IPO's τ, target margin 1/(2β)."""
-    label_smoothing: float = 0.0
-    """cDPO's ε in [0, 0.5]: the assumed probability that a preference label is flipped."""
-    dpop_lambda: float = 50.0
-    """DPOP's λ: weight of max(0, ref_c − π_c), the penalty for lowering the chosen log-probability."""
-    rdpo_alpha: float = 0.0
-    """R-DPO's α: per-token weight of the length difference |y_w| − |y_l| inside the sigmoid."""
-    simpo_gamma: float = 0.5
-    """SimPO's target reward margin γ itself (not γ/β), subtracted inside the sigmoid."""
-    orpo_lambda: float = 0.1
-    """ORPO's λ: weight of the odds-ratio term added to the NLL of the chosen completion."""
-    sft_weight: float = 0.0
-    """Weight of an extra NLL-on-chosen term (mean per token) added to any variant; 0 turns it off."""
-
-    def __post_init__(self) -> None:
-        if self.type not in _VARIANTS:
-            raise ValueError(f"unknown preference loss type {self.type!r}; choose one of {sorted(_VARIANTS)}")
-        if self.beta <= 0:
-            raise ValueError(f"beta must be positive, got {self.beta}")
-        if not 0.0 <= self.label_smoothing <= 0.5:
-            raise ValueError(f"label_smoothing must be in [0, 0.5], got {self.label_smoothing}")
-        for name in ("dpop_lambda", "orpo_lambda", "sft_weight"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be non-negative, got {getattr(self, name)}")
-
+from posttrain.config.losses import PreferenceLossConfig, PreferenceLossType  # the loss section is the loss config
 
 def sequence_logps(token_logps: torch.Tensor, mask: torch.Tensor, average: bool) -> torch.Tensor:
     """Log-probability of each completion from its tokens'.

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
@@ -15,6 +16,7 @@ from transformers import (
 from posttrain.config.schema import LoraSection, ModelConfig
 from posttrain.errors import RunError
 from posttrain.models.errors import ModelNotFoundError
+from posttrain.models.packing import custom_mask_problem
 from posttrain.models.lora import (
     TaskKind,
     add_lora,
@@ -137,9 +139,5 @@ def default_device() -> torch.device:
 def custom_mask_problem_of(cfg: ModelConfig, max_length: int) -> str | None:
     """Why packed or shared-prompt rows would not be exact for this model (see models/packing.py), or None; reads
     only the model's config, so it can stop a run before any weights load."""
-    from transformers import AutoConfig
-
-    from posttrain.models.packing import custom_mask_problem
-
     source = resolve_model_path(cfg.name_or_path)
     return custom_mask_problem(AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code), max_length)

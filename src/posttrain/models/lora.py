@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from posttrain.config.schema import LoraSection
+from posttrain.rundir import check_export_dir, write_manifest
 
 if TYPE_CHECKING:  # annotations only: importing peft takes a moment
     from transformers import PreTrainedModel
@@ -79,9 +80,6 @@ def save_adapter(model: torch.nn.Module, directory: str | Path, tokenizer=None) 
     """Write the adapter alone (peft's format), and the tokenizer if given, to `directory`, replacing it whole:
     the files go to a hidden folder beside it that is renamed into place when complete. A `directory` holding
     files no export wrote is refused, not replaced."""
-    from posttrain.checkpoint import write_manifest
-    from posttrain.rundir import check_export_dir
-
     target = Path(directory)
     check_export_dir(target)
     staging = target.parent / f".tmp-{target.name}-{os.getpid()}"

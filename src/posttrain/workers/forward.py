@@ -14,6 +14,7 @@ import dataclasses
 from typing import Literal, TypeVar
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 import torch.nn.functional as F
 
 from posttrain.config.schema import TrainerConfig
@@ -81,8 +82,6 @@ def call_with_positions(model: torch.nn.Module, input_ids: torch.Tensor, positio
 
 def lm_head_problem(model: torch.nn.Module) -> str | None:
     """Why the chunked LM head would not compute exactly what `model`'s forward does, or None."""
-    from torch.distributed.fsdp import FSDPModule
-
     if any(isinstance(m, FSDPModule) for m in model.modules()):  # the root, or a LoRA base inside a sharded one
         return "the LM head of an FSDP2-sharded model is sharded over the ranks; the chunked head runs in one process"
     model_type = model.config.model_type

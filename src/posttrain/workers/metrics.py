@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 Reduction = Literal["sum", "mean", "min", "max"]
 
@@ -126,8 +127,6 @@ def all_reduce_metrics(metrics: Mapping[str, Metric], group=None) -> MetricDict:
     on equally many micro-batches). Sums and means travel as one float64 SUM collective, minima and maxima as
     one MIN and one MAX.
     """
-    import torch.distributed as dist
-
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return dict(metrics)
     metrics = materialized(metrics)

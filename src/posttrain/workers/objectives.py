@@ -25,8 +25,9 @@ import torch
 
 from posttrain.data.types import PairBatch, RolloutBatch, SFTBatch, SharedPromptBatch
 from posttrain.losses.nll import nll_of_logprobs
-from posttrain.losses.policy_gradient import PolicyLossConfig, loss_normalizer, policy_gradient_loss
-from posttrain.losses.preference import PreferenceLossConfig, preference_loss, sequence_logps
+from posttrain.config.losses import PolicyLossConfig, PreferenceLossConfig
+from posttrain.losses.policy_gradient import loss_normalizer, policy_gradient_loss
+from posttrain.losses.preference import preference_loss, sequence_logps
 from posttrain.losses.reward_model import bradley_terry_loss
 from posttrain.losses.value import value_loss, value_loss_normalizer
 from posttrain.workers.forward import Outputs, TargetScores
@@ -117,11 +118,10 @@ def _on(tensor: torch.Tensor | None, device: torch.device) -> torch.Tensor | Non
 @dataclass(frozen=True)
 class PreferenceObjective:
     """DPO's family, SimPO and ORPO on a `PairBatch`: the summed per-pair loss over the step's pair count; the
-    reference log-probabilities travel in the batch. `average_logprobs`: completion log-probabilities as the mean
-    over their tokens instead of the sum."""
+    reference log-probabilities travel in the batch (config.average_logprobs: completion log-probabilities as the
+    mean over their tokens instead of the sum)."""
 
     config: PreferenceLossConfig
-    average_logprobs: bool = False
     outputs: Outputs = "target_logprobs"
     temperature: float = 1.0
 
@@ -130,7 +130,7 @@ class PreferenceObjective:
 
     def __call__(self, target_logps: torch.Tensor, batch: PairBatch, normalizer: float | None
                  ) -> tuple[torch.Tensor, MetricDict]:
-        policy = completion_logps(target_logps, batch.rows, self.average_logprobs)
+        policy = completion_logps(target_logps, batch.rows, self.config.average_logprobs)
         device = target_logps.device
         loss, metrics = preference_loss(
             self.config, policy.chosen, policy.rejected, _on(batch.reference_chosen_logps, device),

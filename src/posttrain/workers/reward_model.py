@@ -1,7 +1,7 @@
 """Scoring text with a trained reward model (the OUTPUT/final/ of `posttrain rm`, or any Hugging Face sequence
 classifier with one label).
 
-    from posttrain.workers import RewardModel       # also importable as posttrain.models.RewardModel
+    from posttrain.workers import RewardModel
     rm = RewardModel.from_pretrained("runs/rm_arithmetic/final")
     rm.score(["12+34="], ["46"])          # -> [reward]
 
@@ -19,12 +19,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from transformers import AutoTokenizer
 
 from posttrain.data.collate import collate_padded
 from posttrain.data.formats import Messages
 from posttrain.data.preference import completion_room, tokenize_completions
 from posttrain.config.schema import TrainerConfig
 from posttrain.data.types import TokenizedExample
+from posttrain.models.loading import DTYPES, default_device, resolve_model_path
+from posttrain.models.value_head import scalar_head_model_class
 from posttrain.workers.local import LocalScoringWorker
 
 if TYPE_CHECKING:
@@ -55,11 +58,6 @@ class RewardModel:
         """Load a reward-model directory (or hub id, or embedded name) with AutoModelForSequenceClassification, or,
         for an architecture transformers has no sequence classifier for, with posttrain's scalar head on its base
         model (posttrain.models.value_head), which is how `posttrain rm` saved it."""
-        from transformers import AutoTokenizer
-
-        from posttrain.models.loading import DTYPES, default_device, resolve_model_path
-        from posttrain.models.value_head import scalar_head_model_class
-
         source = resolve_model_path(str(path))
         model = scalar_head_model_class(source).from_pretrained(source, dtype=DTYPES[dtype])
         tokenizer = AutoTokenizer.from_pretrained(source)

@@ -3,6 +3,9 @@
 Every helper is safe in a single process (no process group): rank 0 of a world of 1, barriers that return at
 once. `init_from_env` starts the group when torchrun (or `posttrain RECIPE --nproc-per-node N`) launched this
 process: gloo on CPU, NCCL on GPU, one GPU per local rank.
+
+A module of its own, low in the layer table (torch.distributed only): the run directory's lock and the
+checkpoints use it, and they sit below posttrain.distributed, whose package builds workers.
 """
 
 from __future__ import annotations

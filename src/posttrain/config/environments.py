@@ -1,0 +1,504 @@
+"""The `environment` section: what scores the completions, one typed section per environment kind.
+
+    environment:
+      kind: math                  # picks the section (a union discriminated on kind; arithmetic when left out)
+      options: {timeout_s: 5, num_workers: 2}
+      max_error_fraction: 0.5     # keys every kind has
+
+Each kind's options are a model of their own (`MathOptions`, `JudgeOptions`, ...) with a docstring per option, so a
+misspelt or ill-typed option is refused when the config loads, naming `environment.options.NAME` and the
+environment. Options are checked strictly: a string or a boolean is no number, since they come typed from YAML.
+`posttrain.envs.registry.build_environment` takes the typed options; the models an environment scores with (a judge
+model, a reward model) are built by the recipe (`posttrain.algorithms.environments`) and handed in, never loaded by
+the environment itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal, Union
+
+from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
+
+from posttrain.config.sections import Section
+
+DEFAULT_WORKER_MEMORY_MB = 4096
+"""Address-space limit (MiB) of each reward worker process unless environment.worker_memory_mb says otherwise."""
+
+DEFAULT_JUDGE_TEMPLATE = (
+    "Rate the response to the prompt below from {min_score} (worst) to {max_score} (best).\n\n"
+    "Prompt:\n{prompt}\n\nResponse:\n{response}\n\n"
+    'End your answer with one line of the form "Score: N".'
+)
+DEFAULT_SCORE_PATTERN = r"(?i)\bscore\s*[:=]\s*\**\s*([-+]?\d+(?:\.\d+)?|[^\s*]+)"
+"""'score' then ':' or '=' (markdown bold allowed), capturing a number, or else the word there (to report it)."""
+
+REWARD_ONLY = frozenset({"python", "reward_model", "judge"})
+"""The environments that give a reward and never say whether a reply is correct; the verifiers (arithmetic, math,
+code) put `correct` in each episode's metadata, for accuracy and pass@k, and so does a mixture with a verifier."""
+
+RESERVED_COMPONENT_NAMES = frozenset({"mean", "std", "errors", "errors_total"})
+"""Names the loop already logs under reward/, which a mixture component would overwrite."""
+
+
+class EnvironmentOptions(Section):
+    """The options of one environment kind. Strict: a value must have its option's type as YAML gives it (an
+    integer is a float; a string or a boolean is no number)."""
+
+    model_config = ConfigDict(strict=True, frozen=True)
+
+    kind: ClassVar[str]
+    """The environment kind these options belong to (the section's `kind`)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_memory_limit(cls, value: Any) -> Any:
+        if isinstance(value, Mapping) and "worker_memory_mb" in value:
+            raise ValueError("options.worker_memory_mb: set environment.worker_memory_mb instead, the one place for "
+                             "the reward workers' memory limit")
+        return value
+
+    @property
+    def loads_model(self) -> bool:
+        """Whether the environment scores with a model the recipe must build and hand in."""
+        return False
+
+
+class ArithmeticOptions(EnvironmentOptions):
+    """arithmetic: exact match of the sum against the row's `answer`. No options."""
+
+    kind: ClassVar[str] = "arithmetic"
+
+
+class MathOptions(EnvironmentOptions):
+    """math: math-verify on the final or boxed answer against the row's `answer`."""
+
+    kind: ClassVar[str] = "math"
+
+    timeout_s: float = 5.0
+    """Time limit per sample, in seconds."""
+
+    num_workers: int = 2
+    """Scorer processes (0: score in the calling thread, which must be the main thread)."""
+
+    format_weight: float = 0.0
+    """Weight of the boxed-answer format component."""
+
+    reward_components: bool = False
+    """Return {correct, format} rewards (logged and weighted per component) instead of their weighted sum."""
+
+
+class PythonOptions(EnvironmentOptions):
+    """python: your reward functions, by import path."""
+
+    kind: ClassVar[str] = "python"
+
+    functions: str | list[str | list[Any] | dict[str, Any]]
+    """One import path ("my_pkg.rewards:fn" or "path/to/file.py:fn"), or a list of paths, [name, path, weight]
+    triples or {name, path, weight} mappings (several give named reward components)."""
+
+    timeout_s: float = 10.0
+    """Time limit per sample, in seconds."""
+
+    num_workers: int = 2
+    """Worker processes (0: call in the training process without a time limit, for trusted, fast functions)."""
+
+    samples_per_call: int = 1
+    """Completions per call of a function."""
+
+    reward_components: bool | None = None
+    """Dict rewards keyed by function name (null: true for several functions, false for one)."""
+
+
+class CodeOptions(EnvironmentOptions):
+    """code: the program in the reply run against the row's `tests` (or `assert_code`) in a sandbox."""
+
+    kind: ClassVar[str] = "code"
+
+    time_limit_s: float = 5.0
+    """Wall-clock limit of each test run."""
+
+    memory_limit_mb: int = 512
+    """Address-space limit of each test run."""
+
+    output_limit_bytes: int = 1_000_000
+    """stdout and stderr are each cut here, and a program writing more is stopped and fails."""
+
+    num_workers: int = 2
+    """Test runs executed at once (threads, each waiting on one sandboxed subprocess)."""
+
+    all_or_nothing: bool = False
+    """Reward 1.0 only when every test passes, else 0.0; otherwise the fraction passed."""
+
+    allow_unisolated_fallback: bool = False
+    """Run programs even where the sandbox has no namespace isolation: only for trusted programs, or on a throw-away
+    machine (see docs/rl.md)."""
+
+
+class RewardModelOptions(EnvironmentOptions):
+    """reward_model: a trained reward model's score of (prompt, reply)."""
+
+    kind: ClassVar[str] = "reward_model"
+
+    path: str
+    """The reward model directory (e.g. a `posttrain rm` run's final/) or hub id."""
+
+    conversational: bool = False
+    """Score the message log with the reward model's chat template (prompt = every message but the reply) instead
+    of the last user message and the reply as plain strings."""
+
+    batch_size: int = 32
+    """Sequences scored together."""
+
+    max_length: int | None = None
+    """Longest (prompt, reply) in tokens the reward model reads (null: its own limit)."""
+
+    device: str | None = None
+    """Device of the reward model (null: CUDA when available, else CPU)."""
+
+    @property
+    def loads_model(self) -> bool:
+        return True
+
+
+class JudgeOptions(EnvironmentOptions):
+    """judge: another language model's score of the reply, from a local model (path) or an OpenAI-compatible server
+    (base_url with model); see posttrain.envs.judge."""
+
+    kind: ClassVar[str] = "judge"
+
+    path: str | None = None
+    """A local Hugging Face chat model (directory, hub id or embedded name), loaded once and run greedily."""
+
+    base_url: str | None = None
+    """An OpenAI-compatible server (vLLM, SGLang, TGI, a hosted API): POST {base_url}/v1/chat/completions."""
+
+    model: str | None = None
+    """With base_url: the name the server serves the judge under."""
+
+    api_key_env: str | None = None
+    """With base_url: the environment variable holding the API key (so the key never appears in config.yaml)."""
+
+    template: str = DEFAULT_JUDGE_TEMPLATE
+    """What the judge reads: {prompt}, {response}, {min_score}, {max_score} and every column of the row by name."""
+
+    system_prompt: str | None = None
+    """A system message before the template's user message."""
+
+    score_pattern: str = DEFAULT_SCORE_PATTERN
+    """Regular expression with one capture group, the score (default: "Score: N")."""
+
+    min_score: float = 1.0
+    """Lowest score the judge may give."""
+
+    max_score: float = 10.0
+    """Highest score the judge may give."""
+
+    normalize: bool = True
+    """Reward (score − min_score) / (max_score − min_score), in [0, 1], instead of the score itself."""
+
+    max_new_tokens: int = 64
+    """Tokens per verdict."""
+
+    timeout_s: float = 60.0
+    """With base_url: time limit of connecting and of each read."""
+
+    max_retries: int = 3
+    """With base_url: retries of a connection error, a timeout, HTTP 429 or 5xx."""
+
+    retry_backoff_s: float = 1.0
+    """With base_url: seconds before the first retry, doubled before each next one."""
+
+    concurrency: int = 8
+    """With base_url: requests at a time."""
+
+    batch_size: int = 16
+    """With path: conversations generated together."""
+
+    use_chat_template: bool = True
+    """With path: render the judge's messages with its chat template when it has one (else as plain text)."""
+
+    device: str | None = None
+    """With path: device of the judge model (null: CUDA when available, else CPU)."""
+
+    @model_validator(mode="after")
+    def _one_judge(self) -> JudgeOptions:
+        if (self.path is None) == (self.base_url is None):
+            raise ValueError("give the judge as either path (a local model) or base_url (an OpenAI-compatible "
+                             f"server), exactly one of them; got path={self.path!r}, base_url={self.base_url!r}")
+        if self.base_url is not None and self.model is None:
+            raise ValueError("base_url needs model, the name the server serves the judge under")
+        if self.path is not None and (self.model is not None or self.api_key_env is not None):
+            raise ValueError("model and api_key_env belong to a judge server (base_url), not a local path")
+        return self
+
+    @property
+    def loads_model(self) -> bool:
+        return self.path is not None
+
+
+class _ComponentSettings(Section):
+    """Keys every mixture component has besides its kind and options."""
+
+    name: str
+    """The component's name: its reward is logged as reward/<name> and weighted by advantage.component_weights."""
+
+    weight: float = 1.0
+    """Weight of the component in the reward's weighted sum."""
+
+    @field_validator("name")
+    @classmethod
+    def _a_metric_name(cls, name: str) -> str:
+        if not name or "/" in name:
+            raise ValueError(f"a non-empty name without '/' is required (it is logged as reward/<name>), got {name!r}")
+        if name in RESERVED_COMPONENT_NAMES:
+            raise ValueError(f"{name!r} is taken by the loop's own reward/{name}; choose another")
+        return name
+
+    @field_validator("weight", mode="before")
+    @classmethod
+    def _finite_number(cls, weight: Any) -> Any:
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ValueError(f"expected a finite number, got {weight!r}")
+        return weight
+
+
+class _EnvironmentSettings(Section):
+    """Keys the environment section has whatever its kind."""
+
+    normalize_rewards: bool = False
+    """Scale each training reward to (r - mean) / std, with the mean and standard deviation running over every
+    valid reward of the run's training batches so far, this step's included (checkpointed, so a resumed run
+    continues them; with dynamic sampling, the groups kept). For rewards without a fixed scale, such as a reward
+    model's scores, under PPO, whose critic regresses on them. Under GRPO: the grpo estimator with normalize_std
+    and reinforce++ give the same advantages; Dr. GRPO (normalize_std false), rloo and raw scale theirs by 1/std
+    (so the KL penalty weighs more or less against them); gdpo, which normalizes each reward component itself, is
+    refused. Logged rewards, validation and evaluation sets stay raw."""
+
+    max_error_fraction: float = Field(0.5, ge=0, le=1)
+    """Samples whose reward failed (raised, timed out, NaN) are masked and counted in reward/errors; the run
+    stops with a clear message only when a step's failed fraction exceeds this."""
+
+    worker_memory_mb: int = Field(DEFAULT_WORKER_MEMORY_MB, ge=0)
+    """Address-space limit (RLIMIT_AS) in MiB of each reward worker process (python and math environments),
+    inherited by whatever a reward function starts; a call that needs more fails with MemoryError and its sample
+    is masked and counted. 0: no limit (needed by reward functions that use CUDA, which reserves far more address
+    space than it uses)."""
+
+    @property
+    def reward_only(self) -> bool:
+        """Whether the environment gives rewards only, never saying whether a reply is correct."""
+        return self.kind in REWARD_ONLY
+
+
+class ArithmeticEnvironment(_EnvironmentSettings):
+    """What scores the completions: the arithmetic verifier."""
+
+    kind: Literal["arithmetic"] = "arithmetic"
+    """arithmetic (exact match of the sum), math (math-verify on the final or boxed answer against the row's
+    `answer`), code (the program run against the row's `tests` in a sandbox), python (your reward functions),
+    reward_model (a trained reward model's score; options {path: runs/rm/final}), judge (an LLM's score; options
+    {path: a local model} or {base_url: http://host:8000, model: NAME}), mixture (several of these, each a named,
+    weighted reward component; options {components: [{name, kind, weight, options}, ...]}); see docs/rl.md."""
+
+    options: ArithmeticOptions = Field(default_factory=ArithmeticOptions)
+    """None."""
+
+
+class MathEnvironment(_EnvironmentSettings):
+    """What scores the completions: math-verify."""
+
+    kind: Literal["math"]
+    """math."""
+
+    options: MathOptions = Field(default_factory=MathOptions)
+    """The math verifier's options."""
+
+
+class PythonEnvironment(_EnvironmentSettings):
+    """What scores the completions: your reward functions."""
+
+    kind: Literal["python"]
+    """python."""
+
+    options: PythonOptions
+    """The reward functions and how they are called."""
+
+
+class CodeEnvironment(_EnvironmentSettings):
+    """What scores the completions: programs run against tests in a sandbox."""
+
+    kind: Literal["code"]
+    """code."""
+
+    options: CodeOptions = Field(default_factory=CodeOptions)
+    """The sandbox's limits."""
+
+
+class RewardModelEnvironment(_EnvironmentSettings):
+    """What scores the completions: a trained reward model."""
+
+    kind: Literal["reward_model"]
+    """reward_model."""
+
+    options: RewardModelOptions
+    """The reward model and how it reads."""
+
+
+class JudgeEnvironment(_EnvironmentSettings):
+    """What scores the completions: an LLM judge."""
+
+    kind: Literal["judge"]
+    """judge."""
+
+    options: JudgeOptions
+    """The judge (path, or base_url with model) and how its verdict is read."""
+
+
+class ArithmeticComponent(_ComponentSettings):
+    kind: Literal["arithmetic"]
+    """arithmetic."""
+    options: ArithmeticOptions = Field(default_factory=ArithmeticOptions)
+    """None."""
+
+
+class MathComponent(_ComponentSettings):
+    kind: Literal["math"]
+    """math."""
+    options: MathOptions = Field(default_factory=MathOptions)
+    """The math verifier's options."""
+
+
+class PythonComponent(_ComponentSettings):
+    kind: Literal["python"]
+    """python."""
+    options: PythonOptions
+    """The reward functions."""
+
+
+class CodeComponent(_ComponentSettings):
+    kind: Literal["code"]
+    """code."""
+    options: CodeOptions = Field(default_factory=CodeOptions)
+    """The sandbox's limits."""
+
+
+class RewardModelComponent(_ComponentSettings):
+    kind: Literal["reward_model"]
+    """reward_model."""
+    options: RewardModelOptions
+    """The reward model."""
+
+
+class JudgeComponent(_ComponentSettings):
+    kind: Literal["judge"]
+    """judge."""
+    options: JudgeOptions
+    """The judge."""
+
+
+def _kind_of(value: Any, default: str | None = None) -> str | None:
+    """The discriminator: `kind` of a mapping (`default` when it has none), of a built section, else None (an
+    error naming the kinds)."""
+    if isinstance(value, Mapping):
+        return value.get("kind", default)
+    if isinstance(value, (_EnvironmentSettings, _ComponentSettings)):
+        return value.kind
+    return None
+
+
+def _component_kind(value: Any) -> str | None:
+    return _kind_of(value)
+
+
+def _section_kind(value: Any) -> str | None:
+    return _kind_of(value, "arithmetic")
+
+
+MixtureComponent = Annotated[
+    Union[
+        Annotated[ArithmeticComponent, Tag("arithmetic")],
+        Annotated[MathComponent, Tag("math")],
+        Annotated[PythonComponent, Tag("python")],
+        Annotated[CodeComponent, Tag("code")],
+        Annotated[RewardModelComponent, Tag("reward_model")],
+        Annotated[JudgeComponent, Tag("judge")],
+    ],
+    Discriminator(_component_kind, custom_error_type="environment_kind", custom_error_message=(
+        "expected one of arithmetic, code, judge, math, python, reward_model (mixtures do not nest)")),
+]
+"""One component of a mixture: {name, kind, weight, options}, its options those of its kind."""
+
+
+class MixtureOptions(EnvironmentOptions):
+    """mixture: several environments, each a named, weighted reward component."""
+
+    model_config = ConfigDict(strict=False)  # the components are mappings in YAML; their options are strict
+
+    kind: ClassVar[str] = "mixture"
+
+    components: list[MixtureComponent]
+    """The components, each {name, kind, weight (default 1), options (default {})}: every one scores each reply."""
+
+    @field_validator("components")
+    @classmethod
+    def _named_once(cls, components: list[Any]) -> list[Any]:
+        if not components:
+            raise ValueError("a mixture needs a non-empty list of components, each {name, kind, weight, options}")
+        names = [component.name for component in components]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            index = len(names) - 1 - names[::-1].index(repeated[0])
+            raise ValueError(f"components[{index}] ({repeated[0]}).name: {repeated[0]!r} is used by two components")
+        return components
+
+    @property
+    def loads_model(self) -> bool:
+        return any(component.options.loads_model for component in self.components)
+
+    @property
+    def reward_only(self) -> bool:
+        """True when no component is a verifier (which would say which replies are correct)."""
+        return all(component.kind in REWARD_ONLY for component in self.components)
+
+
+class MixtureEnvironment(_EnvironmentSettings):
+    """What scores the completions: a weighted mixture of environments."""
+
+    kind: Literal["mixture"]
+    """mixture."""
+
+    options: MixtureOptions
+    """The components."""
+
+    @property
+    def reward_only(self) -> bool:
+        return self.options.reward_only
+
+
+EnvironmentSection = Annotated[
+    Union[
+        Annotated[ArithmeticEnvironment, Tag("arithmetic")],
+        Annotated[MathEnvironment, Tag("math")],
+        Annotated[PythonEnvironment, Tag("python")],
+        Annotated[CodeEnvironment, Tag("code")],
+        Annotated[RewardModelEnvironment, Tag("reward_model")],
+        Annotated[JudgeEnvironment, Tag("judge")],
+        Annotated[MixtureEnvironment, Tag("mixture")],
+    ],
+    Discriminator(_section_kind, custom_error_type="environment_kind", custom_error_message=(
+        "environment kind must be one of arithmetic, code, judge, math, mixture, python, reward_model")),
+]
+"""The environment section: a union discriminated on `kind` (arithmetic when left out)."""
+
+AnyEnvironmentOptions = Union[ArithmeticOptions, MathOptions, PythonOptions, CodeOptions, RewardModelOptions,
+                              JudgeOptions, MixtureOptions]
+
+_SECTION_ADAPTER: TypeAdapter = TypeAdapter(EnvironmentSection)
+
+
+def environment_section(tree: Mapping[str, Any]) -> Any:
+    """The environment section of the YAML mapping `tree` ({kind, options, ...}), validated as the config loader
+    validates `environment:`; for building an environment from Python (`algorithms.environments`)."""
+    return _SECTION_ADAPTER.validate_python(dict(tree))
