@@ -84,7 +84,26 @@ class JudgeServer:
                 if kind == "sleep":
                     time.sleep(value)
                     kind, value = "reply", "Score: 5"
-                if kind == "status":
+                if kind == "redirect":
+                    self.send_response(value[0])
+                    self.send_header("Location", value[1])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                elif kind == "drip":  # headers, then one byte of the body every `value` seconds
+                    answer = json.dumps({"choices": [{"message": {"content": "Score: 5"}}]}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(answer)))
+                    self.end_headers()
+                    for byte in answer:
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                        time.sleep(value)
+                elif kind == "big":  # `value` bytes of a valid answer, without a Content-Length
+                    self.send_response(200)
+                    self.end_headers()
+                    self.wfile.write(b'{"choices": [{"message": {"content": "Score: 5 ' + b"x" * value + b'"}}]}')
+                    self.close_connection = True
+                elif kind == "status":
                     self._send(value, b"upstream failure")
                 elif kind == "raw":
                     self._send(200, value)
@@ -161,6 +180,48 @@ def test_a_slow_judge_times_out_and_masks_the_sample(server):
     assert judge.counts["timeout"] == 1
     # A timeout is not cached: the same pair is asked again and now succeeds.
     assert judge.step(logs(("q", "slow")), [{}]).rewards == [pytest.approx(6 / 9)]
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_a_redirect_is_refused_and_the_key_never_reaches_another_origin(server, monkeypatch, status):
+    # Issue 34 row 1: a 302 to another port was followed as a GET carrying the Authorization header, and that
+    # server's answer was scored as a verdict.
+    monkeypatch.setenv("JUDGE_KEY", "secret-123")
+    other = JudgeServer()
+    try:
+        server.default = ("redirect", (status, other.url + "/v1/chat/completions"))
+        judge = http_judge(server, api_key_env="JUDGE_KEY", max_retries=2)
+        step = judge.step(logs(("q", "r")), [{}])
+        assert other.requests == []  # nothing went to the other origin, key or not
+        assert step.rewards == [None] and "redirects are not followed" in step.errors[0]
+        assert other.url in step.errors[0] and len(server.requests) == 1  # final, not retried
+        assert judge.counts["http_error"] == 1
+    finally:
+        other.close()
+
+
+def test_the_deadline_covers_the_whole_call_not_each_read(server):
+    # Issue 34 row 4: a server sending one byte every 0.5 s kept the call (and the run) waiting forever, as
+    # timeout_s limited each read only.
+    server.script = [("drip", 0.2)]
+    judge = http_judge(server, timeout_s=1.0, max_retries=0)
+    started = time.monotonic()
+    step = judge.step(logs(("q", "r")), [{}])
+    assert time.monotonic() - started < 2.5
+    assert step.rewards == [None] and "timeout" in step.errors[0] and "timeout_s=1" in step.errors[0]
+
+
+def test_an_answer_past_the_size_cap_is_not_read(server):
+    # Issue 34 row 5: a 1.5 GB answer was read whole. Here 2 MB against a cap of 100 kB, with and without a
+    # Content-Length; a small answer still passes.
+    server.script = [("big", 2_000_000), ("raw", b"x" * 200_000)]
+    judge = http_judge(server, max_response_bytes=100_000, max_retries=3)
+    first = judge.step(logs(("q", "r")), [{}])
+    second = judge.step(logs(("q", "s")), [{}])
+    for step in (first, second):
+        assert step.rewards == [None] and "max_response_bytes=100000" in step.errors[0]
+    assert "200000 bytes" in second.errors[0] and len(server.requests) == 2  # final, not retried
+    assert judge.step(logs(("q", "t")), [{}]).rewards == [pytest.approx(6 / 9)]
 
 
 def test_http_500_is_retried_and_then_succeeds(server):
