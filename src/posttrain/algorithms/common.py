@@ -17,6 +17,7 @@ from posttrain.checkpoint import (
     FINAL_DIR,
     Checkpoint,
     SavesState,
+    check_checkpoint_folders,
     latest_checkpoint,
     restore_trainer_state,
     save_checkpoint,
@@ -29,6 +30,7 @@ from posttrain.logging import RunLogger
 from posttrain.logging.report import write_run_info
 from posttrain.models.lora import ADAPTER_DIR
 from posttrain.models.loading import resolve_model_path
+from posttrain.preemption import checkpoint_written, preempted, step_boundary
 from posttrain.rundir import check_export_dir, remove_dead_staging
 from posttrain.workers import PolicyWorker
 
@@ -55,6 +57,7 @@ def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, li
         try:
             check_export_dir(out / FINAL_DIR)
             check_export_dir(out / ADAPTER_DIR)
+            check_checkpoint_folders(out)
         except RunError as error:
             problem = str(error)
     problem = broadcast_object(problem)
@@ -217,10 +220,16 @@ def log_step(run_log: RunLogger, step: int, metrics: dict[str, float], trainer: 
 
 def save_if_due(output_dir: Path, step: int, trainer: TrainerConfig, workers: Mapping[str, SavesState],
                 sampler: EpochSampler, extra_state: dict | None = None) -> None:
-    """Checkpoint every save_every steps and at the last: each worker's folder plus the data position."""
-    if is_save_step(step, trainer):
-        save_checkpoint(output_dir, step, workers, {"sampler": sampler.state_dict(), **(extra_state or {})},
-                        trainer.keep_last)
+    """Checkpoint every save_every steps, every save_every_minutes, at the last step, and when SIGTERM or SIGUSR1
+    arrived: each worker's folder plus the data position. After a signal's checkpoint, raise Preempted (the run
+    ends here; posttrain.preemption). Every rank calls this at the end of every step: the decision is collective."""
+    boundary = step_boundary(trainer.save_every_minutes)
+    if is_save_step(step, trainer) or boundary.save_for_time or boundary.stop_signal is not None:
+        checkpoint = save_checkpoint(output_dir, step, workers,
+                                     {"sampler": sampler.state_dict(), **(extra_state or {})}, trainer.keep_last)
+        checkpoint_written()
+        if boundary.stop_signal is not None and step < trainer.max_steps:
+            raise preempted(boundary.stop_signal, step, trainer.max_steps, checkpoint.path)
 
 
 def export_policy(output_dir: Path, policy: PolicyWorker, run_log: RunLogger) -> Path:

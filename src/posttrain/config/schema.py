@@ -179,6 +179,11 @@ class TrainerConfig(NumericSection):
     save_every: int = Field(0, ge=0)
     """Write a resumable checkpoint every this many steps (0: none until the end)."""
 
+    save_every_minutes: float = Field(20.0, ge=0)
+    """Also write a checkpoint at the first step end this many minutes after the previous one (or the start), so
+    a run killed without warning loses at most about this much work (0: only save_every and the end). SIGTERM and
+    SIGUSR1 save at the current step's end whatever this says (docs/failure-modes.md)."""
+
     keep_last: int = Field(2, gt=0)
     """Keep only this many most recent checkpoints."""
 
@@ -265,6 +270,10 @@ class RecipeConfig(Section):
 
     seed: int = 0
     """Seed for model init (where applicable), data order and sampling."""
+
+    overwrite_output_dir: bool = False
+    """Write into an output_dir that already holds files posttrain did not put there (no OUTPUT/.posttrain-run
+    marker); without it such a folder is refused before anything is written, naming the files."""
 
     @field_validator("output_dir")
     @classmethod
@@ -1095,6 +1104,9 @@ class QuickstartConfig(Section):
 
     output_dir: str = "runs/quickstart"
     """Where each stage writes its run directory, and where summary.json and curves.png go."""
+
+    overwrite_output_dir: bool = False
+    """Write into an output_dir that already holds files posttrain did not put there (see the training recipes)."""
 
     @field_validator("output_dir")
     @classmethod

@@ -842,3 +842,41 @@ def write_report(run_dirs: Sequence[str | os.PathLike[str]], output: str | os.Pa
     tmp_path.write_text(_page(runs), encoding="utf-8")
     os.replace(tmp_path, output)
     return output
+
+
+def describe_finished_run(output_dir: str | os.PathLike[str], max_steps: int, final_dir: str | os.PathLike[str],
+                          shown: Sequence[str] = ("loss",)) -> str:
+    """The closing line of a training command: which steps this invocation trained (none when the run had already
+    finished them), how many it skipped as non-finite, the newest value of each metric named in `shown` (a name
+    ending in "/" stands for every metric under it) as metrics.jsonl holds it, and where the model and the report
+    are. Read from the run's files, so a finished run run again says the same as it did the first time."""
+    output_dir = Path(output_dir)
+    info = read_run_info(output_dir) or {}
+    starts = info.get("starts") or [{}]
+    resumed = starts[-1].get("resumed_from_step") or 0
+    metrics_path = output_dir / "metrics.jsonl"
+    records = read_metrics(metrics_path) if metrics_path.is_file() else []
+    if resumed >= max_steps:
+        what = f"done: {output_dir} had already trained its {max_steps} steps; nothing to train"
+    else:
+        what = f"done: trained steps {resumed + 1}-{max_steps} of {max_steps}" + \
+            (f" (resumed from step {resumed})" if resumed else "")
+        skipped = records[-1].get("nonfinite_skipped_steps") if records else None
+        if skipped:
+            what += f", {int(skipped)} of them skipped (non-finite loss or gradient norm, not applied)"
+    values: dict[str, Any] = {}
+    for record in records:
+        for key, value in record.items():
+            if any(key == name or (name.endswith("/") and key.startswith(name)) for name in shown):
+                values[key] = value
+    if values:
+        what += ", " + ", ".join(f"{key} {_short_number(value)}" for key, value in values.items())
+    what += f"; model: {final_dir}"
+    report = output_dir / REPORT_FILENAME
+    if report.is_file():
+        what += f"; report: {report}"
+    return what
+
+
+def _short_number(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
