@@ -399,3 +399,25 @@ def test_rotation_deletes_only_checkpoints_whose_manifest_lists_every_file(tmp_p
         save_checkpoint(tmp_path, 2, workers, {}, keep_last=1)  # nor replaced by a save of the same step
     assert (tmp_path / "checkpoints" / "step_2" / "policy" / "notes.txt").is_file()
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+# ---- issue 34: the closing line says what happened ----------------------------------------------------------------
+
+
+def test_the_closing_line_says_what_was_trained_skipped_and_where_things_are(tmp_path: Path, monkeypatch, capsys):
+    # Row 16: re-running a finished run printed "final loss None"; an on_nonfinite=skip run did not mention the
+    # steps it skipped.
+    from posttrain.cli import main
+
+    out = tmp_path / "run"
+    command = ["sft", *ARGS, f"output_dir={out}", "trainer.max_steps=3", "trainer.on_nonfinite=skip"]
+    _nan_at({2}, monkeypatch)
+    assert main(command) == 0
+    first = capsys.readouterr().out.strip().splitlines()[-1]
+    assert first.startswith("done: trained steps 1-3 of 3, 1 of them skipped (non-finite loss or gradient norm")
+    loss = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["loss"]
+    assert f", loss {loss:.4g}; model: {out / 'final'}; report: {out / 'report.html'}" in first
+    assert main(command) == 0
+    again = capsys.readouterr().out.strip().splitlines()[-1]
+    assert again.startswith(f"done: {out} had already trained its 3 steps; nothing to train, loss {loss:.4g}; model:")
+    assert "None" not in again
