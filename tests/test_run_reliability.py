@@ -88,7 +88,10 @@ def test_lock_of_a_killed_run_is_taken_over_with_a_message(tmp_path: Path):
 
 
 def test_staging_cleanup_removes_only_dead_runs_folders(tmp_path: Path):
+    from posttrain.rundir import claim_output_dir
+
     out = tmp_path / "run"
+    claim_output_dir(out)  # a run directory, where runs that died left their staging folders
     (out / "checkpoints").mkdir(parents=True)
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

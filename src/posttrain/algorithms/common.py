@@ -23,6 +23,8 @@ from posttrain.checkpoint import (
     save_checkpoint,
 )
 from posttrain.config.schema import TrainerConfig
+from posttrain.data.errors import DataError
+from posttrain.data.overlap import check_held_out
 from posttrain.data.sampler import EpochSampler
 from posttrain.distributed.env import broadcast_object, init_from_env, is_distributed, is_main
 from posttrain.errors import RunError
@@ -42,7 +44,8 @@ def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, li
 
     The caller holds the directory's lock (rundir.one_run_per_output_dir). Before anything is written, the
     staging folders of dead runs are removed, and a final/ or adapter/ holding files no export wrote stops the
-    run (RunError) rather than being replaced at its end. Returns the directory and, when an earlier run left
+    run (RunError) rather than being replaced at its end, as does a checkpoint folder holding the user's files;
+    held-out data sharing prompts with the training data past data.max_overlap_fraction stops it (DataError). Returns the directory and, when an earlier run left
     a different config there, the dotted keys that changed (the caller warns: resuming under other settings is
     allowed but worth knowing). In a data-parallel run rank 0 also resolves the model first (an embedded model
     is built once, not by every rank).
@@ -58,11 +61,13 @@ def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, li
             check_export_dir(out / FINAL_DIR)
             check_export_dir(out / ADAPTER_DIR)
             check_checkpoint_folders(out)
-        except RunError as error:
-            problem = str(error)
+            for line in held_out_check(cfg):
+                print(line)
+        except (RunError, DataError) as error:
+            problem = error
     problem = broadcast_object(problem)
     if problem is not None:
-        raise RunError(problem)
+        raise problem
     if is_main():
         resolved = cfg.model_dump(mode="json")
         previous_file = out / CONFIG_FILE
@@ -75,6 +80,17 @@ def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, li
             resolve_model_path(model.tokenizer_name_or_path or model.name_or_path)
             resolve_model_path(model.name_or_path)
     return out, broadcast_object(changed)
+
+
+def held_out_check(cfg: BaseModel) -> list[str]:
+    """data.overlap.check_held_out for a recipe's config: its training files against data.eval_files and each
+    `evaluation:` set (the recipes without evaluation sets have none)."""
+    data = getattr(cfg, "data", None)
+    if data is None:
+        return []
+    sources = [("data.eval_files", data.eval_files, data.column_map)]
+    sources += [(f"evaluation set {s.name!r}", s.data.files, s.data.column_map) for s in getattr(cfg, "evaluation", [])]
+    return check_held_out(data.train_files, data.column_map, sources, data.max_overlap_fraction)
 
 
 def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -104,6 +104,12 @@ class DataConfig(Section):
     column_map: dict[str, str] = Field(default_factory=dict)
     """Rename columns as they are read, e.g. {question: prompt, solution: answer}, before the format is detected."""
 
+    max_overlap_fraction: float = Field(0.0, ge=0, le=1)
+    """The largest fraction of an evaluation source's rows (eval_files, each `evaluation:` set) whose prompt may also
+    be a training row's prompt (compared after normalising case, Unicode and whitespace); more stops the run
+    before training, naming both sources and a shared row. 0: held-out data shares no prompt with the training
+    data."""
+
 
 class TrainerConfig(NumericSection):
     max_steps: int = Field(100, gt=0)
