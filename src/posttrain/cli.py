@@ -29,7 +29,7 @@ from posttrain.config.loader import type_name
 from posttrain.config.presets import quickstart_base_config
 from posttrain.config.schema import GRPOConfig, PPOConfig, Section
 from posttrain.data.errors import DataError
-from posttrain.envs.rewards import RewardError
+from posttrain.envs.rewards import RewardError, RewardFunctionImportError
 from posttrain.errors import RunError
 from posttrain.models.errors import ModelNotFoundError
 from posttrain.preemption import Preempted
@@ -258,7 +258,14 @@ def _run_report(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # Overrides after an option (`key=v --nproc-per-node 2 other=w`): argparse gives a positional list one run of
+    # arguments, and would blame the later ones as unrecognized.
+    unknown = [item for item in extra if item.startswith("-") or "=" not in item or args.recipe in (None, "report")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     if args.recipe is None:
         parser.print_help()
         return 2
@@ -285,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         return recipe.run(cfg, args)
     except Preempted as stop:
         return _stopped_by_signal(recipe.name, cfg, stop)
-    except (DataError, ModelNotFoundError, RewardError, RunError) as err:
+    except (DataError, ModelNotFoundError, RewardError, RewardFunctionImportError, RunError) as err:
         # What a user can fix, said in one line: bad data, a missing model, a broken reward, a run that cannot go on.
         kind = "bad data: " if isinstance(err, DataError) else "reward failed: " if isinstance(err, RewardError) else ""
         print(f"posttrain {recipe.name}: {kind}{err}", file=sys.stderr)
