@@ -377,3 +377,23 @@ def test_the_judge_preset_asks_what_the_judge_learned_and_reads_its_verdicts():
         verdict = parse_score(judge_verdict(Problem(12, 34), reply), DEFAULT_SCORE_PATTERN, options["min_score"],
                               options["max_score"])
         assert (verdict.score, verdict.failure) == (score, None)
+
+
+def test_the_api_key_is_written_to_no_file_of_the_run(server, monkeypatch, tmp_path, tiny_model_dir):
+    # Issue 34: the key is read from the environment variable api_key_env names; config.yaml, metrics, samples,
+    # run_info and the report hold at most that name. The judge gets the key (its requests carry it).
+    from rl_configs import TINY_RL
+
+    from posttrain.algorithms.grpo import train_grpo
+
+    monkeypatch.setenv("JUDGE_KEY", "sk-secret-5e1f")
+    out = tmp_path / "run"
+    cfg = load_config(GRPOConfig, None, [*TINY_RL, "trainer.max_steps=1", "rollout.prompts_per_step=2",
+                                         f"output_dir={out}", "environment.kind=judge",
+                                         f"environment.options={{base_url: '{server.url}', model: j, "
+                                         "api_key_env: JUDGE_KEY, retry_backoff_s: 0.01}"])
+    train_grpo(cfg)
+    assert server.requests and all(r["authorization"] == "Bearer sk-secret-5e1f" for r in server.requests)
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.name == "config.yaml" for p in files) and any(p.name == "report.html" for p in files)
+    assert not [p for p in files if b"sk-secret-5e1f" in p.read_bytes()]
