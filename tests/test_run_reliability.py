@@ -424,3 +424,16 @@ def test_the_closing_line_says_what_was_trained_skipped_and_where_things_are(tmp
     again = capsys.readouterr().out.strip().splitlines()[-1]
     assert again.startswith(f"done: {out} had already trained its 3 steps; nothing to train, loss {loss:.4g}; model:")
     assert "None" not in again
+
+
+def test_a_foreign_metrics_file_in_a_run_directory_stops_the_run_before_config_is_written(tmp_path: Path):
+    # Row 2: with a foreign metrics.jsonl the run overwrote config.yaml first, then died with a raw ValueError.
+    from posttrain.rundir import claim_output_dir
+
+    out = tmp_path / "run"
+    claim_output_dir(out)
+    (out / "config.yaml").write_text("mine: true\n")
+    (out / "metrics.jsonl").write_text("step,loss\n1,2.0\n")
+    with pytest.raises(RunError, match=r"metrics.jsonl:1: not a JSON object .*was not written by a run"):
+        _train(out, "trainer.max_steps=1")
+    assert (out / "config.yaml").read_text() == "mine: true\n"

@@ -28,7 +28,7 @@ from posttrain.data.overlap import check_held_out
 from posttrain.data.sampler import EpochSampler
 from posttrain.distributed.env import broadcast_object, init_from_env, is_distributed, is_main
 from posttrain.errors import RunError
-from posttrain.logging import RunLogger
+from posttrain.logging import RunLogger, read_metrics
 from posttrain.logging.report import write_run_info
 from posttrain.models.lora import ADAPTER_DIR
 from posttrain.models.loading import resolve_model_path
@@ -61,6 +61,7 @@ def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, li
             check_export_dir(out / FINAL_DIR)
             check_export_dir(out / ADAPTER_DIR)
             check_checkpoint_folders(out)
+            _check_metrics_file(out / "metrics.jsonl")
             for line in held_out_check(cfg):
                 print(line)
         except (RunError, DataError) as error:
@@ -80,6 +81,18 @@ def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, li
             resolve_model_path(model.tokenizer_name_or_path or model.name_or_path)
             resolve_model_path(model.name_or_path)
     return out, broadcast_object(changed)
+
+
+def _check_metrics_file(path: Path) -> None:
+    """A metrics.jsonl that no run wrote (not JSON lines with a whole-number step) stops the run before config.yaml
+    is written, naming the line, instead of failing as a ValueError once the logger opens it."""
+    if not path.is_file():
+        return
+    try:
+        read_metrics(path)
+    except ValueError as error:
+        raise RunError(f"{error}: this metrics.jsonl was not written by a run (resuming would append to it); move "
+                       "it away, or choose another output_dir") from None
 
 
 def held_out_check(cfg: BaseModel) -> list[str]:

@@ -188,7 +188,8 @@ class TrainerConfig(NumericSection):
     save_every_minutes: float = Field(20.0, ge=0)
     """Also write a checkpoint at the first step end this many minutes after the previous one (or the start), so
     a run killed without warning loses at most about this much work (0: only save_every and the end). SIGTERM and
-    SIGUSR1 save at the current step's end whatever this says (docs/failure-modes.md)."""
+    SIGUSR1 save at the current step's end whatever this says (docs/failure-modes.md). These checkpoints count
+    toward keep_last like the others."""
 
     keep_last: int = Field(2, gt=0)
     """Keep only this many most recent checkpoints."""
