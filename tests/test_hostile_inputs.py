@@ -28,6 +28,8 @@ def test_row6_max_new_tokens_past_the_context_is_refused_naming_both(capsys, tin
     error = capsys.readouterr().err
     assert "max_new_tokens=1,000,000,000 is more than the model's context of 512 positions" in error
     assert "Traceback" not in error
+    assert main(["eval", "--model", "posttrain/tiny", "max_new_tokens=1000000000"]) == 1  # the built-in task
+    assert "is more than the model's context of 512 positions" in capsys.readouterr().err
     # The context itself is allowed.
     from posttrain.generation.transformers_backend import check_fits_context
 

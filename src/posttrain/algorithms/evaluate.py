@@ -37,6 +37,7 @@ from posttrain.envs.base import Environment
 from posttrain.envs.registry import build_environment
 from posttrain.errors import RunError
 from posttrain.generation.base import Generator, SamplingParams
+from posttrain.generation.transformers_backend import check_fits_context
 from posttrain.metrics import mean_pass_at_k
 from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer
 from posttrain.workers import PolicyWorker
@@ -206,6 +207,7 @@ def run_eval(cfg: EvalConfig) -> EvalResult | EvalReport:
     if not cfg.data.files:
         tokenizer = load_tokenizer(cfg.model)
         model = load_causal_lm(cfg.model, device=default_device())
+        check_fits_context(model.config, cfg.max_new_tokens or 8)
         return evaluate_arithmetic(model, tokenizer, cfg.task_examples, cfg.seed, cfg.batch_size,
                                    cfg.max_new_tokens or 8)
     return evaluate_files(cfg)
