@@ -44,9 +44,10 @@ def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, li
 
     The caller holds the directory's lock (rundir.one_run_per_output_dir). Before anything is written, the
     staging folders of dead runs are removed, and a final/ or adapter/ holding files no export wrote stops the
-    run (RunError) rather than being replaced at its end, as does a checkpoint folder holding the user's files;
-    held-out data sharing prompts with the training data past data.max_overlap_fraction stops it (DataError). Returns the directory and, when an earlier run left
-    a different config there, the dotted keys that changed (the caller warns: resuming under other settings is
+    run (RunError) rather than being replaced at its end, as does a checkpoint folder holding the user's files
+    or a metrics.jsonl no run wrote; held-out data sharing prompts with the training data past
+    data.max_overlap_fraction stops it (DataError). Returns the directory and, when an earlier run left a
+    different config there, the dotted keys that changed (the caller warns: resuming under other settings is
     allowed but worth knowing). In a data-parallel run rank 0 also resolves the model first (an embedded model
     is built once, not by every rank).
     """
