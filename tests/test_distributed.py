@@ -176,8 +176,8 @@ def test_pair_recipes_on_two_ranks_equal_one_process(recipe, tmp_path, tiny_mode
     from transformers import AutoModelForSequenceClassification
 
     pairs = _pair_rows(tmp_path / "pairs.jsonl")
-    args = [*COMMON, f"data.train_files=[{pairs}]", f"data.eval_files=[{pairs}]", "data.max_eval_examples=16",
-            "trainer.max_steps=5", "trainer.eval_every=3", "trainer.save_every=0"]
+    args = [*COMMON, f"data.train_files=[{pairs}]", f"data.eval_files=[{pairs}]", "data.max_overlap_fraction=1",
+            "data.max_eval_examples=16", "trainer.max_steps=5", "trainer.eval_every=3", "trainer.save_every=0"]
     if recipe == "dpo":  # each rank interpolates its own shards toward the same slices of the starting model
         args.append("final_interpolation=0.5")
     _run(recipe, tmp_path / "one", args)

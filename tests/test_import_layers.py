@@ -27,6 +27,7 @@ RANKS: dict[str, int] = {
     "losses": 2,          # pure functions: torch and their config sections only
     "advantages": 2,      # pure functions: torch and config only
     "process_group": 2,   # rank, world size, barrier, broadcast of a data-parallel run: torch.distributed only
+    "preemption": 2,      # SIGTERM/SIGUSR1: finish the step, save, stop (the ranks agree through process_group)
     "envs": 2,            # environments and reward functions (math-verify, subprocess); their options are config's
     "optim": 2,           # AdamW and the schedule from the trainer section
     "logging": 2,         # metrics.jsonl, console, loggers, plots, reports (rich, matplotlib)

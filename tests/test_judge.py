@@ -91,7 +91,26 @@ class JudgeServer:
                 if kind == "sleep":
                     time.sleep(value)
                     kind, value = "reply", "Score: 5"
-                if kind == "status":
+                if kind == "redirect":
+                    self.send_response(value[0])
+                    self.send_header("Location", value[1])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                elif kind == "drip":  # headers, then one byte of the body every `value` seconds
+                    answer = json.dumps({"choices": [{"message": {"content": "Score: 5"}}]}).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(answer)))
+                    self.end_headers()
+                    for byte in answer:
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                        time.sleep(value)
+                elif kind == "big":  # `value` bytes of a valid answer, without a Content-Length
+                    self.send_response(200)
+                    self.end_headers()
+                    self.wfile.write(b'{"choices": [{"message": {"content": "Score: 5 ' + b"x" * value + b'"}}]}')
+                    self.close_connection = True
+                elif kind == "status":
                     self._send(value, b"upstream failure")
                 elif kind == "raw":
                     self._send(200, value)
@@ -168,6 +187,48 @@ def test_a_slow_judge_times_out_and_masks_the_sample(server):
     assert judge.counts["timeout"] == 1
     # A timeout is not cached: the same pair is asked again and now succeeds.
     assert judge.step(logs(("q", "slow")), [{}]).rewards == [pytest.approx(6 / 9)]
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_a_redirect_is_refused_and_the_key_never_reaches_another_origin(server, monkeypatch, status):
+    # Issue 34 row 1: a 302 to another port was followed as a GET carrying the Authorization header, and that
+    # server's answer was scored as a verdict.
+    monkeypatch.setenv("JUDGE_KEY", "secret-123")
+    other = JudgeServer()
+    try:
+        server.default = ("redirect", (status, other.url + "/v1/chat/completions"))
+        judge = http_judge(server, api_key_env="JUDGE_KEY", max_retries=2)
+        step = judge.step(logs(("q", "r")), [{}])
+        assert other.requests == []  # nothing went to the other origin, key or not
+        assert step.rewards == [None] and "redirects are not followed" in step.errors[0]
+        assert other.url in step.errors[0] and len(server.requests) == 1  # final, not retried
+        assert judge.counts["http_error"] == 1
+    finally:
+        other.close()
+
+
+def test_the_deadline_covers_the_whole_call_not_each_read(server):
+    # Issue 34 row 4: a server sending one byte every 0.5 s kept the call (and the run) waiting forever, as
+    # timeout_s limited each read only.
+    server.script = [("drip", 0.2)]
+    judge = http_judge(server, timeout_s=1.0, max_retries=0)
+    started = time.monotonic()
+    step = judge.step(logs(("q", "r")), [{}])
+    assert time.monotonic() - started < 2.5
+    assert step.rewards == [None] and "timeout" in step.errors[0] and "timeout_s=1" in step.errors[0]
+
+
+def test_an_answer_past_the_size_cap_is_not_read(server):
+    # Issue 34 row 5: a 1.5 GB answer was read whole. Here 2 MB against a cap of 100 kB, with and without a
+    # Content-Length; a small answer still passes.
+    server.script = [("big", 2_000_000), ("raw", b"x" * 200_000)]
+    judge = http_judge(server, max_response_bytes=100_000, max_retries=3)
+    first = judge.step(logs(("q", "r")), [{}])
+    second = judge.step(logs(("q", "s")), [{}])
+    for step in (first, second):
+        assert step.rewards == [None] and "max_response_bytes=100000" in step.errors[0]
+    assert "200000 bytes" in second.errors[0] and len(server.requests) == 2  # final, not retried
+    assert judge.step(logs(("q", "t")), [{}]).rewards == [pytest.approx(6 / 9)]
 
 
 def test_http_500_is_retried_and_then_succeeds(server):
@@ -326,3 +387,23 @@ def test_the_judge_preset_asks_what_the_judge_learned_and_reads_its_verdicts():
         verdict = parse_score(judge_verdict(Problem(12, 34), reply), DEFAULT_SCORE_PATTERN, options.min_score,
                               options.max_score)
         assert (verdict.score, verdict.failure) == (score, None)
+
+
+def test_the_api_key_is_written_to_no_file_of_the_run(server, monkeypatch, tmp_path, tiny_model_dir):
+    # Issue 34: the key is read from the environment variable api_key_env names; config.yaml, metrics, samples,
+    # run_info and the report hold at most that name. The judge gets the key (its requests carry it).
+    from rl_configs import TINY_RL
+
+    from posttrain.algorithms.grpo import train_grpo
+
+    monkeypatch.setenv("JUDGE_KEY", "sk-secret-5e1f")
+    out = tmp_path / "run"
+    cfg = load_config(GRPOConfig, None, [*TINY_RL, "trainer.max_steps=1", "rollout.prompts_per_step=2",
+                                         f"output_dir={out}", "environment.kind=judge",
+                                         f"environment.options={{base_url: '{server.url}', model: j, "
+                                         "api_key_env: JUDGE_KEY, retry_backoff_s: 0.01}"])
+    train_grpo(cfg)
+    assert server.requests and all(r["authorization"] == "Bearer sk-secret-5e1f" for r in server.requests)
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.name == "config.yaml" for p in files) and any(p.name == "report.html" for p in files)
+    assert not [p for p in files if b"sk-secret-5e1f" in p.read_bytes()]

@@ -88,7 +88,10 @@ def test_lock_of_a_killed_run_is_taken_over_with_a_message(tmp_path: Path):
 
 
 def test_staging_cleanup_removes_only_dead_runs_folders(tmp_path: Path):
+    from posttrain.rundir import claim_output_dir
+
     out = tmp_path / "run"
+    claim_output_dir(out)  # a run directory, where runs that died left their staging folders
     (out / "checkpoints").mkdir(parents=True)
     alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -314,7 +317,10 @@ def test_empty_output_dir_is_refused(tmp_path: Path, value: str):
 
 
 def test_users_files_in_final_are_not_deleted(tmp_path: Path):
+    from posttrain.rundir import claim_output_dir
+
     out = tmp_path / "run"
+    claim_output_dir(out)  # a run directory of posttrain's, where the user then put notes into final/
     (out / "final").mkdir(parents=True)
     (out / "final" / "notes.txt").write_text("my notes")
     with pytest.raises(RunError, match=r"final holds files this run did not write \(notes.txt\)"):
@@ -326,3 +332,108 @@ def test_users_files_in_final_are_not_deleted(tmp_path: Path):
     _train(out, "trainer.max_steps=2")  # an empty final/, or a previous export, is replaced
     _train(out, "trainer.max_steps=3")
     assert (out / "final" / "model.safetensors").is_file()
+
+
+# ---- issue 34: a run writes only what it owns -------------------------------------------------------------------
+
+
+def test_a_folder_posttrain_did_not_make_is_refused_before_anything_is_written(tmp_path: Path):
+    # Row 2: an existing folder of the user's was written over (config.yaml, report.html, the plot); with a foreign
+    # metrics.jsonl config.yaml was overwritten first, then the run died with a raw ValueError.
+    out = tmp_path / "mine"
+    out.mkdir()
+    mine = {"config.yaml": "my: config\n", "report.html": "<p>my report</p>", "training_curves.png": "png",
+            "metrics.jsonl": "not json\n"}
+    for name, text in mine.items():
+        (out / name).write_text(text)
+    with pytest.raises(RunError, match=r"already holds files posttrain did not write \(config.yaml, metrics.jsonl, "
+                                       r"report.html, training_curves.png\).*overwrite_output_dir=true"):
+        _train(out, "trainer.max_steps=1")
+    assert sorted(p.name for p in out.iterdir()) == sorted(mine)  # no lock, no marker, nothing else
+    assert all((out / name).read_text() == text for name, text in mine.items())
+    # A new or empty folder is made a run directory; a run directory is resumed as before.
+    _train(tmp_path / "new", "trainer.max_steps=1")
+    _train(tmp_path / "new", "trainer.max_steps=2")
+    assert latest_checkpoint(tmp_path / "new").step == 2
+    # overwrite_output_dir=true writes into the user's folder anyway (and marks it).
+    (out / "metrics.jsonl").unlink()
+    _train(out, "trainer.max_steps=1", "overwrite_output_dir=true")
+    assert (out / ".posttrain-run").is_file() and (out / "final").is_dir()
+
+
+def test_a_run_directory_from_before_the_marker_is_still_resumed(tmp_path: Path):
+    out = tmp_path / "run"
+    _train(out, "trainer.max_steps=2", "trainer.save_every=1")
+    (out / ".posttrain-run").unlink()
+    _train(out, "trainer.max_steps=3")
+    assert latest_checkpoint(out).step == 3 and (out / ".posttrain-run").is_file()
+
+
+def test_a_user_folder_among_the_checkpoints_is_never_deleted(tmp_path: Path):
+    # Row 3: OUTPUT/checkpoints/step_2/notes.txt was deleted by a run with save_every=2, keep_last=1.
+    from posttrain.rundir import claim_output_dir
+
+    out = tmp_path / "run"
+    claim_output_dir(out)
+    (out / "checkpoints" / "step_2").mkdir(parents=True)
+    (out / "checkpoints" / "step_2" / "notes.txt").write_text("my notes")
+    with pytest.raises(RunError, match=r"step_2 holds files posttrain did not write \(notes.txt\)"):
+        _train(out, "trainer.max_steps=4", "trainer.save_every=2", "trainer.keep_last=1")
+    assert (out / "checkpoints" / "step_2" / "notes.txt").read_text() == "my notes"
+    assert not (out / "metrics.jsonl").exists()
+
+
+def test_rotation_deletes_only_checkpoints_whose_manifest_lists_every_file(tmp_path: Path):
+    from posttrain.checkpoint import save_checkpoint
+
+    class Worker:
+        def save(self, directory: Path) -> None:
+            directory.mkdir(parents=True)
+            (directory / "weights.bin").write_bytes(b"w")
+
+    workers = {"policy": Worker()}
+    save_checkpoint(tmp_path, 1, workers, {}, keep_last=1)
+    save_checkpoint(tmp_path, 2, workers, {}, keep_last=1)
+    assert [c.step for c in list_checkpoints(tmp_path)] == [2]  # posttrain's own step_1 rotated away
+    (tmp_path / "checkpoints" / "step_2" / "policy" / "notes.txt").write_text("my notes")
+    save_checkpoint(tmp_path, 3, workers, {}, keep_last=1)
+    assert (tmp_path / "checkpoints" / "step_2" / "policy" / "notes.txt").read_text() == "my notes"
+    with pytest.raises(RunError, match=r"step_2 holds files posttrain did not write \(policy/notes.txt\)"):
+        save_checkpoint(tmp_path, 2, workers, {}, keep_last=1)  # nor replaced by a save of the same step
+    assert (tmp_path / "checkpoints" / "step_2" / "policy" / "notes.txt").is_file()
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+# ---- issue 34: the closing line says what happened ----------------------------------------------------------------
+
+
+def test_the_closing_line_says_what_was_trained_skipped_and_where_things_are(tmp_path: Path, monkeypatch, capsys):
+    # Row 16: re-running a finished run printed "final loss None"; an on_nonfinite=skip run did not mention the
+    # steps it skipped.
+    from posttrain.cli import main
+
+    out = tmp_path / "run"
+    command = ["sft", *ARGS, f"output_dir={out}", "trainer.max_steps=3", "trainer.on_nonfinite=skip"]
+    _nan_at({2}, monkeypatch)
+    assert main(command) == 0
+    first = capsys.readouterr().out.strip().splitlines()[-1]
+    assert first.startswith("done: trained steps 1-3 of 3, 1 of them skipped (non-finite loss or gradient norm")
+    loss = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["loss"]
+    assert f", loss {loss:.4g}; model: {out / 'final'}; report: {out / 'report.html'}" in first
+    assert main(command) == 0
+    again = capsys.readouterr().out.strip().splitlines()[-1]
+    assert again.startswith(f"done: {out} had already trained its 3 steps; nothing to train, loss {loss:.4g}; model:")
+    assert "None" not in again
+
+
+def test_a_foreign_metrics_file_in_a_run_directory_stops_the_run_before_config_is_written(tmp_path: Path):
+    # Row 2: with a foreign metrics.jsonl the run overwrote config.yaml first, then died with a raw ValueError.
+    from posttrain.rundir import claim_output_dir
+
+    out = tmp_path / "run"
+    claim_output_dir(out)
+    (out / "config.yaml").write_text("mine: true\n")
+    (out / "metrics.jsonl").write_text("step,loss\n1,2.0\n")
+    with pytest.raises(RunError, match=r"metrics.jsonl:1: not a JSON object .*was not written by a run"):
+        _train(out, "trainer.max_steps=1")
+    assert (out / "config.yaml").read_text() == "mine: true\n"

@@ -224,15 +224,60 @@ def save_checkpoint(
                        f"was removed; {f'{previous.path} is intact' if previous else 'there is no earlier checkpoint'}"
                        ". Free space (or fix the permissions) and run the same command again to resume"
                        f"{f' from step {previous.step}' if previous else ''}") from (problem[0] if problem else None)
+    problem = None
     if is_main():
-        if target.exists():  # the same step saved again (a resumed run that re-reached it): replace it
-            shutil.rmtree(target)
-        os.rename(staging, target)
-        _fsync_dir(root)
-        for old in list_checkpoints(output_dir)[:-keep_last]:
-            shutil.rmtree(old.path)
+        foreign = files_not_written_by_posttrain(target) if target.exists() else []
+        if foreign:
+            shutil.rmtree(staging, ignore_errors=True)
+            problem = (f"not writing checkpoint step {step}: {target} holds files posttrain did not write "
+                       f"({_listed(foreign)}); move them away and run the same command again to resume")
+        else:
+            if target.exists():  # the same step saved again (a resumed run that re-reached it): replace it
+                shutil.rmtree(target)
+            os.rename(staging, target)
+            _fsync_dir(root)
+            for old in list_checkpoints(output_dir)[:-keep_last]:
+                if not files_not_written_by_posttrain(old.path):  # rotation deletes only what posttrain wrote
+                    shutil.rmtree(old.path)
+    problem = broadcast_object(problem)
+    if problem is not None:
+        raise RunError(problem)
     barrier()
     return Checkpoint(target, step)
+
+
+def files_not_written_by_posttrain(directory: Path) -> list[str]:
+    """Files below checkpoint folder `directory` that posttrain did not write: all of them when it has no readable
+    manifest, else those its manifest does not list. Empty for an intact (or a truncated) checkpoint of posttrain's;
+    a checkpoint written before manifests counts as foreign, so it is never deleted, only passed over."""
+    present = sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if not p.is_dir())
+    try:
+        listed = set(read_manifest(directory))
+    except (OSError, ValueError, KeyError, TypeError):
+        return present
+    return [name for name in present if name != MANIFEST and name not in listed]
+
+
+def check_checkpoint_folders(output_dir: str | Path) -> None:
+    """Refuse (RunError, before training) when a OUTPUT/checkpoints/step_N folder holds files posttrain did not
+    write: saving step N would replace the folder. Checkpoints from before manifests are left alone (resume reads
+    them; rotation keeps them)."""
+    root = Path(output_dir) / CHECKPOINT_DIR
+    if not root.is_dir():
+        return
+    for child in sorted(root.iterdir()):
+        if not (_STEP_DIR.match(child.name) and child.is_dir()):
+            continue
+        if not (child / MANIFEST).is_file() and (child / "trainer_state.json").is_file():
+            continue  # written before manifests
+        foreign = files_not_written_by_posttrain(child)
+        if foreign:
+            raise RunError(f"{child} holds files posttrain did not write ({_listed(foreign)}); a checkpoint of that "
+                           "step would replace the folder: move them, or choose another output_dir")
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 _FILE_SYSTEM_ERRORS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",

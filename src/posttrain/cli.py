@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -33,10 +34,11 @@ from posttrain.config.loader import tagged_members, type_name
 from posttrain.config.presets import quickstart_base_config
 from posttrain.config.schema import GRPOConfig, PPOConfig, Section
 from posttrain.data.errors import DataError
-from posttrain.envs.rewards import RewardError
+from posttrain.envs.rewards import RewardError, RewardFunctionImportError
 from posttrain.errors import RunError
 from posttrain.models.errors import ModelNotFoundError
-from posttrain.process_group import is_main
+from posttrain.process_group import barrier, is_main
+from posttrain.preemption import PREEMPTION_SIGNALS, Preempted
 
 
 @dataclass(frozen=True)
@@ -55,48 +57,45 @@ def _done(line: str) -> None:
         print(line)
 
 
+def _finished(cfg: Any, result: Any, shown: tuple[str, ...]) -> None:
+    """The closing line of a training recipe (logging.report.describe_finished_run), by rank 0."""
+    from posttrain.logging.report import describe_finished_run
+
+    _done(describe_finished_run(result.output_dir, cfg.trainer.max_steps, result.final_dir, shown))
+
+
 def _run_sft(cfg: SFTConfig, args: argparse.Namespace) -> int:
     from posttrain.algorithms.sft import train_sft
 
-    result = train_sft(cfg)
-    _done(f"done: {result.steps} steps, final loss {result.final_loss}, model in {result.final_dir}")
+    _finished(cfg, train_sft(cfg), ("loss", "eval_loss"))
     return 0
 
 
 def _run_ppo(cfg: PPOConfig, args: argparse.Namespace) -> int:
     from posttrain.algorithms.ppo import train_ppo
 
-    result = train_ppo(cfg)
-    shown = {k: round(v, 4) for k, v in result.final_metrics.items()
-             if k.startswith(("val/", "reward/mean", "value/explained"))}
-    print(f"done: {result.steps} steps, {shown}, model in {result.final_dir}")
+    _finished(cfg, train_ppo(cfg), ("reward/mean", "val/", "value/explained_variance"))
     return 0
 
 
 def _run_grpo(cfg: GRPOConfig, args: argparse.Namespace) -> int:
     from posttrain.algorithms.grpo import train_grpo
 
-    result = train_grpo(cfg)
-    shown = {k: round(v, 4) for k, v in result.final_metrics.items() if k.startswith(("val/", "reward/mean"))}
-    print(f"done: {result.steps} steps, {shown}, model in {result.final_dir}")
+    _finished(cfg, train_grpo(cfg), ("reward/mean", "val/"))
     return 0
 
 
 def _run_dpo(cfg: DPOConfig, args: argparse.Namespace) -> int:
     from posttrain.algorithms.dpo import train_dpo
 
-    result = train_dpo(cfg)
-    _done(f"done: {result.steps} steps, final loss {result.final_loss}, eval reward accuracy "
-          f"{result.eval_reward_accuracy}, model in {result.final_dir}")
+    _finished(cfg, train_dpo(cfg), ("loss", "eval_loss", "eval_reward_accuracy"))
     return 0
 
 
 def _run_rm(cfg: RMConfig, args: argparse.Namespace) -> int:
     from posttrain.algorithms.rm import train_rm
 
-    result = train_rm(cfg)
-    _done(f"done: {result.steps} steps, final loss {result.final_loss}, eval accuracy {result.eval_accuracy}, "
-          f"model in {result.final_dir}")
+    _finished(cfg, train_rm(cfg), ("loss", "eval_loss", "eval_accuracy"))
     return 0
 
 
@@ -292,7 +291,14 @@ def _run_report(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # Overrides after an option (`key=v --nproc-per-node 2 other=w`): argparse gives a positional list one run of
+    # arguments, and would blame the later ones as unrecognized.
+    unknown = [item for item in extra if item.startswith("-") or "=" not in item or args.recipe in (None, "report")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     if args.recipe is None:
         parser.print_help()
         return 2
@@ -317,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         return recipe.run(cfg, args)
-    except (DataError, ModelNotFoundError, RewardError, RunError) as err:
+    except Preempted as stop:
+        return _stopped_by_signal(recipe.name, cfg, stop)
+    except (DataError, ModelNotFoundError, RewardError, RewardFunctionImportError, RunError) as err:
         # What a user can fix, said in one line: bad data, a missing model, a broken reward, a run that cannot go on.
         kind = "bad data: " if isinstance(err, DataError) else "reward failed: " if isinstance(err, RewardError) else ""
         print(f"posttrain {recipe.name}: {kind}{err}", file=sys.stderr)
@@ -329,6 +337,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"posttrain {recipe.name}: could not write {err.filename or 'a file'}: {os.strerror(err.errno)}; "
               "the run resumes from its newest checkpoint once this is fixed", file=sys.stderr)
         return 1
+
+
+def _stopped_by_signal(name: str, cfg: Any, stop: Preempted) -> int:
+    """A run that SIGTERM or SIGUSR1 stopped at a step boundary, its checkpoint written: say where things are and
+    how to resume; exit 128 + the signal number. In a data-parallel run every rank waits here until rank 0 has
+    written the report (it does on its way out of the recipe), so that no rank's exit makes torchrun end rank 0
+    before that."""
+    from posttrain.logging.report import REPORT_FILENAME
+
+    if is_main():
+        report = os.path.join(cfg.output_dir, REPORT_FILENAME)
+        print(f"posttrain {name}: {stop}" + (f"; report: {report}" if os.path.isfile(report) else ""),
+              file=sys.stderr)
+    barrier()
+    return stop.exit_status
 
 
 def _flag_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -371,7 +394,16 @@ def _launch_torchrun(nproc: int, argv: list[str]) -> int:
                "-m", "posttrain", *argv]
     print(f"posttrain: starting {nproc} processes: torchrun --standalone --nproc-per-node={nproc} -m posttrain "
           f"{' '.join(argv)}", file=sys.stderr)
-    return subprocess.call(command)
+    torchrun = subprocess.Popen(command)
+
+    def forward(number: int, frame) -> None:
+        # torchrun passes SIGTERM on to every rank (and ends them 30 s later); SIGUSR1 it does not handle, and it
+        # would die of it leaving the ranks behind: both reach it as SIGTERM.
+        torchrun.send_signal(signal.SIGTERM)
+
+    for number in PREEMPTION_SIGNALS:
+        signal.signal(number, forward)
+    return torchrun.wait()
 
 
 def _quiet_libraries() -> None:

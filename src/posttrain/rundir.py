@@ -1,4 +1,8 @@
-"""One run per output directory: the lock, the cleanup of dead runs' leftovers, and the guard on `final/`.
+"""One run per output directory: its ownership, the lock, the cleanup of dead runs' leftovers, and the guard on `final/`.
+
+- A run writes only into a folder that is posttrain's: a new or empty one (which it marks with `.posttrain-run`),
+  or one already marked (or, from before the marker, holding posttrain's run_info.json or checkpoints). A folder
+  with anyone else's files is refused before anything is written, naming them, unless overwrite_output_dir.
 
 - `OUTPUT/.lock` is held (``flock``) for the whole run by its process (rank 0 of a data-parallel run). The
   kernel releases it on any exit, kill -9 included, so a lock whose holder died is free: the next run takes it
@@ -28,12 +32,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from posttrain.errors import RunError
+from posttrain.preemption import preemption_handlers
 from posttrain.process_group import broadcast_object, init_from_env, is_main
 
 MANIFEST = "manifest.json"
 """Every export and checkpoint folder holds DIRECTORY/manifest.json: the size and SHA-256 of its other files."""
 
 LOCK_FILE = ".lock"
+RUN_MARKER = ".posttrain-run"
+"""Written into every run directory posttrain creates (or adopts): what makes a folder one posttrain may write."""
 _STAGING = re.compile(r"^\.tmp-.+-(\d+)$")
 _EXPORT_FILES = re.compile(
     r"^(config\.json|generation_config\.json|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
@@ -49,24 +56,28 @@ R = TypeVar("R")
 
 
 def one_run_per_output_dir(train: Callable[..., R]) -> Callable[..., R]:
-    """Decorate a recipe's entry point `train(cfg, ...)`: it runs holding the lock on cfg.output_dir."""
+    """Decorate a recipe's entry point `train(cfg, ...)`: it runs holding the lock on cfg.output_dir, with SIGTERM
+    and SIGUSR1 ending it at a step boundary (posttrain.preemption)."""
 
     @functools.wraps(train)
     def run(cfg, *args, **kwargs) -> R:
         init_from_env()  # the lock is rank 0's, and every rank must learn whether it got it
-        with output_dir_lock(cfg.output_dir):
+        with output_dir_lock(cfg.output_dir, cfg.overwrite_output_dir), preemption_handlers():
             return train(cfg, *args, **kwargs)
 
     return run
 
 
 @contextmanager
-def output_dir_lock(output_dir: str | Path) -> Iterator[None]:
-    """Hold OUTPUT/.lock for the block (rank 0 of a data-parallel run; every rank raises if it is taken)."""
+def output_dir_lock(output_dir: str | Path, overwrite: bool = False) -> Iterator[None]:
+    """Hold OUTPUT/.lock for the block (rank 0 of a data-parallel run; every rank raises if it is taken). First
+    the directory is claimed (claim_output_dir): one holding files posttrain did not write is refused unless
+    `overwrite`."""
     out = Path(output_dir)
     handle, problem = None, None
     if is_main():
         try:
+            claim_output_dir(out, overwrite)
             handle = _acquire(out)
         except RunError as error:
             problem = str(error)
@@ -81,9 +92,40 @@ def output_dir_lock(output_dir: str | Path) -> Iterator[None]:
             handle.close()  # closing releases the flock
 
 
-def _acquire(out: Path):
+def claim_output_dir(out: Path, overwrite: bool = False) -> None:
+    """Make `out` a run directory of posttrain's, or refuse it before anything in it is written.
+
+    A directory holding RUN_MARKER is posttrain's (a run made it). A missing or empty one is created and marked. So
+    is one from before the marker existed that shows posttrain's own bookkeeping (run_info.json or a checkpoint's
+    trainer_state.json). Any other directory with files in it is someone's: config.yaml, metrics.jsonl, report.html,
+    the plot and checkpoints/ of a run would replace or delete theirs, so it is refused (RunError naming up to five
+    of its files) unless `overwrite` (the config's overwrite_output_dir) says to write into it anyway.
+    """
     if str(out).strip() in ("", "."):
         raise RunError(f"output_dir {str(out)!r} would write the run into the current directory; give it a folder")
+    if (out / RUN_MARKER).is_file():
+        return
+    if out.exists() and not out.is_dir():
+        raise RunError(f"output_dir {out} is a file, not a folder; choose another output_dir")
+    if out.is_dir() and not overwrite and not _earlier_run(out):
+        found = sorted(str(p.relative_to(out)) for p in out.rglob("*") if not p.is_dir())
+        if found:
+            shown = ", ".join(found[:5]) + (f" and {len(found) - 5} more" if len(found) > 5 else "")
+            raise RunError(f"output_dir {out} already holds files posttrain did not write ({shown}); a run there "
+                           "writes config.yaml, metrics.jsonl, report.html, training_curves.png, checkpoints/ and "
+                           "final/ and could replace them. Choose another (new or empty) output_dir, or set "
+                           "overwrite_output_dir=true to write into this one anyway")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RUN_MARKER).write_text("This folder is a posttrain run directory.\n"
+                                  "Checkpoint rotation deletes only the checkpoints posttrain wrote here.\n")
+
+
+def _earlier_run(out: Path) -> bool:
+    """A run directory written before RUN_MARKER existed: posttrain's run_info.json or a checkpoint of its own."""
+    return (out / "run_info.json").is_file() or any((out / "checkpoints").glob("step_*/trainer_state.json"))
+
+
+def _acquire(out: Path):
     out.mkdir(parents=True, exist_ok=True)
     path = out / LOCK_FILE
     handle = open(path, "a+")

@@ -17,19 +17,23 @@ from posttrain.checkpoint import (
     FINAL_DIR,
     Checkpoint,
     SavesState,
+    check_checkpoint_folders,
     latest_checkpoint,
     restore_trainer_state,
     save_checkpoint,
 )
 from posttrain.config.schema import EvaluationSettings, TrainerConfig
+from posttrain.data.errors import DataError
+from posttrain.data.overlap import check_held_out
 from posttrain.data.sampler import EpochSampler
 from posttrain.process_group import broadcast_object, init_from_env, is_distributed, is_main
 from posttrain.errors import RunError
 from posttrain.generation.base import SamplingParams
-from posttrain.logging import RunLogger
+from posttrain.logging import RunLogger, read_metrics
 from posttrain.logging.report import write_run_info
 from posttrain.models.lora import ADAPTER_DIR
 from posttrain.models.loading import resolve_model_path
+from posttrain.preemption import checkpoint_written, preempted, step_boundary
 from posttrain.rundir import check_export_dir, remove_dead_staging
 from posttrain.workers import PolicyWorker
 
@@ -49,8 +53,10 @@ def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, li
 
     The caller holds the directory's lock (rundir.one_run_per_output_dir). Before anything is written, the
     staging folders of dead runs are removed, and a final/ or adapter/ holding files no export wrote stops the
-    run (RunError) rather than being replaced at its end. Returns the directory and, when an earlier run left
-    a different config there, the dotted keys that changed (the caller warns: resuming under other settings is
+    run (RunError) rather than being replaced at its end, as does a checkpoint folder holding the user's files
+    or a metrics.jsonl no run wrote; held-out data sharing prompts with the training data past
+    data.max_overlap_fraction stops it (DataError). Returns the directory and, when an earlier run left a
+    different config there, the dotted keys that changed (the caller warns: resuming under other settings is
     allowed but worth knowing). In a data-parallel run rank 0 also resolves the model first (an embedded model
     is built once, not by every rank).
     """
@@ -64,11 +70,15 @@ def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, li
         try:
             check_export_dir(out / FINAL_DIR)
             check_export_dir(out / ADAPTER_DIR)
-        except RunError as error:
-            problem = str(error)
+            check_checkpoint_folders(out)
+            _check_metrics_file(out / "metrics.jsonl")
+            for line in held_out_check(cfg):
+                print(line)
+        except (RunError, DataError) as error:
+            problem = error
     problem = broadcast_object(problem)
     if problem is not None:
-        raise RunError(problem)
+        raise problem
     if is_main():
         resolved = cfg.model_dump(mode="json")
         previous_file = out / CONFIG_FILE
@@ -81,6 +91,29 @@ def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, li
             resolve_model_path(model.tokenizer_name_or_path or model.name_or_path)
             resolve_model_path(model.name_or_path)
     return out, broadcast_object(changed)
+
+
+def _check_metrics_file(path: Path) -> None:
+    """A metrics.jsonl that no run wrote (not JSON lines with a whole-number step) stops the run before config.yaml
+    is written, naming the line, instead of failing as a ValueError once the logger opens it."""
+    if not path.is_file():
+        return
+    try:
+        read_metrics(path)
+    except ValueError as error:
+        raise RunError(f"{error}: this metrics.jsonl was not written by a run (resuming would append to it); move "
+                       "it away, or choose another output_dir") from None
+
+
+def held_out_check(cfg: BaseModel) -> list[str]:
+    """data.overlap.check_held_out for a recipe's config: its training files against data.eval_files and each
+    `evaluation:` set (the recipes without evaluation sets have none)."""
+    data = getattr(cfg, "data", None)
+    if data is None:
+        return []
+    sources = [("data.eval_files", data.eval_files, data.column_map)]
+    sources += [(f"evaluation set {s.name!r}", s.data.files, s.data.column_map) for s in getattr(cfg, "evaluation", [])]
+    return check_held_out(data.train_files, data.column_map, sources, data.max_overlap_fraction)
 
 
 def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -226,10 +259,16 @@ def log_step(run_log: RunLogger, step: int, metrics: dict[str, float], trainer: 
 
 def save_if_due(output_dir: Path, step: int, trainer: TrainerConfig, workers: Mapping[str, SavesState],
                 sampler: EpochSampler, extra_state: dict | None = None) -> None:
-    """Checkpoint every save_every steps and at the last: each worker's folder plus the data position."""
-    if is_save_step(step, trainer):
-        save_checkpoint(output_dir, step, workers, {"sampler": sampler.state_dict(), **(extra_state or {})},
-                        trainer.keep_last)
+    """Checkpoint every save_every steps, every save_every_minutes, at the last step, and when SIGTERM or SIGUSR1
+    arrived: each worker's folder plus the data position. After a signal's checkpoint, raise Preempted (the run
+    ends here; posttrain.preemption). Every rank calls this at the end of every step: the decision is collective."""
+    boundary = step_boundary(trainer.save_every_minutes)
+    if is_save_step(step, trainer) or boundary.save_for_time or boundary.stop_signal is not None:
+        checkpoint = save_checkpoint(output_dir, step, workers,
+                                     {"sampler": sampler.state_dict(), **(extra_state or {})}, trainer.keep_last)
+        checkpoint_written()
+        if boundary.stop_signal is not None and step < trainer.max_steps:
+            raise preempted(boundary.stop_signal, step, trainer.max_steps, checkpoint.path)
 
 
 def export_policy(output_dir: Path, policy: PolicyWorker, run_log: RunLogger) -> Path:

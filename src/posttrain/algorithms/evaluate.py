@@ -35,7 +35,9 @@ from posttrain.config.schema import EvalConfig, EvaluationSet, ModelConfig
 from posttrain.envs import arithmetic
 from posttrain.envs.base import Environment
 from posttrain.algorithms.environments import build_recipe_environment
+from posttrain.errors import RunError
 from posttrain.generation.base import Generator, SamplingParams
+from posttrain.generation.transformers_backend import check_fits_context
 from posttrain.metrics import mean_pass_at_k
 from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer
 from posttrain.workers import PolicyWorker
@@ -205,6 +207,7 @@ def run_eval(cfg: EvalConfig) -> EvalResult | EvalReport:
     if not cfg.data.files:
         tokenizer = load_tokenizer(cfg.model)
         model = load_causal_lm(cfg.model, device=default_device())
+        check_fits_context(model.config, cfg.max_new_tokens or 8)
         return evaluate_arithmetic(model, tokenizer, cfg.task_examples, cfg.seed, cfg.batch_size,
                                    cfg.max_new_tokens or 8)
     return evaluate_files(cfg)
@@ -215,6 +218,8 @@ def evaluate_files(cfg: EvalConfig) -> EvalReport:
 
     The data is read and the environment built before the model loads: a malformed row or a broken reward
     setup fails in seconds."""
+    if cfg.output is not None:
+        check_writable_file(Path(cfg.output), "output")
     tokenizer = load_tokenizer(cfg.model)
     prompts, summary = load_prompts(cfg.data.files, cfg.data.data_config(), cfg.prompt, cfg.environment.kind,
                                     tokenizer, limit=cfg.num_examples)
@@ -248,6 +253,22 @@ def describe_report(report: EvalReport, what: str, shown_samples: int = 3) -> st
             "" if sample.correct is None else ", correct" if sample.correct else ", wrong")
         lines.append(f"  {sample.prompt!r} -> {sample.completion!r}  ({verdict})")
     return "\n".join(lines)
+
+
+def check_writable_file(path: Path, key: str) -> None:
+    """Refuse (RunError), before any work, a `key` path that is a folder or cannot be written: the samples are
+    written at the end, and finding out then would lose the whole evaluation."""
+    if path.is_dir() or str(path).endswith("/"):
+        raise RunError(f"{key}={str(path)!r} is a folder; give a file name, such as {path / 'samples.jsonl'}")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as error:
+        raise RunError(f"{key}={str(path)!r} cannot be written: {error.strerror or error}") from None
+    if not existed:
+        path.unlink()
 
 
 def write_sample_records(path: Path, samples: list[SampleRecord]) -> None:

@@ -10,6 +10,7 @@ key comes with a did-you-mean suggestion. All of this happens before any model i
 from __future__ import annotations
 
 import difflib
+import sys
 import types
 import typing
 from pathlib import Path
@@ -27,6 +28,22 @@ C = TypeVar("C", bound=BaseModel)
 
 class ConfigError(ValueError):
     """A config that cannot be used; the message names every offending key path."""
+
+
+MAX_OVERRIDE_CHARS = 100_000
+"""The longest `key=value` override the command line may give (a longer one is refused, naming this limit)."""
+MAX_CONFIG_BYTES = 10_000_000
+"""The largest YAML config file read."""
+
+
+def _too_many_digits(error: ValueError) -> str:
+    if "integer string conversion" not in str(error):
+        raise error
+    return f"a number with more than {sys.get_int_max_str_digits():,} digits, the most Python reads"
+
+
+def _shortened(item: str, limit: int = 80) -> str:
+    return repr(item if len(item) <= limit else item[:limit] + "...")
 
 
 def load_config(schema: type[C], path: str | Path | None = None, overrides: list[str] | None = None,
@@ -51,8 +68,14 @@ def read_yaml_with_defaults(path: Path, _seen: tuple[Path, ...] = ()) -> dict[st
         raise ConfigError(f"{path}: circular `defaults` include ({' -> '.join(str(p) for p in _seen + (path,))})")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
+    size = path.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {size:,} bytes, more than the {MAX_CONFIG_BYTES:,} a config file may have "
+                          "(MAX_CONFIG_BYTES)")
     try:
         tree = yaml.safe_load(path.read_text()) or {}
+    except ValueError as err:  # a number of more digits than Python converts (sys.get_int_max_str_digits)
+        raise ConfigError(f"{path}: {_too_many_digits(err)}") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
@@ -74,12 +97,19 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """Turn ["a.b=1", "c=[x,y]"] into a nested dict, with YAML-style value typing (OmegaConf grammar)."""
     for item in overrides:
         key, sep, _ = item.partition("=")
+        if len(item) > MAX_OVERRIDE_CHARS:
+            raise ConfigError(f"override {_shortened(item)} is {len(item):,} characters long, more than the "
+                              f"{MAX_OVERRIDE_CHARS:,} an override may have (MAX_OVERRIDE_CHARS); put long values in "
+                              "the YAML file")
         if not sep or not key or key.startswith(".") or key.endswith("."):
-            raise ConfigError(f"bad override {item!r}: expected dotted.key=value, for example trainer.max_steps=100")
+            raise ConfigError(f"bad override {_shortened(item)}: expected dotted.key=value, for example "
+                              "trainer.max_steps=100")
     tree: dict[str, Any] = {}
     for item in overrides:
         try:
             parsed = OmegaConf.to_container(OmegaConf.from_dotlist([item]), resolve=True)
+        except ValueError as err:  # a number of more digits than Python converts (sys.get_int_max_str_digits)
+            raise ConfigError(f"bad override {_shortened(item)}: {_too_many_digits(err)}") from None
         except (OmegaConfBaseException, yaml.YAMLError) as err:
             hint = " (quote values with brackets or commas: key=['name[:10]'])" if "[" in item.partition("=")[2] else ""
             raise ConfigError(f"bad override {item!r}: {str(err).splitlines()[0]}{hint}") from err
@@ -153,11 +183,17 @@ def _describe(schema: type[BaseModel], error: dict[str, Any]) -> str:
         return f"{key}: {error['msg']}, got {given.get('kind')!r}"
     if not error["loc"] or error["type"] == "value_error":
         return f"{key}: {error['msg'].removeprefix('Value error, ')}"
-    expected = type_name(annotation) if annotation is not None else "a valid value"
     got = error.get("input")
+    if error["type"] in _BOUND_ERRORS:  # the type is right, the value out of range: say only that
+        return f"{key}: got {got!r}: {error['msg']}"
+    expected = type_name(annotation) if annotation is not None else "a valid value"
     if options_of is not None:
         return f"{key}: the {options_of} environment expects {expected}, got {got!r} ({type(got).__name__})"
     return f"{key}: expected {expected}, got {got!r} ({type(got).__name__}): {error['msg']}"
+
+
+_BOUND_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal", "multiple_of",
+                           "too_short", "too_long", "finite_number"})
 
 
 def _walk(schema: type[BaseModel], loc: tuple[Any, ...]) -> tuple[list[str], type[BaseModel] | None, Any]:

@@ -77,6 +77,12 @@ class DataConfig(Section):
     column_map: dict[str, str] = Field(default_factory=dict)
     """Rename columns as they are read, e.g. {question: prompt, solution: answer}, before the format is detected."""
 
+    max_overlap_fraction: float = Field(0.0, ge=0, le=1)
+    """The largest fraction of an evaluation source's rows (eval_files, each `evaluation:` set) whose prompt may also
+    be a training row's prompt (compared after normalising case, Unicode and whitespace); more stops the run
+    before training, naming both sources and a shared row. 0: held-out data shares no prompt with the training
+    data."""
+
 
 class TrainerConfig(NumericSection):
     max_steps: int = Field(100, gt=0)
@@ -151,6 +157,12 @@ class TrainerConfig(NumericSection):
 
     save_every: int = Field(0, ge=0)
     """Write a resumable checkpoint every this many steps (0: none until the end)."""
+
+    save_every_minutes: float = Field(20.0, ge=0)
+    """Also write a checkpoint at the first step end this many minutes after the previous one (or the start), so
+    a run killed without warning loses at most about this much work (0: only save_every and the end). SIGTERM and
+    SIGUSR1 save at the current step's end whatever this says (docs/failure-modes.md). These checkpoints count
+    toward keep_last like the others."""
 
     keep_last: int = Field(2, gt=0)
     """Keep only this many most recent checkpoints."""
@@ -238,6 +250,10 @@ class RecipeConfig(Section):
 
     seed: int = 0
     """Seed for model init (where applicable), data order and sampling."""
+
+    overwrite_output_dir: bool = False
+    """Write into an output_dir that already holds files posttrain did not put there (no OUTPUT/.posttrain-run
+    marker); without it such a folder is refused before anything is written, naming the files."""
 
     @field_validator("output_dir")
     @classmethod
@@ -889,6 +905,9 @@ class QuickstartConfig(Section):
 
     output_dir: str = "runs/quickstart"
     """Where each stage writes its run directory, and where summary.json and curves.png go."""
+
+    overwrite_output_dir: bool = False
+    """Write into an output_dir that already holds files posttrain did not put there (see the training recipes)."""
 
     @field_validator("output_dir")
     @classmethod

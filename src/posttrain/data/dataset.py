@@ -55,8 +55,10 @@ class DataStats:
 
     def counts(self) -> str:
         """One line: rows read, examples, skipped, truncated and dropped."""
+        # Prompt rows (RL, eval) have no target tokens: a count of 0 would read as a fault.
+        targets = f" ({self.target_tokens} target tokens)" if self.target_tokens else ""
         return (
-            f"{self.rows_read} rows read: {self.examples} examples ({self.target_tokens} target tokens), "
+            f"{self.rows_read} rows read: {self.examples} examples{targets}, "
             f"{self.rows_skipped} skipped as malformed, {self.truncated} truncated, "
             f"{self.dropped_overlong} dropped as overlong"
         )

@@ -9,9 +9,11 @@ The judge is one of two things (give exactly one):
 - `base_url` with `model`: an OpenAI-compatible server (vLLM, SGLang, TGI, a hosted API), one
   `POST {base_url}/v1/chat/completions` per reply to judge (a base_url that already ends in /v1 is not given a
   second one), greedy (temperature 0, `max_tokens` = max_new_tokens), `concurrency` requests at a time. Each request
-  may take `timeout_s` (urllib's limit on connecting and on each read); a connection error, a timeout, HTTP 429 or
-  5xx is retried up to `max_retries` times, after retry_backoff_s · 2^k seconds before the k-th retry. Any other
-  HTTP status is final. The API key, if the server needs one, is read from the environment variable named
+  may take `timeout_s` in all (connecting, sending and reading the whole answer: a server that drips bytes is cut
+  off at the deadline) and its answer at most `max_response_bytes` (a larger one is not read); a connection error,
+  a timeout, HTTP 429 or 5xx is retried up to `max_retries` times, after retry_backoff_s · 2^k seconds before the
+  k-th retry. Any other HTTP status is final; a redirect (3xx) is refused, never followed, so the request and its
+  API key go to the configured address only. The API key, if the server needs one, is read from the environment variable named
   `api_key_env` (so it never appears in config.yaml). Only the standard library (urllib) is used.
 
 What the judge reads: `template` filled with {prompt} (the last user message before the reply), {response} (the
@@ -50,9 +52,11 @@ import json
 import math
 import os
 import re
+import socket
 import string
+import threading
 import time
-import urllib.error
+import urllib.parse
 import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -149,6 +153,7 @@ class JudgeEnvironment:
         normalize: bool = True,
         max_new_tokens: int = 64,
         timeout_s: float = 60.0,
+        max_response_bytes: int = 4_000_000,
         max_retries: int = 3,
         retry_backoff_s: float = 1.0,
         concurrency: int = 8,
@@ -170,7 +175,7 @@ class JudgeEnvironment:
             if model is None:
                 raise ValueError("base_url needs model, the name the server serves the judge under")
             self.backend = _HTTPJudge(base_url, model, _api_key(api_key_env), max_new_tokens, timeout_s, max_retries,
-                                      retry_backoff_s, concurrency)
+                                      retry_backoff_s, concurrency, max_response_bytes)
         else:
             if model is not None or api_key_env is not None:
                 raise ValueError("model and api_key_env belong to a judge server (base_url), not a local path")
@@ -270,11 +275,13 @@ class _HTTPJudge:
     """An OpenAI-compatible chat-completions endpoint, called with urllib from a small thread pool."""
 
     def __init__(self, base_url: str, model: str, api_key: str | None, max_tokens: int, timeout_s: float,
-                 max_retries: int, retry_backoff_s: float, concurrency: int):
+                 max_retries: int, retry_backoff_s: float, concurrency: int, max_response_bytes: int):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        if max_response_bytes < 1:
+            raise ValueError(f"max_response_bytes must be at least 1, got {max_response_bytes}")
         if max_retries < 0 or retry_backoff_s < 0:
             raise ValueError(f"max_retries and retry_backoff_s must be non-negative, got {max_retries}, "
                              f"{retry_backoff_s}")
@@ -282,7 +289,7 @@ class _HTTPJudge:
         self.url = root + ("/chat/completions" if root.endswith("/v1") else "/v1/chat/completions")
         self.model, self.api_key, self.max_tokens = model, api_key, max_tokens
         self.timeout_s, self.max_retries, self.retry_backoff_s = timeout_s, max_retries, retry_backoff_s
-        self.concurrency = concurrency
+        self.concurrency, self.max_response_bytes = concurrency, max_response_bytes
 
     def complete(self, conversations: list[list[Message]]) -> list[_Reply]:
         if not conversations:
@@ -296,39 +303,107 @@ class _HTTPJudge:
     def _ask(self, messages: list[Message]) -> _Reply:
         body = json.dumps({"model": self.model, "messages": messages, "temperature": 0.0,
                            "max_tokens": self.max_tokens}).encode()
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
         if self.api_key is not None:
             headers["Authorization"] = f"Bearer {self.api_key}"
         failed = _Reply(None)
         for attempt in range(self.max_retries + 1):
             if attempt:
                 time.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
-            request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+            started = time.monotonic()
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    payload = response.read()
-            except urllib.error.HTTPError as error:
-                detail = error.read(QUOTED_REPLY_CHARS).decode("utf-8", "replace")
-                failed = _Reply(None, "http_error", f"HTTP {error.code} from {self.url}: {detail!r}")
-                if error.code not in RETRIED_STATUSES:
-                    return failed
-                continue
-            except TimeoutError:
-                failed = _Reply(None, "timeout", f"no answer from {self.url} within timeout_s={self.timeout_s:g} s")
-                continue
-            except urllib.error.URLError as error:
-                if isinstance(error.reason, TimeoutError):
-                    failed = _Reply(None, "timeout",
-                                    f"no answer from {self.url} within timeout_s={self.timeout_s:g} s")
+                status, payload, location = _post(self.url, body, headers, self.timeout_s, self.max_response_bytes)
+            except _TooLarge as error:
+                return _Reply(None, "invalid_response", f"the answer from {self.url} is larger than "
+                              f"max_response_bytes={self.max_response_bytes} ({error}); it was not read")
+            except (OSError, http.client.HTTPException) as error:  # refused, reset, cut at the deadline, truncated
+                if time.monotonic() - started >= self.timeout_s or isinstance(error, TimeoutError):
+                    failed = _Reply(None, "timeout", f"no complete answer from {self.url} within "
+                                    f"timeout_s={self.timeout_s:g} s (the limit on the whole request)")
+                elif isinstance(error, (ConnectionRefusedError, socket.gaierror)):
+                    failed = _Reply(None, "connection_error", f"cannot reach {self.url}: {error}")
                 else:
-                    failed = _Reply(None, "connection_error", f"cannot reach {self.url}: {error.reason}")
+                    failed = _Reply(None, "connection_error", f"the connection to {self.url} failed: {error!r}")
                 continue
-            except (OSError, http.client.HTTPException) as error:  # reset mid-request, a truncated answer
-                failed = _Reply(None, "connection_error", f"the connection to {self.url} failed: {error!r}")
+            if 300 <= status < 400:
+                # Never followed: the request, API key included, would go wherever the answer points.
+                return _Reply(None, "http_error", f"HTTP {status} from {self.url} redirects to {location!r}; "
+                              "redirects are not followed (the API key would go with them): set base_url to the "
+                              "address that answers")
+            if status >= 400:
+                detail = payload[:QUOTED_REPLY_CHARS].decode("utf-8", "replace")
+                failed = _Reply(None, "http_error", f"HTTP {status} from {self.url}: {detail!r}")
+                if status not in RETRIED_STATUSES:
+                    return failed
                 continue
             return _chat_content(payload, self.url)
         tries = self.max_retries + 1
         return _Reply(None, failed.failure, f"{failed.error} (after {tries} attempt{'s' if tries > 1 else ''})")
+
+
+class _TooLarge(Exception):
+    """An answer past max_response_bytes (its announced or its read size, in the message)."""
+
+
+def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float, max_bytes: int
+          ) -> tuple[int, bytes, str | None]:
+    """POST `body` to `url` once: (status, body, Location header). The whole exchange (connecting, sending,
+    the headers and every byte of the answer) must end within `timeout_s`: a watchdog shuts the socket at the
+    deadline, so a server that sends one byte at a time cannot hold the call past it (a per-read timeout
+    would). At most `max_bytes` of the answer are read (_TooLarge past them). Redirects are returned, never
+    followed. http(s)_proxy / no_proxy from the environment are honoured, as urllib does."""
+    deadline = time.monotonic() + timeout_s
+    parts = urllib.parse.urlsplit(url)
+    https = parts.scheme == "https"
+    target = parts.path + (f"?{parts.query}" if parts.query else "")
+    proxy = urllib.request.getproxies().get(parts.scheme)
+    if proxy and not urllib.request.proxy_bypass(parts.hostname or ""):
+        proxy_parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        connection_class = http.client.HTTPSConnection if https else http.client.HTTPConnection
+        connection = connection_class(proxy_parts.hostname, proxy_parts.port, timeout=timeout_s)
+        if https:
+            connection.set_tunnel(parts.hostname, parts.port)
+        else:
+            target = url
+    elif https:
+        connection = http.client.HTTPSConnection(parts.hostname, parts.port, timeout=timeout_s)
+    else:
+        connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
+    watchdog = None
+    try:
+        connection.connect()
+        sock = connection.sock
+        watchdog = threading.Timer(max(deadline - time.monotonic(), 0.0), _cut, (sock,))
+        watchdog.daemon = True
+        watchdog.start()
+        connection.request("POST", target, body, headers)
+        response = connection.getresponse()
+        announced = response.getheader("Content-Length")
+        if announced is not None and announced.isdigit() and int(announced) > max_bytes:
+            raise _TooLarge(f"it announced {int(announced)} bytes")
+        chunks, size = [], 0
+        while chunk := response.read(min(1 << 16, max_bytes + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > max_bytes:
+                raise _TooLarge(f"more than {max_bytes} bytes arrived")
+            if time.monotonic() > deadline:
+                raise TimeoutError
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        return response.status, b"".join(chunks), response.getheader("Location")
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        connection.close()
+
+
+def _cut(sock: socket.socket) -> None:
+    """The deadline passed: end every read and write on `sock` (they return or raise at once)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed: the call ended by itself
+        pass
 
 
 def _chat_content(payload: bytes, url: str) -> _Reply:

@@ -23,7 +23,21 @@ import time
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from posttrain.errors import RunError
 from posttrain.generation.base import Completion, GenerationOutput, SamplingParams, weight_buckets
+
+
+def check_fits_context(model_config, max_new_tokens: int) -> None:
+    """Refuse (RunError) a max_new_tokens past the model's context: the generator allocates max_new_tokens positions
+    per row up front, so a huge value fails as an allocation error (or takes gigabytes) before a single token, and
+    past the context the model has no positions to give anyway. The prompt's length is left out, so that every
+    rank of a data-parallel run (each with its own prompts) decides alike. Models whose config names no context
+    length (max_position_embeddings) are not checked."""
+    context = getattr(model_config, "max_position_embeddings", None)  # not every architecture's config has one
+    if isinstance(context, int) and max_new_tokens > context:
+        raise RunError(f"max_new_tokens={max_new_tokens:,} is more than the model's context of {context:,} positions "
+                       "(max_position_embeddings in its config.json); lower it (max_new_tokens for eval and "
+                       "generate, rollout.max_new_tokens for the RL recipes)")
 
 
 class TransformersGenerator:
@@ -69,6 +83,7 @@ class TransformersGenerator:
         if params.seed is not None:
             self.rng.manual_seed(params.seed)
         params.check_seeds_fit(len(prompts))
+        check_fits_context(self.model.config, params.max_new_tokens)
         was_training = self.model.training
         self.model.eval()
         prompts_per_batch = max(1, self.batch_size // num_samples)

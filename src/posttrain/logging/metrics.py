@@ -82,6 +82,8 @@ def _parse_lines(path: Path) -> list[tuple[dict[str, Any], str]]:
             raise ValueError(f"{path}:{line_number}: not a JSON object ({error.msg})") from error
         if not isinstance(record, dict) or "step" not in record:
             raise ValueError(f"{path}:{line_number}: expected a JSON object with a 'step' key")
+        if not isinstance(record["step"], int) or isinstance(record["step"], bool):
+            raise ValueError(f"{path}:{line_number}: 'step' must be a whole number, got {record['step']!r}")
         parsed.append((record, line))
     if unterminated.strip():
         try:

@@ -30,7 +30,7 @@ import math
 import os
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -90,6 +90,14 @@ class _Series:
     values: list[float]
     nonfinite_steps: list[int]
     """Steps whose value was NaN or infinite (not drawn)."""
+    nonfinite_values: list[float] = field(default_factory=list)
+    """Those values (NaN, inf or -inf), one per nonfinite_steps entry."""
+
+    def final(self) -> tuple[int, float]:
+        """The last logged step and its value as logged (inf stays inf, NaN stays NaN)."""
+        if self.nonfinite_steps and (not self.steps or self.nonfinite_steps[-1] > self.steps[-1]):
+            return self.nonfinite_steps[-1], self.nonfinite_values[-1]
+        return self.steps[-1], self.values[-1]
 
 
 @dataclass
@@ -127,6 +135,7 @@ def _series(records: list[dict[str, Any]]) -> dict[str, _Series]:
                 line.values.append(float(value))
             else:
                 line.nonfinite_steps.append(step)
+                line.nonfinite_values.append(float(value))
     return series
 
 
@@ -463,8 +472,7 @@ def _final_section(runs: list[_Run]) -> str:
     for key in _ordered_keys(runs):
         if len(runs) == 1:
             series = runs[0].series[key]
-            last_step = max([*series.steps, *series.nonfinite_steps])
-            final = (series.values[-1] if series.steps and series.steps[-1] == last_step else float("nan"))
+            last_step, final = series.final()
             low = _format_value(min(series.values)) if series.values else ""
             high = _format_value(max(series.values)) if series.values else ""
             rows.append([html.escape(key), _format_value(final), f"{last_step:,}", low, high])
@@ -475,8 +483,7 @@ def _final_section(runs: list[_Run]) -> str:
                 if series is None:
                     cells.append("")
                     continue
-                last_step = max([*series.steps, *series.nonfinite_steps])
-                final = series.values[-1] if series.steps and series.steps[-1] == last_step else float("nan")
+                last_step, final = series.final()
                 cells.append(f'{_format_value(final)} <span class="at">@{last_step:,}</span>')
             rows.append([html.escape(key), *cells])
     if not rows:
@@ -827,16 +834,62 @@ def write_report(run_dirs: Sequence[str | os.PathLike[str]], output: str | os.Pa
     """Write one self-contained HTML report of `run_dirs` to `output` and return its path.
 
     One run: that run's report. Several: their curves overlaid (one colour per run, named in each legend), their
-    final metrics side by side and the config keys that differ. Raises ReportError naming the directory when one
+    final metrics side by side and the config keys that differ. An `output` that is a folder (or ends in a
+    slash) gets report.html inside it; a write that fails leaves no temporary file behind. Raises ReportError naming the directory when one
     has no metrics.jsonl; a metrics.jsonl corrupt in the middle raises read_metrics' ValueError (file and line).
     """
     if not run_dirs:
         raise ReportError("no run directory given")
     paths = [Path(path) for path in run_dirs]
     runs = [_read_run(path, label) for path, label in zip(paths, _labels(paths))]
+    as_given = os.fspath(output)
     output = Path(output)
+    if output.is_dir() or as_given.endswith((os.sep, "/")):  # a folder: the report goes into it
+        output = output / REPORT_FILENAME
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp_path = output.with_name(output.name + ".tmp")
-    tmp_path.write_text(_page(runs), encoding="utf-8")
-    os.replace(tmp_path, output)
+    try:
+        tmp_path.write_text(_page(runs), encoding="utf-8")
+        os.replace(tmp_path, output)
+    except OSError:
+        tmp_path.unlink(missing_ok=True)  # no stray half-written page beside the target
+        raise
     return output
+
+
+def describe_finished_run(output_dir: str | os.PathLike[str], max_steps: int, final_dir: str | os.PathLike[str],
+                          shown: Sequence[str] = ("loss",)) -> str:
+    """The closing line of a training command: which steps this invocation trained (none when the run had already
+    finished them), how many it skipped as non-finite, the newest value of each metric named in `shown` (a name
+    ending in "/" stands for every metric under it) as metrics.jsonl holds it, and where the model and the report
+    are. Read from the run's files, so a finished run run again says the same as it did the first time."""
+    output_dir = Path(output_dir)
+    info = read_run_info(output_dir) or {}
+    starts = info.get("starts") or [{}]
+    resumed = starts[-1].get("resumed_from_step") or 0
+    metrics_path = output_dir / "metrics.jsonl"
+    records = read_metrics(metrics_path) if metrics_path.is_file() else []
+    if resumed >= max_steps:
+        what = f"done: {output_dir} had already trained its {max_steps} steps; nothing to train"
+    else:
+        what = f"done: trained steps {resumed + 1}-{max_steps} of {max_steps}" + \
+            (f" (resumed from step {resumed})" if resumed else "")
+        skipped = records[-1].get("nonfinite_skipped_steps") if records else None
+        if skipped:
+            what += f", {int(skipped)} of them skipped (non-finite loss or gradient norm, not applied)"
+    values: dict[str, Any] = {}
+    for record in records:
+        for key, value in record.items():
+            if any(key == name or (name.endswith("/") and key.startswith(name)) for name in shown):
+                values[key] = value
+    if values:
+        what += ", " + ", ".join(f"{key} {_short_number(value)}" for key, value in values.items())
+    what += f"; model: {final_dir}"
+    report = output_dir / REPORT_FILENAME
+    if report.is_file():
+        what += f"; report: {report}"
+    return what
+
+
+def _short_number(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -51,7 +51,32 @@ def resolve_model_path(name_or_path: str) -> str:
             f"model not found: {name_or_path!r} is not an existing directory (embedded models: "
             f"{', '.join(sorted([*EMBEDDED_MODELS, *TRAINED_MODELS]))}; hub ids look like org/name)"
         )
-    return str(Path(name_or_path).expanduser()) if looks_local else name_or_path
+    local = Path(name_or_path).expanduser()
+    if local.exists():
+        _check_model_folder(local)
+    return str(local) if looks_local else name_or_path
+
+
+def _check_model_folder(path: Path) -> None:
+    """A local path that is no Hugging Face model directory fails here naming what it is and, for a posttrain run
+    or checkpoint, the folder that holds its model (not later, as a tokenizer error)."""
+    if path.is_file():
+        raise ModelNotFoundError(f"model {str(path)!r} is a file; give the model's folder (the one holding "
+                                 "config.json)")
+    if any((path / name).is_file() for name in ("config.json", "adapter_config.json", "tokenizer_config.json")):
+        return
+    hint = ""
+    if (path / "final" / "config.json").is_file():
+        hint = f": it looks like a posttrain run directory, whose model is {path / 'final'}"
+    elif (path / "policy" / "config.json").is_file():
+        hint = f": it looks like a posttrain checkpoint, whose model is {path / 'policy'}"
+    elif (path / "policy").is_dir():
+        hint = (": it looks like a sharded posttrain checkpoint, which only a run resumes; use the run's final/ or "
+                "a checkpoint written by one process")
+    elif (path / "checkpoints").is_dir():
+        hint = f": it looks like a posttrain run directory without final/ yet; its checkpoints are in {path / 'checkpoints'}"
+    raise ModelNotFoundError(f"model {str(path)!r} is a folder without config.json, so no Hugging Face model "
+                             f"directory{hint}")
 
 
 def load_tokenizer(cfg: ModelConfig, padding_side: str = "right") -> PreTrainedTokenizerBase:
