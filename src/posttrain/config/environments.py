@@ -201,8 +201,11 @@ class JudgeOptions(EnvironmentOptions):
     max_new_tokens: int = 64
     """Tokens per verdict."""
 
-    timeout_s: float = 60.0
-    """With base_url: time limit of connecting and of each read."""
+    timeout_s: float = Field(60.0, gt=0)
+    """With base_url: the deadline of each request, whole: connecting, sending and reading the answer."""
+
+    max_response_bytes: int = Field(4_000_000, ge=1)
+    """With base_url: the largest answer read; a larger one (announced or read) fails that sample, unread."""
 
     max_retries: int = 3
     """With base_url: retries of a connection error, a timeout, HTTP 429 or 5xx."""
