@@ -1,8 +1,11 @@
 """The chunked LM-head log-probabilities against the full log_softmax: values and gradients, every chunking."""
 
+from dataclasses import dataclass, replace
+
 import pytest
 import torch
 
+from posttrain.data.types import PairBatch
 from posttrain.losses.chunked import chunked_token_logprobs
 
 
@@ -98,7 +101,8 @@ def _sft_batches(tokenizer):
     return {"padded": collate_padded(rows, tokenizer.pad_token_id), "packed": collate_packed(rows, tokenizer.pad_token_id, 64)}
 
 
-def _workers(model_dir, **trainer):
+def _workers(model_dir, shared=None, **trainer):
+    """(tokenizer, a policy with the full LM head, one with the chunked head and `trainer`), both with `shared`."""
     from posttrain.config.schema import LoraSection, ModelConfig, TrainerConfig
     from posttrain.models.loading import load_tokenizer
     from posttrain.workers.local import build_policy
@@ -107,12 +111,13 @@ def _workers(model_dir, **trainer):
     tokenizer = load_tokenizer(cfg)
     torch.manual_seed(0)
     build = lambda **kw: build_policy(cfg, LoraSection(), TrainerConfig(**kw), tokenizer, torch.device("cpu"))  # noqa: E731
-    return tokenizer, build(lm_head="full"), build(lm_head="chunked", **trainer)
+    shared = shared or {}
+    return tokenizer, build(lm_head="full", **shared), build(lm_head="chunked", **shared, **trainer)
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 def test_the_chunked_head_gives_the_full_heads_loss_and_gradients(tiny_model_dir, layout):
-    from posttrain.algorithms.sft import nll_objective
+    from posttrain.workers.objectives import NLLObjective
 
     tokenizer, full, chunked = _workers(tiny_model_dir, lm_head_chunk_size=7)  # 7 divides no row's target count
     batch = _sft_batches(tokenizer)[layout]
@@ -121,7 +126,7 @@ def test_the_chunked_head_gives_the_full_heads_loss_and_gradients(tiny_model_dir
         lambda module, args, output: head_outputs.append(output.shape[-1]))
     results = []
     for worker in (full, chunked):
-        metrics = worker.forward_backward(batch, nll_objective, batch.num_target_tokens, outputs="target_logprobs")
+        metrics = worker.forward_backward([batch], NLLObjective())
         grads = {name: p.grad.clone() for name, p in worker.model.named_parameters()}
         results.append((metrics["loss"].value, metrics["nll_sum"].value, grads))
     (loss_full, sum_full, grads_full), (loss_chunked, sum_chunked, grads_chunked) = results
@@ -147,6 +152,23 @@ def _pairs():
             PreferenceExample((5, 6, 7, 15, 16, 17), (18, 19, 20, 21, 22, 2), (23, 24, 2))]
 
 
+@dataclass(frozen=True)
+class _WeighedPairLoss:
+    """A pair loss that weighs chosen and rejected tokens differently: -(chosen + 2·rejected) over the step's pairs."""
+
+    outputs: str = "target_logprobs"
+    temperature: float = 1.0
+
+    def normalizer(self, micro_batches) -> float:
+        return sum(batch.num_pairs for batch in micro_batches)
+
+    def __call__(self, target_logps, batch, normalizer):
+        from posttrain.algorithms.dpo import completion_logps
+
+        scores = completion_logps(target_logps, batch.rows, average=False)
+        return -(scores.chosen + 2 * scores.rejected).sum() / normalizer, {}
+
+
 @pytest.mark.parametrize("layout", ["shared_prompt", "two_rows"])
 def test_the_chunked_head_gives_the_full_heads_preference_loss_and_gradients(tiny_model_dir, layout):
     from posttrain.algorithms.dpo import completion_logps
@@ -156,13 +178,9 @@ def test_the_chunked_head_gives_the_full_heads_preference_loss_and_gradients(tin
     collate = collate_shared_prompt if layout == "shared_prompt" else collate_preference
     batch = collate(_pairs(), tokenizer.pad_token_id)
 
-    def pair_loss(target_logps, batch, normalizer):  # weighs chosen and rejected tokens differently
-        scores = completion_logps(target_logps, batch, average=False)
-        return -(scores.chosen + 2 * scores.rejected).sum() / normalizer, {}
-
     results = []
     for worker in (full, chunked):
-        metrics = worker.forward_backward(batch, pair_loss, 3.0, outputs="target_logprobs")
+        metrics = worker.forward_backward([PairBatch(batch)], _WeighedPairLoss())
         results.append((metrics["loss"].value, {name: p.grad.clone() for name, p in worker.model.named_parameters()},
                         completion_logps(worker.logprobs(batch), batch, average=False)))
     (loss_full, grads_full, scores_full), (loss_chunked, grads_chunked, scores_chunked) = results
@@ -188,8 +206,8 @@ def _rollouts():
 
 
 def test_the_chunked_head_gives_the_full_heads_policy_loss_entropy_and_logprobs(tiny_model_dir):
-    from posttrain.algorithms.grpo import policy_gradient_objective
     from posttrain.losses.policy_gradient import PolicyLossConfig
+    from posttrain.workers.objectives import PolicyGradientObjective
 
     _, full, chunked = _workers(tiny_model_dir, lm_head_chunk_size=3)
     batch, temperature = _rollouts(), 0.7
@@ -197,12 +215,11 @@ def test_the_chunked_head_gives_the_full_heads_policy_loss_entropy_and_logprobs(
     torch.testing.assert_close(chunked.logprobs(batch, temperature) * batch.loss_mask, old * batch.loss_mask,
                                rtol=1e-5, atol=1e-6)
     # Off-policy by a little, so the ratio and its clipping are exercised, not just 1.
-    objective = policy_gradient_objective(torch.tensor([1.0, -0.5, 2.0]), old + 0.05 * batch.loss_mask, None,
-                                          PolicyLossConfig())
+    batch = replace(batch, advantages=torch.tensor([1.0, -0.5, 2.0]), old_logprobs=old + 0.05 * batch.loss_mask)
+    objective = PolicyGradientObjective(PolicyLossConfig(), temperature=temperature)
     results = []
     for worker in (full, chunked):
-        metrics = worker.forward_backward(batch, objective, float(batch.loss_mask.sum()), outputs="target_scores",
-                                          temperature=temperature)
+        metrics = worker.forward_backward(batch, objective)
         results.append(({k: m.value for k, m in metrics.items()},
                         {name: p.grad.clone() for name, p in worker.model.named_parameters()}))
     (metrics_full, grads_full), (metrics_chunked, grads_chunked) = results
@@ -278,22 +295,19 @@ def test_dpo_and_grpo_train_alike_with_the_chunked_head(tmp_path, tiny_model_dir
 def test_the_training_pass_scores_at_the_sampling_temperature(tiny_model_dir, head):
     # The GRPO/PPO update hands the worker rollout.temperature: against old log-probabilities computed at that
     # temperature the ratio is 1 to float32 rounding; at temperature 1 it would be far from 1.
-    from posttrain.algorithms.grpo import accumulate_policy_gradients
-    from posttrain.config import load_config
-    from posttrain.config.schema import GRPOConfig
     from posttrain.losses.policy_gradient import PolicyLossConfig
-    from rl_configs import DIGITS, TINY_RL
+    from posttrain.workers.objectives import PolicyGradientObjective
 
-    cfg = load_config(GRPOConfig, None, [*TINY_RL, *DIGITS, "output_dir=unused", "rollout.temperature=0.7",
-                                         "trainer.micro_batch_size=2"])
-    _, full, chunked = _workers(tiny_model_dir, lm_head_chunk_size=3)
+    # Two rows per micro-batch: the three episodes train as two micro-batches.
+    _, full, chunked = _workers(tiny_model_dir, {"micro_batch_size": 2}, lm_head_chunk_size=3)
     policy = full if head == "full" else chunked
-    batch = _rollouts()
+    batch = replace(_rollouts(), advantages=torch.tensor([1.0, -0.5, 2.0]))
+    # The recipes' loss, sampled at 0.7: its temperature is the one the worker's training pass scores under.
+    loss = PolicyGradientObjective(PolicyLossConfig(), temperature=0.7)
     ratios = {}
     for temperature in (0.7, 1.0):
         old = policy.logprobs(batch, temperature)
-        stats = accumulate_policy_gradients(policy, batch, torch.arange(3), torch.tensor([1.0, -0.5, 2.0]), old,
-                                            None, PolicyLossConfig(), cfg)
+        stats = policy.forward_backward(replace(batch, old_logprobs=old), loss)
         ratios[temperature] = (stats["ratio_min"].value, stats["ratio_max"].value)
         policy.optimizer.zero_grad(set_to_none=True)
     assert ratios[0.7] == pytest.approx((1.0, 1.0), abs=1e-5)

@@ -91,6 +91,7 @@ class ScriptedGenerator:
 
     def __init__(self, tokenizer, replies: dict[str, list[str]]):
         self.tokenizer, self.replies, self.params = tokenizer, replies, []
+        self.weights_version = 0
 
     def generate(self, prompts, params, num_samples=1):
         self.params.append(params)
@@ -105,8 +106,9 @@ class ScriptedGenerator:
             groups.append(group)
         return GenerationOutput(groups, 0.0, sum(len(c.token_ids) for g in groups for c in g))
 
-    def update_weights(self, state_dict):
-        pass
+    def update_weights(self, version, weights):
+        self.weights_version = version
+        return 0
 
 
 def write_rows(path: Path, rows: list[dict]) -> Path:

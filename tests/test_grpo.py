@@ -5,7 +5,6 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.algorithms import grpo
 from posttrain.algorithms.grpo import train_grpo
 from posttrain.algorithms.rollout import (
     Episode,
@@ -55,14 +54,16 @@ def test_several_updates_per_batch_move_the_ratio_off_one(tmp_path, tiny_model_d
 
 
 def test_kl_penalty_loads_a_frozen_reference(tmp_path, tiny_model_dir, monkeypatch):
+    from posttrain.algorithms import rl
+
     loaded = []
-    real = grpo.build_scorer
+    real = rl.build_scorer
 
     def counting(*args, **kwargs):
         loaded.append(real(*args, **kwargs))
         return loaded[-1]
 
-    monkeypatch.setattr(grpo, "build_scorer", counting)
+    monkeypatch.setattr(rl, "build_scorer", counting)
     train_grpo(config(tmp_path, "trainer.max_steps=2", "loss.reference_kl_penalty=0.1"))
     records = read_metrics(tmp_path / "metrics.jsonl")
     (reference,) = loaded  # one frozen copy of the starting model beside the policy
@@ -270,7 +271,8 @@ def test_groups_seeded_per_group_sample_alike_in_any_company(tiny_model_dir):
 def test_seed_per_group_divides_a_round_among_ranks(tmp_path, tiny_model_dir, monkeypatch):
     """Under a data-parallel run with rollout.seed_per_group, each rank samples only its contiguous block of the
     round's groups (5 groups: 2 on rank 0, 3 on rank 1), and the gathered episodes are one process's."""
-    from posttrain.algorithms import rl
+    from posttrain.algorithms import rollout_source
+    from posttrain import process_group as env
 
     cfg = config(tmp_path, "rollout.seed_per_group=true", "rollout.num_generations_per_prompt=2")
     model_cfg = ModelConfig(name_or_path=str(tiny_model_dir))
@@ -284,15 +286,16 @@ def test_seed_per_group_divides_a_round_among_ranks(tmp_path, tiny_model_dir, mo
 
     generator, asked = Recording(model, tokenizer), []
     environment = TwoTurnEnvironment()
-    alone, _ = rl.sample_round(rows, 40, cfg, generator, environment, tokenizer, params)
+    alone, _ = rollout_source.sample_round(rows, 40, cfg, generator, environment, tokenizer, params)
     assert [e.group_id for e in alone] == [g for g in range(40, 45) for _ in range(2)]
     shares = []
     for me in (0, 1):
         asked.clear()
-        monkeypatch.setattr(rl, "world_size", lambda: 2)
-        monkeypatch.setattr(rl, "rank", lambda me=me: me)
-        monkeypatch.setattr(rl, "all_gather_results", lambda work, what: shares.append(work()) or [shares[-1]])
-        rl.sample_round(rows, 40, cfg, generator, environment, tokenizer, params)
+        # The real division of gather_divided, as rank `me` of 2 (the gather returns this rank's share alone).
+        monkeypatch.setattr(env, "world_size", lambda: 2)
+        monkeypatch.setattr(env, "rank", lambda me=me: me)
+        monkeypatch.setattr(env, "all_gather_results", lambda work, what: shares.append(work()) or [shares[-1]])
+        rollout_source.sample_round(rows, 40, cfg, generator, environment, tokenizer, params)
         assert asked[0] == [row.prompt_ids for row in rows[(0, 2)[me]:(2, 5)[me]]]  # turn 1: its block only
     gathered = shares[0][0] + shares[1][0]
     assert [e.group_id for e in gathered] == [e.group_id for e in alone]
@@ -302,8 +305,8 @@ def test_seed_per_group_divides_a_round_among_ranks(tmp_path, tiny_model_dir, mo
 def test_seed_per_group_failure_on_one_rank_raises_on_every_rank(tmp_path, tiny_model_dir, monkeypatch):
     """When sampling is divided, a rank whose rows make the environment fail still joins the gather, and the
     other ranks raise too (naming that rank and its error) instead of waiting in the collective."""
-    from posttrain.algorithms import rl
     from posttrain import process_group as env
+    from posttrain.algorithms import rollout_source
 
     cfg = config(tmp_path, "rollout.seed_per_group=true", "rollout.num_generations_per_prompt=2")
     model_cfg = ModelConfig(name_or_path=str(tiny_model_dir))
@@ -316,20 +319,20 @@ def test_seed_per_group_failure_on_one_rank_raises_on_every_rank(tmp_path, tiny_
         gathered.append(share)
         return [share, env.RankFailure("ValueError: the reward function returned 3 rewards for 4 completions")]
 
-    monkeypatch.setattr(rl, "world_size", lambda: 2)
-    monkeypatch.setattr(rl, "rank", lambda: 0)
+    monkeypatch.setattr(env, "world_size", lambda: 2)
+    monkeypatch.setattr(env, "rank", lambda: 0)
     monkeypatch.setattr(env, "is_distributed", lambda: True)
     monkeypatch.setattr(env, "all_gather_objects", gather_as_if_rank_1_failed)
     with pytest.raises(RuntimeError, match="rank 1 failed while sampling.*returned 3 rewards"):
-        rl.sample_round(rows, 0, cfg, generator, TwoTurnEnvironment(), tokenizer, params)
+        rollout_source.sample_round(rows, 0, cfg, generator, TwoTurnEnvironment(), tokenizer, params)
     assert isinstance(gathered[0], tuple)  # rank 0 sampled its share and reached the gather
 
     class Failing(TwoTurnEnvironment):
         def step(self, *args, **kwargs):
             raise ValueError("the sandbox crashed")
 
-    monkeypatch.setattr(rl, "rank", lambda: 1)
+    monkeypatch.setattr(env, "rank", lambda: 1)
     monkeypatch.setattr(env, "all_gather_objects", lambda share: gathered.append(share) or [None, share])
     with pytest.raises(ValueError, match="the sandbox crashed"):
-        rl.sample_round(rows, 0, cfg, generator, Failing(), tokenizer, params)
+        rollout_source.sample_round(rows, 0, cfg, generator, Failing(), tokenizer, params)
     assert gathered[-1].message == "ValueError: the sandbox crashed"  # the failing rank still joined the gather

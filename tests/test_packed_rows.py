@@ -3,6 +3,7 @@ the padded results to 1e-5 (values and gradients), for every architecture whose 
 are refused by name."""
 
 import copy
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from posttrain.errors import RunError
 from posttrain.workers.forward import target_mask
 from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker
 from posttrain.workers.packed import pack_batch
+from posttrain.workers.metrics import Metric
 from posttrain.workers.value import ValueWorker
 from test_architecture_masks import CONFIGS, SIZES, V, random_ids
 
@@ -53,10 +55,46 @@ def policy(model, **trainer):
     return LocalPolicyWorker(copy.deepcopy(model), None, TrainerConfig(micro_batch_size=8, **trainer))
 
 
-def sum_of_targets(outputs, batch, normalizer):
-    logprobs = outputs.logprobs if hasattr(outputs, "logprobs") else outputs
-    loss = -(logprobs * target_mask(batch)).sum() / normalizer
-    return loss, {}
+@dataclass(frozen=True)
+class SumOfTargets:
+    """The summed target log-probabilities of a batch over a fixed normalizer of 10 (a loss description)."""
+
+    outputs: str = "target_logprobs"
+    temperature: float = 1.0
+
+    def normalizer(self, micro_batches) -> float:
+        return 10.0
+
+    def __call__(self, outputs, batch, normalizer):
+        logprobs = outputs.logprobs if hasattr(outputs, "logprobs") else outputs
+        return -(logprobs * target_mask(batch)).sum() / (normalizer or 10.0), {}
+
+
+@dataclass(frozen=True)
+class TargetEntropies:
+    """Evaluation only: the entropy at every target position, one metric each (entropy/0, entropy/1, ...)."""
+
+    outputs: str = "target_scores"
+    temperature: float = 1.0
+
+    def normalizer(self, micro_batches) -> float:
+        return 1.0
+
+    def __call__(self, scores, batch, normalizer):
+        return torch.zeros(()), {f"entropy/{i}": Metric.sum(value)
+                                 for i, value in enumerate(scores.entropy[target_mask(batch)])}
+
+
+def target_entropies(metrics) -> torch.Tensor:
+    """The entropies TargetEntropies reported, in target order."""
+    count = sum(name.startswith("entropy/") for name in metrics)
+    return torch.tensor([metrics[f"entropy/{i}"].value for i in range(count)])
+
+
+def minibatch(batch):
+    """A batch as forward_backward takes it: a rollout batch whole (the worker splits it), others as the step's
+    one micro-batch."""
+    return batch if isinstance(batch, RolloutBatch) else [batch]
 
 
 def test_the_packed_layout_fits_rows_no_wider_than_the_widest():
@@ -83,10 +121,11 @@ def test_packed_batches_give_the_padded_logprobs_entropies_and_gradients(attenti
             worker = policy(model, packing=packing, lm_head=lm_head, lm_head_chunk_size=5)
             targets = target_mask(batch)
             logprobs = worker.logprobs(batch, temperature=0.7)
-            worker.forward_backward(batch, sum_of_targets, 10.0, outputs="target_logprobs")
+            worker.forward_backward(minibatch(batch), SumOfTargets())
             grads = [p.grad.clone() for p in worker.model.parameters()]
-            scores = worker.evaluate(batch, lambda out, b: {"entropy": out.entropy}, outputs="target_scores")
-            results[packing] = logprobs[targets], scores["entropy"][targets], grads
+            entropies = target_entropies(worker.evaluate(batch, TargetEntropies()))
+            assert len(entropies) == int(targets.sum()), name
+            results[packing] = logprobs[targets], entropies, grads
         (lp, entropy, grads), (packed_lp, packed_entropy, packed_grads) = results[False], results[True]
         torch.testing.assert_close(packed_lp, lp, atol=1e-5, rtol=1e-5, msg=name)
         torch.testing.assert_close(packed_entropy, entropy, atol=1e-5, rtol=1e-5, msg=name)
@@ -278,7 +317,7 @@ def test_a_compiled_policy_computes_what_an_eager_one_does(lm_head):
         worker = policy(model, compile=compiled, lm_head=lm_head, lm_head_chunk_size=5)
         losses = []
         for batch in data:
-            losses.append(worker.forward_backward(batch, sum_of_targets, 10.0, outputs="target_logprobs")["loss"])
+            losses.append(worker.forward_backward([batch], SumOfTargets())["loss"])
         results[compiled] = [float(loss.total) for loss in losses], [p.grad.clone() for p in worker.model.parameters()]
         assert set(worker.model.state_dict()) == set(model.state_dict())
     assert results[True][0] == pytest.approx(results[False][0], rel=1e-5, abs=1e-6)

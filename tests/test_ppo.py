@@ -13,7 +13,7 @@ from posttrain.algorithms.rollout import Episode, to_batch
 from posttrain.config import ConfigError, load_config
 from posttrain.config.schema import GRPOConfig, PPOConfig, TrainerConfig
 from posttrain.logging import read_metrics
-from posttrain.algorithms.rl import normalize_batch_rewards, restore_rl_state
+from posttrain.algorithms.rl import normalize_batch_rewards
 from posttrain.envs.rewards import RewardErrorBudget
 from posttrain.errors import RunError
 from posttrain.models.loading import load_tokenizer
@@ -104,11 +104,36 @@ def test_normalized_rewards_are_what_the_batch_carries_and_gdpo_refuses_them(tmp
                                        "environment.normalize_rewards=true"])
 
 
-def test_normalized_rewards_cannot_resume_a_checkpoint_without_their_statistics():
-    state = {"reward_errors": RewardErrorBudget().state_dict(), "next_group_id": 8}
-    assert restore_rl_state(state, RewardErrorBudget(), None) == 8
+def test_normalized_rewards_cannot_resume_a_checkpoint_without_their_statistics(monkeypatch):
+    from types import SimpleNamespace
+
+    from posttrain.algorithms import rl
+
+    cfg = config(Path("unused"))
+    errors = RewardErrorBudget()
+    errors.record([None, "a reward failed"])
+    state = {"reward_errors": errors.state_dict(), "next_group_id": 8}  # written with normalize_rewards off
+    # The checkpoint to resume (its reading of the RNG and sampler position stubbed: this trainer state).
+    monkeypatch.setattr(rl, "resume_trainer_state", lambda resume, sampler: (2, state))
+
+    def resumed_run(reward_norm):
+        data = SimpleNamespace(prompts=[None] * 4, environment=None, tokenizer=None)
+        return rl.RLRun(Path("unused"), [], torch.device("cpu"), data, object(), reward_norm, None, None)
+
+    run = resumed_run(None)
+    source, start_step = run.rollout_source(cfg, None, {})
+    assert start_step == 2 and source.next_group_id == 8 and source.budget.run_errors == 1
+    assert run.trainer_state(source) == state  # what the next checkpoint keeps: the same keys, no statistics
     with pytest.raises(RunError, match="normalize_rewards is on, but the checkpoint"):
-        restore_rl_state(state, RewardErrorBudget(), RunningRewardNorm())
+        resumed_run(RunningRewardNorm()).rollout_source(cfg, None, {})
+    # With the statistics in the checkpoint they come back, and the next checkpoint keeps them.
+    norm = RunningRewardNorm()
+    norm.update(torch.tensor([1.0, 3.0, 5.0]))
+    state["reward_norm"] = norm.state_dict()
+    run = resumed_run(RunningRewardNorm())
+    source, _ = run.rollout_source(cfg, None, {})
+    assert run.reward_norm.state_dict() == norm.state_dict()
+    assert run.trainer_state(source) == state
 
 
 def test_lora_ppo_trains_the_policy_adapter_beside_a_full_critic(tmp_path, tiny_model_dir):

@@ -76,12 +76,15 @@ class RawRewards:
 
 
 class FixedGenerator:
+    weights_version = 0
+
     def generate(self, prompts, params, num_samples=1):
         completion = Completion(prompt_ids=[], token_ids=[5, 6], logprobs=[-0.1, -0.2], text="x", finish_reason="stop")
         return GenerationOutput([[completion] * num_samples for _ in prompts], num_generated_tokens=2)
 
-    def update_weights(self, state_dict):
-        pass
+    def update_weights(self, version, weights):
+        self.weights_version = version
+        return 0
 
 
 def test_reward_outside_float32_range_is_masked_and_counted():

@@ -201,21 +201,21 @@ def test_diverging_run_stops_naming_the_step_and_writes_no_final(tmp_path: Path)
 
 def _nan_at(steps: set[int], monkeypatch) -> None:
     """Make the SFT loss NaN at the given optimizer steps (counted by calls to optim_step)."""
-    from posttrain.algorithms import sft
     from posttrain.workers.local import LocalPolicyWorker
+    from posttrain.workers.objectives import NLLObjective
 
     calls = {"step": 1}
-    real_objective, real_step = sft.nll_objective, LocalPolicyWorker.optim_step
+    real_objective, real_step = NLLObjective.__call__, LocalPolicyWorker.optim_step
 
-    def objective(logits, batch, normalizer):
-        loss, metrics = real_objective(logits, batch, normalizer)
+    def objective(self, logprobs, batch, normalizer):
+        loss, metrics = real_objective(self, logprobs, batch, normalizer)
         return (loss * float("nan") if calls["step"] in steps else loss), metrics
 
     def optim_step(self):
         calls["step"] += 1
         return real_step(self)
 
-    monkeypatch.setattr(sft, "nll_objective", objective)
+    monkeypatch.setattr(NLLObjective, "__call__", objective)
     monkeypatch.setattr(LocalPolicyWorker, "optim_step", optim_step)
 
 

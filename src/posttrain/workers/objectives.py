@@ -61,7 +61,9 @@ class NLLObjective:
 
     def __call__(self, logprobs: torch.Tensor, batch: SFTBatch, normalizer: float | None
                  ) -> tuple[torch.Tensor, MetricDict]:
-        loss, stats = nll_of_logprobs(logprobs, batch.loss_mask, 1.0 if normalizer is None else normalizer)
+        if normalizer is None:  # this batch's own mean NLL per target token (evaluation)
+            normalizer = batch.loss_mask.sum().clamp(min=1)
+        loss, stats = nll_of_logprobs(logprobs, batch.loss_mask, normalizer)
         return loss, {"nll_sum": Metric.sum(stats["nll_sum"]), "target_tokens": Metric.sum(stats["target_tokens"])}
 
 
