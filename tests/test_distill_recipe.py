@@ -21,6 +21,8 @@ from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker
 from posttrain.workers.objectives import DistillationObjective
 
+from teachers_for_tests import perturbed_tiny_teacher
+
 TINY = [
     "model.name_or_path=posttrain/tiny",
     "data.train_files=['posttrain/arithmetic[:64]']",
@@ -38,16 +40,7 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def teacher_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """posttrain/tiny with every weight perturbed (seeded): another model with the student's tokenizer."""
-    model = load_causal_lm(ModelConfig(name_or_path="posttrain/tiny"))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
-    folder = tmp_path_factory.mktemp("teacher")
-    model.save_pretrained(folder)
-    load_tokenizer(ModelConfig(name_or_path="posttrain/tiny")).save_pretrained(folder)
-    return folder
+    return perturbed_tiny_teacher(tmp_path_factory.mktemp("teacher"))
 
 
 def config(output_dir: Path, teacher: str | Path, *overrides: str, precompute: bool = False) -> DistillConfig:

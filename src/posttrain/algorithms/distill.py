@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from posttrain.algorithms.common import (
     NonFiniteGuard,
     announce_run,
+    check_same_tokenizer,
     chunks,
     configure_torch,
     export_policy,
@@ -168,16 +169,6 @@ def precomputed_topk(output_dir: Path, teacher_cfg: TeacherSection, loss: Distil
     run_log.message(f"teacher top-k: scored {len(examples)} examples ({topk.logprobs.shape[0]} targets, "
                     f"k={loss.topk}) in {time.perf_counter() - started:.1f}s into {path}; teacher freed")
     return topk
-
-
-def check_same_tokenizer(student, teacher, teacher_name: str) -> None:
-    """RunError unless the teacher's tokenizer is the student's (same vocabulary, ids and special tokens):
-    top-k token ids are compared id by id."""
-    if student.get_vocab() != teacher.get_vocab():
-        raise RunError(f"teacher {teacher_name} has another tokenizer than the student (vocabularies differ); "
-                       "cross-tokenizer distillation is not built yet: choose a teacher with the student's tokenizer")
-    if (student.eos_token_id, student.pad_token_id) != (teacher.eos_token_id, teacher.pad_token_id):
-        raise RunError(f"teacher {teacher_name}'s end-of-sequence or padding token differs from the student's")
 
 
 def evaluate_nll(policy: PolicyWorker, examples: Sequence[TokenizedExample], cfg: DistillConfig,
