@@ -154,3 +154,18 @@ def test_cli_help_lists_the_distillation_keys(capsys):
     text = capsys.readouterr().out
     for key in ("teachers", "loss.kl_type", "loss.jsd_beta", "loss.outside_topk", "loss.topk", "mode"):
         assert key in text
+
+
+def test_the_loss_description_and_the_batch_pickle(teacher_dir):
+    """What crosses the worker seam pickles (a Ray actor or a subprocess receives it as it is)."""
+    import pickle
+
+    objective = DistillationObjective(DistillationLossConfig(kl_type="mixed", mixed_kl_weight=0.2, topk=4))
+    assert pickle.loads(pickle.dumps(objective)) == objective
+    tokenizer = load_tokenizer(ModelConfig(name_or_path="posttrain/tiny"))
+    teacher = LocalScoringWorker(load_causal_lm(ModelConfig(name_or_path=str(teacher_dir))), TrainerConfig())
+    batch = teacher_batch(teacher, collate([TokenizedExample((3, 4, 5, 6), (0, 0, 1, 1))], tokenizer.pad_token_id,
+                                           False, 8), objective.config)
+    restored = pickle.loads(pickle.dumps(batch))
+    assert torch.equal(restored.teacher_topk_ids, batch.teacher_topk_ids)
+    assert torch.equal(restored.rows.input_ids, batch.rows.input_ids)

@@ -21,7 +21,8 @@ form in the student's mass there, Q_rest = 1 − Σ_K q, and its entropy part Σ
 Σ q log q):
     forward: 0 (P is 0 there);
     reverse: Σ_rest q (log q − log ε), ε = e^−100 (NeMo-RL's `log_infinitesimal`: the teacher's "zero" is ε, or the
-             KL would be infinite), i.e. NeMo-RL's correction H_rest − log ε·P_rest; weighted (1 − w) under mixed;
+             KL would be infinite), i.e. NeMo-RL's correction H_rest − log ε·P_rest (its H_all read as Σ_V q log q,
+             the reading under which the correction is the KL of the rest); weighted (1 − w) under mixed;
     jsd:     Σ_rest (1 − β)·q·log(q / ((1 − β) q)) = −(1 − β)·log(1 − β)·Q_rest (exact with P = 0 outside K).
 
 Each valid position's divergence (plus nll_weight × the data token's NLL at temperature 1) is summed over this
