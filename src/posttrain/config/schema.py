@@ -882,8 +882,8 @@ class GRPOConfig(OnlineRLConfig):
     """Advantage estimator."""
 
     teacher: TeacherSection | None = None
-    """advantage.estimator=opd: the teacher whose log-probabilities of the sampled tokens (under
-    rollout.temperature) make the advantages; null otherwise."""
+    """advantage.estimator=opd: the teacher, {name_or_path, dtype}, whose log-probabilities of the sampled tokens
+    (under rollout.temperature) make the advantages; it must use the policy's tokenizer. null otherwise."""
 
     @model_validator(mode="after")
     def _check(self) -> GRPOConfig:
