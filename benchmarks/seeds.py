@@ -72,7 +72,7 @@ class Claim:
 @dataclass(frozen=True)
 class Preset:
     recipe: str
-    """sft, dpo, rm, grpo, ppo or quickstart."""
+    """sft, dpo, rm, grpo, ppo, distill or quickstart."""
     start: str | None = None
     """The SFT preset whose model this one starts from (its `model.name_or_path` is an embedded trained model)."""
     claims: tuple[Claim, ...] = field(default_factory=tuple)
@@ -92,6 +92,9 @@ GRPO_CLAIMS = (Claim("exact_match_gain", "raises held-out exact match over its s
 PRESETS: dict[str, Preset] = {
     "sft_arithmetic": Preset("sft", claims=(at_least("exact_match", 0.90, ">= 90% held-out exact match"),)),
     "sft_arithmetic_small": Preset("sft"),
+    "distill_kd_arithmetic": Preset("distill", claims=(
+        at_least("exact_match", 0.5, ">= 50% held-out exact match: half the gap from the untrained student (0%) to "
+                 "its teacher posttrain/tiny-arithmetic-sft (100%)"),)),
     "dpo_arithmetic": Preset("dpo", "sft_arithmetic", (
         at_least("eval_reward_accuracy", 0.90, ">= 0.90 held-out reward accuracy"),
         Claim("exact_match_gain", "does not lower held-out exact match", lambda v: v >= 0),
@@ -192,7 +195,7 @@ class Sweep:
                 validated = [r for r in records if "val/reward_mean" in r]
                 result["reward_gain"] = validated[-1]["val/reward_mean"] - validated[0]["val/reward_mean"]
                 result["reward_minus_accuracy"] = validated[-1]["val/reward_mean"] - validated[-1]["val/accuracy"]
-            if preset.recipe in ("sft", "dpo", "grpo", "ppo"):
+            if preset.recipe in ("sft", "dpo", "grpo", "ppo", "distill"):
                 result["exact_match"] = self.exact_match(code_path, result["model"], log)
             if preset.start and preset.recipe != "rm":
                 if start_accuracy is None:

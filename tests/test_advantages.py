@@ -214,3 +214,25 @@ def test_running_reward_norm_matches_the_statistics_of_everything_seen():
     equal = RunningRewardNorm()
     assert equal.normalize(torch.tensor([2.0, 2.0]), torch.tensor([True, True])).tolist() == [0.0, 0.0]
 
+
+
+def test_opd_advantages_are_the_per_token_log_ratio_plus_the_weighted_reward_advantage():
+    from posttrain.advantages import opd_advantages
+
+    # Two episodes, four positions; the first position is the prompt, the last of episode 1 is padding.
+    teacher = torch.tensor([[0.0, -0.5, -1.0, -2.0], [0.0, -0.1, -3.0, 0.0]])
+    student = torch.tensor([[0.0, -1.5, -0.25, -2.0], [0.0, -0.4, -1.0, 0.0]])
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0]])
+    # log-ratios by hand: episode 0: -0.5 - -1.5 = 1.0, -1.0 - -0.25 = -0.75, -2 - -2 = 0; episode 1: 0.3, -2.0
+    expected = [[0.0, 1.0, -0.75, 0.0], [0.0, 0.3, -2.0, 0.0]]
+    torch.testing.assert_close(opd_advantages(teacher, student, mask), torch.tensor(expected))
+    # with a reward advantage of +1 and -0.5 weighted by 0.2 on each episode's sampled tokens
+    mixed = opd_advantages(teacher, student, mask, torch.tensor([1.0, -0.5]), reward_weight=0.2)
+    torch.testing.assert_close(mixed, torch.tensor([[0.0, 1.2, -0.55, 0.2], [0.0, 0.2, -2.1, 0.0]]))
+    # control: the sign matters (the student's minus the teacher's would be the negation)
+    assert not torch.allclose(opd_advantages(student, teacher, mask), torch.tensor(expected))
+    with pytest.raises(ValueError, match="reward_advantages"):
+        opd_advantages(teacher, student, mask, reward_weight=0.5)
+    with pytest.raises(ValueError, match="not finite"):
+        opd_advantages(teacher.index_put((torch.tensor([0]), torch.tensor([1])), torch.tensor(float("nan"))),
+                       student, mask)

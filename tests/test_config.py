@@ -75,13 +75,13 @@ def test_cross_field_validation():
 
 
 def test_shipped_configs_validate():
-    from posttrain.config import DPOConfig, RMConfig
+    from posttrain.config import DistillConfig, DPOConfig, RMConfig
     from posttrain.config.schema import GRPOConfig, PPOConfig
 
     root = Path(__file__).resolve().parents[1] / "configs"
     shipped = sorted(root.glob("*.yaml"))
     assert len(shipped) >= 15
-    schemas = {"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig, "ppo": PPOConfig}
+    schemas = {"sft": SFTConfig, "dpo": DPOConfig, "rm": RMConfig, "ppo": PPOConfig, "distill": DistillConfig}
     for path in shipped:
         # Every other preset is an online RL one (grpo, dapo, gspo, cispo, rloo, dr_grpo, gdpo).
         load_config(schemas.get(path.name.split("_")[0], GRPOConfig), path)

@@ -165,6 +165,40 @@ def to_token_advantages(advantages: Tensor, mask: Tensor) -> Tensor:
     return torch.where(mask.bool(), advantages.float()[:, None], 0.0)
 
 
+def opd_advantages(
+    teacher_logprobs: Tensor,
+    student_logprobs: Tensor,
+    mask: Tensor,
+    reward_advantages: Tensor | None = None,
+    reward_weight: float = 0.0,
+) -> Tensor:
+    """On-policy distillation's per-token advantage (Agarwal et al. 2024 with a reverse-KL reward, as in
+    Thinking Machines' "On-Policy Distillation", 2025, and NeMo-RL's OPD): A_t = sg[log π_teacher(y_t) −
+    log π_student(y_t)] on each sampled token y_t, plus reward_weight × the episode's reward advantage. With the
+    policy-gradient loss this is a per-token estimate of −∇ KL(π_student ‖ π_teacher) along the student's own
+    samples: tokens the teacher finds likelier than the student are pushed up.
+
+    teacher_logprobs, student_logprobs: [N, T] log-probabilities of the sampled tokens under the sampling
+        temperature (the student's from the trainer, not the sampler, so the ratio compares like with like).
+    mask: [N, T] 1 on the sampled tokens that get loss (see the section below); 0 elsewhere, and 0 in the result.
+    reward_advantages: [N] optional per-episode advantages (e.g. grpo_advantages of an environment reward), added
+        to every token of the episode times reward_weight.
+    Returns float32 [N, T], detached. A non-finite log-probability at a masked-in token is a ValueError.
+    """
+    valid = _token_mask(mask)
+    if teacher_logprobs.shape != valid.shape or student_logprobs.shape != valid.shape:
+        raise ValueError(f"teacher_logprobs {tuple(teacher_logprobs.shape)} and student_logprobs "
+                         f"{tuple(student_logprobs.shape)} must have the mask's shape {tuple(valid.shape)}")
+    ratio = torch.where(valid, teacher_logprobs.detach().double() - student_logprobs.detach().double(), 0.0)
+    if not torch.isfinite(ratio).all():
+        raise ValueError("a teacher or student log-probability is not finite at a sampled token")
+    if reward_weight:
+        if reward_advantages is None:
+            raise ValueError(f"reward_weight={reward_weight} needs reward_advantages")
+        ratio = ratio + reward_weight * torch.where(valid, reward_advantages.double()[:, None], 0.0)
+    return ratio.float()
+
+
 # ---- token-level advantages: PPO with a critic ----------------------------------------------------------------
 #
 # Shapes: N completions, T token positions. `mask` [N, T] is 1 on the tokens the policy sampled (its actions) and

@@ -21,6 +21,7 @@ from pydantic_core import PydanticUndefined
 
 from posttrain.config import (
     ConfigError,
+    DistillConfig,
     DPOConfig,
     EvalConfig,
     GenerateConfig,
@@ -99,6 +100,15 @@ def _run_rm(cfg: RMConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_distill(cfg: DistillConfig, args: argparse.Namespace) -> int:
+    from posttrain.algorithms.distill import train_distill
+
+    result = train_distill(cfg)
+    _done(f"done: {result.steps} steps, final loss {result.final_loss}, eval nll {result.eval_nll}, "
+          f"model in {result.final_dir}")
+    return 0
+
+
 def _run_eval(cfg: EvalConfig, args: argparse.Namespace) -> int:
     from posttrain.algorithms.evaluate import EvalReport, describe_report, run_eval
 
@@ -149,6 +159,9 @@ RECIPES = {
                "GDPO, REINFORCE++", _run_grpo),
         Recipe("ppo", PPOConfig, "online RL with a learned critic: PPO with GAE, KL in the reward or the loss",
                _run_ppo),
+        Recipe("distill", DistillConfig, "knowledge distillation from a teacher's top-k (forward, reverse, mixed "
+               "KL, generalized JSD) on a dataset; on-policy distillation is grpo's advantage.estimator=opd",
+               _run_distill),
         Recipe("eval", EvalConfig, "evaluate a model: prompt files scored by an environment (reward, accuracy, "
                "pass@k), or a built-in task's greedy exact match", _run_eval),
         Recipe("generate", GenerateConfig, "sample completions of a few prompts from a model, for a quick look",

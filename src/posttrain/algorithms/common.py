@@ -279,3 +279,13 @@ def export_policy(output_dir: Path, policy: PolicyWorker, run_log: RunLogger) ->
         run_log.message(f"LoRA adapter: {exported.adapter_dir}")
     run_log.message(f"final model: {exported.final_dir}")
     return exported.final_dir
+
+
+def check_same_tokenizer(student, teacher, teacher_name: str) -> None:
+    """RunError unless the teacher's tokenizer is the student's (same vocabulary, ids and special tokens):
+    top-k token ids are compared id by id."""
+    if student.get_vocab() != teacher.get_vocab():
+        raise RunError(f"teacher {teacher_name} has another tokenizer than the student (vocabularies differ); "
+                       "cross-tokenizer distillation is not built yet: choose a teacher with the student's tokenizer")
+    if (student.eos_token_id, student.pad_token_id) != (teacher.eos_token_id, teacher.pad_token_id):
+        raise RunError(f"teacher {teacher_name}'s end-of-sequence or padding token differs from the student's")

@@ -6,7 +6,9 @@ Each step, top to bottom:
   2. score    — the environment rewards every episode; failed scores are masked and counted
   3. advantages — group-relative (or RLOO, GDPO, REINFORCE++, raw) from the rewards
   4. logprobs — π_old (skipped when the update is on-policy: then π_old is the current policy itself)
-                and π_ref (only when the KL penalty is on)
+                and π_ref (only when the KL penalty is on); with advantage.estimator=opd the teacher's and the
+                student's log-probabilities of the sampled tokens make per-token advantages (on-policy
+                distillation), plus opd_reward_weight × the grpo advantage
   5. train    — `ppo_epochs` passes over the batch in `num_minibatches` minibatches, one optimizer step each,
                 with the clipped policy-gradient loss normalized over the minibatch
   6. sync     — push the new weights to the generator (nothing to do when it samples from the trained model)
@@ -27,11 +29,20 @@ import torch
 from posttrain.advantages import (
     gdpo_advantages,
     grpo_advantages,
+    opd_advantages,
     raw_reward_advantages,
     reinforce_plus_plus_advantages,
     rloo_advantages,
 )
-from posttrain.algorithms.common import NonFiniteGuard, announce_run, export_policy, log_step, run_logger, save_if_due
+from posttrain.algorithms.common import (
+    NonFiniteGuard,
+    announce_run,
+    check_same_tokenizer,
+    export_policy,
+    log_step,
+    run_logger,
+    save_if_due,
+)
 from posttrain.algorithms.evaluate import TrainingEvaluation, reward_weights, sample_record
 from posttrain.algorithms.rl import (
     RLResult,
@@ -47,7 +58,8 @@ from posttrain.algorithms.rl import (
 from posttrain.checkpoint import POLICY
 from posttrain.config.schema import GRPOConfig
 from posttrain.data.types import RolloutBatch
-from posttrain.distributed.builders import build_policy
+from posttrain.distributed.builders import build_policy, build_scorer
+from posttrain.models.loading import load_tokenizer
 from posttrain.rundir import one_run_per_output_dir
 from posttrain.workers.objectives import PolicyGradientObjective
 
@@ -69,6 +81,11 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
     # The reference is the starting model, also when resuming; loaded only when the KL penalty needs it. With LoRA
     # it is the policy itself with its adapters switched off (no second copy).
     reference = reference_worker(policy, cfg, run.device) if loss.config.reference_kl_penalty > 0 else None
+    # On-policy distillation's teacher: frozen, with the student's tokenizer, scoring the sampled tokens each step.
+    teacher = None
+    if cfg.teacher is not None:
+        check_same_tokenizer(tokenizer, load_tokenizer(cfg.teacher.as_model()), cfg.teacher.name_or_path)
+        teacher = build_scorer(cfg.teacher.as_model(), trainer, run.device, role="teacher")
     generator = policy_generator(cfg, tokenizer, policy)
     source, start_step = run.rollout_source(cfg, generator, weights, dynamic_sampling=rollout.dynamic_sampling)
 
@@ -109,6 +126,13 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
             batch = replace(
                 batch, old_logprobs=None if updates_per_step == 1 else policy.logprobs(batch, rollout.temperature),
                 reference_logprobs=None if reference is None else reference.logprobs(batch, rollout.temperature))
+            if teacher is not None:  # OPD: per-token advantages from the teacher's log-ratio to the student
+                student = batch.old_logprobs if batch.old_logprobs is not None else policy.logprobs(
+                    batch, rollout.temperature)
+                batch = replace(batch, advantages=opd_advantages(
+                    teacher.logprobs(batch, rollout.temperature), student, batch.loss_mask, batch.advantages,
+                    cfg.advantage.opd_reward_weight))
+                metrics.update(opd_metrics(batch))
             logprob_seconds = time.perf_counter() - started
 
             # 5. Train: ppo_epochs passes, num_minibatches optimizer steps each; the policy splits each minibatch
@@ -145,10 +169,22 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
 # ---- pieces of the loop ----------------------------------------------------------------------------------
 
 
+def opd_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """opd/advantage_mean (the token-mean advantage: with no reward term, the mean log π_teacher − log π_student
+    of the sampled tokens, an estimate of −KL(student ‖ teacher) per token), opd/advantage_min and _max."""
+    valid = batch.loss_mask.bool()
+    values = batch.advantages[valid]
+    if values.numel() == 0:
+        return {}
+    return {"opd/advantage_mean": float(values.mean()), "opd/advantage_min": float(values.min()),
+            "opd/advantage_max": float(values.max())}
+
+
 def compute_advantages(cfg: GRPOConfig, batch: RolloutBatch) -> torch.Tensor:
-    """[N] advantages from the batch's rewards, with the configured estimator (posttrain.advantages)."""
+    """[N] advantages from the batch's rewards, with the configured estimator (posttrain.advantages). For opd
+    these are the reward's grpo advantages, which the teacher's per-token log-ratio is added to later."""
     a = cfg.advantage
-    if a.estimator == "grpo":
+    if a.estimator in ("grpo", "opd"):
         return grpo_advantages(batch.rewards, batch.group_ids, normalize_std=a.normalize_std,
                                leave_one_out=a.leave_one_out, valid=batch.valid)
     if a.estimator == "rloo":

@@ -1,7 +1,7 @@
 """Validated config trees (pydantic) loaded from YAML with dotted command-line overrides."""
 
 from posttrain.config.environments import EnvironmentSection, environment_section
-from posttrain.config.losses import PolicyLossConfig, PreferenceLossConfig
+from posttrain.config.losses import DistillationLossConfig, PolicyLossConfig, PreferenceLossConfig
 from posttrain.config.loader import (
     ConfigError,
     deep_merge,
@@ -11,6 +11,7 @@ from posttrain.config.loader import (
 )
 from posttrain.config.schema import (
     DataConfig,
+    DistillConfig,
     DPOConfig,
     EvalConfig,
     EvaluationSet,
@@ -29,6 +30,8 @@ __all__ = [
     "ConfigError",
     "DPOConfig",
     "DataConfig",
+    "DistillConfig",
+    "DistillationLossConfig",
     "EnvironmentSection",
     "EvalConfig",
     "EvaluationSet",

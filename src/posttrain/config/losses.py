@@ -2,7 +2,8 @@
 
 One definition per knob (STYLE.md 13): `PolicyLossConfig` is GRPO's and PPO's `loss` section and the config of
 `posttrain.losses.policy_gradient.policy_gradient_loss`; `PreferenceLossConfig` is DPO's `loss` section and the
-config of `posttrain.losses.preference.preference_loss`. Built from YAML or from Python, they are validated the same
+config of `posttrain.losses.preference.preference_loss`; `DistillationLossConfig` is the distill recipe's `loss`
+section and the config of `posttrain.losses.distillation.distillation_loss`. Built from YAML or from Python, they are validated the same
 way (a boolean is no number, incompatible knobs are refused naming them), and they are frozen and picklable, so a
 loss description can cross a process boundary as it is.
 """
@@ -21,6 +22,8 @@ KLEstimator = Literal["k1", "k2", "k3"]
 ImportanceCorrection = Literal["none", "tis", "icepop", "seq-mask-tis", "seq-tis"]
 Aggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 PreferenceLossType = Literal["dpo", "ipo", "cdpo", "dpop", "rdpo", "simpo", "orpo"]
+KLType = Literal["forward", "reverse", "mixed"]
+OutsideTopk = Literal["renormalize", "zero_outside", "tail"]
 
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 """The preference losses that need no reference model (and length-normalize themselves)."""
@@ -186,3 +189,56 @@ class PreferenceLossConfig(LossConfig):
     def reference_free(self) -> bool:
         """simpo and orpo: no reference model."""
         return self.type in REFERENCE_FREE_LOSSES
+
+
+class DistillationLossConfig(LossConfig):
+    """Top-k knowledge distillation (posttrain.losses.distillation): the student's next-token distribution pulled
+    toward the teacher's top-k at every target position; the formulas, and which peer each knob matches, are in
+    docs/distillation.md."""
+
+    kl_type: KLType = "forward"
+    """forward: KL(teacher ‖ student), mass-covering (NeMo-RL kl_type=forward, TRL GKD beta=0); reverse:
+    KL(student ‖ teacher), mode-seeking (GKD beta=1); mixed: mixed_kl_weight·forward + (1 − mixed_kl_weight)·reverse
+    (NeMo-RL's mixed). Ignored when jsd_beta is set."""
+
+    mixed_kl_weight: float = Field(0.5, ge=0, le=1)
+    """kl_type=mixed: the weight of the forward KL (the reverse KL gets 1 − it), as NeMo-RL's mixed_kl_weight."""
+
+    jsd_beta: float | None = Field(None, ge=0, le=1)
+    """Generalized Jensen-Shannon divergence with GKD's β (TRL's GKDConfig.beta): β·KL(teacher ‖ M) +
+    (1 − β)·KL(student ‖ M), M = β·teacher + (1 − β)·student; β = 0 is exactly the forward KL and β = 1 the reverse
+    KL, as TRL special-cases them. null: the divergence is kl_type's."""
+
+    temperature: float = Field(1.0, gt=0)
+    """τ: both distributions are softmax(logits / τ) (the teacher's top-k is taken at τ too). The loss is not
+    multiplied by τ² (as in TRL's GKD, unlike Hinton et al.'s KD)."""
+
+    topk: int = Field(64, gt=0)
+    """k: how many of the teacher's likeliest tokens are kept at each position (NeMo-RL's topk_logits_k)."""
+
+    outside_topk: OutsideTopk = "renormalize"
+    """What happens to the probability mass outside the teacher's top-k. renormalize: both distributions are
+    renormalized on the top-k set (NeMo-RL's default); zero_outside: the student keeps its full vocabulary and
+    the teacher is zero outside its top-k, the reverse KL then gaining NeMo-RL's correction term for the student's
+    mass there (NeMo-RL zero_outside_topk=true); tail: one extra bucket holds the rest of each side's mass (TRL's
+    server distillation, add_tail)."""
+
+    nll_weight: float = Field(0.0, ge=0)
+    """Weight of the data's next-token NLL (at temperature 1) added to the divergence per target token; 0: off."""
+
+    @model_validator(mode="after")
+    def _compatible_knobs(self) -> DistillationLossConfig:
+        if self.jsd_beta is not None and "kl_type" in self.model_fields_set:
+            raise ValueError(f"loss.jsd_beta={self.jsd_beta} and loss.kl_type={self.kl_type!r} both choose the "
+                             "divergence (jsd_beta 0 is the forward KL, 1 the reverse); give one of them")
+        if "mixed_kl_weight" in self.model_fields_set and (self.kl_type != "mixed" or self.jsd_beta is not None):
+            raise ValueError("loss.mixed_kl_weight applies only to loss.kl_type='mixed' (without jsd_beta); "
+                             "remove it or set kl_type to mixed")
+        return self
+
+    @property
+    def divergence(self) -> str:
+        """What the loss computes: forward, reverse, mixed or jsd (jsd_beta strictly between 0 and 1)."""
+        if self.jsd_beta is None:
+            return self.kl_type
+        return {0.0: "forward", 1.0: "reverse"}.get(self.jsd_beta, "jsd")

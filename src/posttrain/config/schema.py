@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from posttrain.config.environments import ArithmeticEnvironment, EnvironmentSection
-from posttrain.config.losses import PolicyLossConfig, PreferenceLossConfig
+from posttrain.config.losses import DistillationLossConfig, PolicyLossConfig, PreferenceLossConfig
 from posttrain.config.sections import NumericSection, Section
 
 
@@ -41,6 +41,35 @@ class ModelConfig(Section):
 
     trust_remote_code: bool = False
     """Allow model code from the checkpoint's repository (only for models you trust)."""
+
+
+class TeacherSection(Section):
+    """A frozen teacher model (distillation; GRPO's on-policy distillation)."""
+
+    name_or_path: str
+    """Hugging Face hub id, local model directory, or an embedded model name (posttrain/tiny-arithmetic-sft). Its
+    tokenizer must be the student's (cross-tokenizer distillation is not built yet)."""
+
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype the teacher's weights are loaded in."""
+
+    precompute: bool = False
+    """distill only: score every training example's top-k once before training, into OUTPUT/teacher_topk/ (with
+    a checksum; a resumed run reuses it), and free the teacher, so it is not resident while the student trains."""
+
+    offload: bool = False
+    """Keep the teacher resident only while it scores (not built yet: true is refused; use precompute)."""
+
+    @model_validator(mode="after")
+    def _built(self) -> TeacherSection:
+        if self.offload:
+            raise ValueError("teacher offload is not built yet; use precompute: true to keep the teacher out of "
+                             "memory while the student trains")
+        return self
+
+    def as_model(self) -> ModelConfig:
+        """The teacher as a ModelConfig (what the model loaders read)."""
+        return ModelConfig(name_or_path=self.name_or_path, dtype=self.dtype)
 
 
 class DataConfig(Section):
@@ -349,6 +378,55 @@ class DPOConfig(RecipeConfig):
         return self.share_prompt
 
 
+class DistillConfig(RecipeConfig):
+    """Knowledge distillation: the student (model:) learns the teacher's next-token distribution (its top-k at
+    every completion position) on a dataset, with the loss of `loss:` (see docs/distillation.md)."""
+
+    output_dir: str = "runs/distill"
+    """Run directory: config.yaml, metrics.jsonl, checkpoints/, teacher_topk/, final/. Re-running with the same
+    directory resumes."""
+
+    mode: Literal["off_policy", "on_policy"] = "off_policy"
+    """off_policy: the dataset's completions (prompt/completion or messages rows) are distilled. on_policy (the
+    student's own samples) is not built in this recipe yet: use `posttrain grpo` with advantage.estimator=opd."""
+
+    teachers: list[TeacherSection] = Field(default_factory=list)
+    """The teacher models, each {name_or_path, dtype (float32 or bfloat16), precompute (bool: score the training
+    set's top-k once into OUTPUT/teacher_topk/ and free the teacher), offload (not built yet)}; one is supported
+    for now."""
+
+    loss: DistillationLossConfig = Field(default_factory=DistillationLossConfig)
+    """The distillation loss."""
+
+    evaluation: list[EvaluationSet] = Field(default_factory=list)
+    """Evaluation sets sampled from the student during training (see docs/evaluation.md), each logged as
+    eval/<name>/<metric>; none by default."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DistillConfig:
+        check_evaluation_sets(self.evaluation, self.trainer)
+        if self.mode == "on_policy":
+            raise ValueError("mode='on_policy' is not built in posttrain distill yet; on-policy distillation (OPD) "
+                             "runs in posttrain grpo with advantage.estimator=opd and teacher.name_or_path=...; "
+                             "use mode='off_policy' here")
+        if len(self.teachers) != 1:
+            raise ValueError(f"teachers: give exactly one teacher (got {len(self.teachers)}); several teachers "
+                             "(routing samples to teachers) are not built yet")
+        if not self.data.train_files:
+            raise ValueError("data.train_files is empty: give at least one training file or dataset name")
+        if self.data.format in ("preference", "prompt_only", "text"):
+            raise ValueError(f"data.format={self.data.format!r}: distill reads prompt/completion or messages rows; "
+                             "use auto, prompt_completion or messages")
+        if self.data.packing:
+            raise ValueError("data.packing=true is not built for distill yet (the teacher's top-k travels per "
+                             "padded row); set data.packing=false")
+        return self
+
+    @property
+    def teacher(self) -> TeacherSection:
+        return self.teachers[0]
+
+
 class RewardLossSection(Section):
     """The Bradley-Terry reward-model loss (posttrain.losses.reward_model.bradley_terry_loss)."""
 
@@ -456,9 +534,15 @@ class RolloutSection(NumericSection):
 class AdvantageSection(NumericSection):
     """How rewards become advantages (posttrain.advantages)."""
 
-    estimator: Literal["grpo", "rloo", "gdpo", "reinforce++", "raw"] = "grpo"
+    estimator: Literal["grpo", "rloo", "gdpo", "reinforce++", "raw", "opd"] = "grpo"
     """grpo (group mean baseline), rloo (leave-one-out), gdpo (per-component group normalization, weighted sum,
-    batch whitening), reinforce++ (global whitening), raw (the reward itself)."""
+    batch whitening), reinforce++ (global whitening), raw (the reward itself), opd (on-policy distillation: the
+    per-token advantage sg[log π_teacher − log π_student] of each sampled token, plus opd_reward_weight × the
+    grpo advantage; needs `teacher:`)."""
+
+    opd_reward_weight: float = Field(0.0, ge=0)
+    """opd: weight of the environment reward's grpo advantage added to every token's log-ratio; 0: the teacher
+    alone."""
 
     normalize_std: bool = True
     """grpo/gdpo: divide by the group's reward std (skipped where it is 0). Dr. GRPO turns it off."""
@@ -813,9 +897,24 @@ class GRPOConfig(OnlineRLConfig):
     advantage: AdvantageSection = Field(default_factory=AdvantageSection)
     """Advantage estimator."""
 
+    teacher: TeacherSection | None = None
+    """advantage.estimator=opd: the teacher, {name_or_path, dtype}, whose log-probabilities of the sampled tokens
+    (under rollout.temperature) make the advantages; it must use the policy's tokenizer. null otherwise."""
+
     @model_validator(mode="after")
     def _check(self) -> GRPOConfig:
         self.check_online_rl("GRPO")
+        if (self.advantage.estimator == "opd") != (self.teacher is not None):
+            raise ValueError("advantage.estimator='opd' and teacher go together: on-policy distillation needs "
+                             "teacher.name_or_path, and a teacher is read only by advantage.estimator='opd'")
+        if self.teacher is not None and self.teacher.precompute:
+            raise ValueError("teacher.precompute applies to posttrain distill; on-policy samples are new each step")
+        if "opd_reward_weight" in self.advantage.model_fields_set and self.advantage.estimator != "opd":
+            raise ValueError("advantage.opd_reward_weight applies only to advantage.estimator='opd'")
+        if (self.advantage.estimator == "opd" and self.advantage.opd_reward_weight > 0
+                and self.rollout.num_generations_per_prompt < 2):
+            raise ValueError("advantage.opd_reward_weight > 0 adds the grpo advantage, which compares samples of a "
+                             "group: rollout.num_generations_per_prompt must be at least 2")
         if self.advantage.estimator in ("grpo", "rloo", "gdpo") and self.rollout.num_generations_per_prompt < 2:
             raise ValueError(f"advantage.estimator={self.advantage.estimator!r} compares samples of a group: "
                              "rollout.num_generations_per_prompt must be at least 2")

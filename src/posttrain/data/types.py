@@ -1,5 +1,5 @@
 """Typed containers that cross module boundaries: the data pipeline's examples and the batches every worker reads
-(SFTBatch, SharedPromptBatch, RolloutBatch)."""
+(SFTBatch, SharedPromptBatch, RolloutBatch, PairBatch, DistillBatch)."""
 
 from __future__ import annotations
 
@@ -193,6 +193,31 @@ class PairBatch:
     @property
     def num_pairs(self) -> int:
         return self.rows.input_ids.shape[0] // 2 if isinstance(self.rows, SFTBatch) else self.rows.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows.num_tokens
+
+
+@dataclass(frozen=True)
+class DistillBatch:
+    """A micro-batch of data rows with a teacher's top-k next-token distribution at each position (off-policy
+    distillation).
+
+    rows: the SFTBatch the student reads (padded; loss_mask marks the targets).
+    teacher_topk_logprobs: [B, T, k] float32, the teacher's log-probabilities (at the distillation temperature,
+        normalized over its full vocabulary) of its k likeliest next tokens at position s of each row, i.e. of
+        token s + 1; meaningful at the positions that predict a target (loss_mask[:, s + 1] = 1), 0 elsewhere.
+    teacher_topk_ids: [B, T, k] long, the ids of those tokens (0 where the log-probabilities are 0).
+    """
+
+    rows: SFTBatch
+    teacher_topk_logprobs: torch.Tensor
+    teacher_topk_ids: torch.Tensor
+
+    @property
+    def num_target_tokens(self) -> int:
+        return self.rows.num_target_tokens
 
     @property
     def num_tokens(self) -> int:

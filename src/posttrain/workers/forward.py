@@ -264,6 +264,8 @@ def batch_to(batch: Batch, device: torch.device) -> Batch:
         elif isinstance(value, dict):
             moved[field.name] = {k: to_device(v, device) if isinstance(v, torch.Tensor) else v
                                  for k, v in value.items()}
+        elif dataclasses.is_dataclass(value):  # the rows of a PairBatch or DistillBatch
+            moved[field.name] = batch_to(value, device)
     return dataclasses.replace(batch, **moved)
 
 

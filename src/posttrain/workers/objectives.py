@@ -4,7 +4,7 @@ A description is a frozen dataclass holding only its configuration (which pure f
 its config, the sampling temperature): it pickles, so the same call crosses a process boundary to a Ray actor or a
 subprocess. Everything it reads per example travels in the typed batch (a `RolloutBatch`'s advantages, π_old and
 π_ref log-probabilities, a critic's old values and returns; a `PairBatch`'s reference log-probabilities and
-margins), never in a closure.
+margins; a `DistillBatch`'s teacher top-k), never in a closure.
 
 Each description says
   - `outputs`: what the worker's forward pass hands it (workers/forward.py's Outputs: logits, target_logprobs,
@@ -23,9 +23,10 @@ from typing import Any, Protocol
 
 import torch
 
-from posttrain.data.types import PairBatch, RolloutBatch, SFTBatch, SharedPromptBatch
+from posttrain.data.types import DistillBatch, PairBatch, RolloutBatch, SFTBatch, SharedPromptBatch
 from posttrain.losses.nll import nll_of_logprobs
-from posttrain.config.losses import PolicyLossConfig, PreferenceLossConfig
+from posttrain.config.losses import DistillationLossConfig, PolicyLossConfig, PreferenceLossConfig
+from posttrain.losses.distillation import distillation_loss
 from posttrain.losses.policy_gradient import loss_normalizer, policy_gradient_loss
 from posttrain.losses.preference import preference_loss, sequence_logps
 from posttrain.losses.reward_model import bradley_terry_loss
@@ -65,6 +66,37 @@ class NLLObjective:
             normalizer = batch.loss_mask.sum().clamp(min=1)
         loss, stats = nll_of_logprobs(logprobs, batch.loss_mask, normalizer)
         return loss, {"nll_sum": Metric.sum(stats["nll_sum"]), "target_tokens": Metric.sum(stats["target_tokens"])}
+
+
+@dataclass(frozen=True)
+class DistillationObjective:
+    """Off-policy top-k distillation (losses/distillation.py) of a `DistillBatch`: the student's logits against
+    the teacher's top-k travelling in the batch, summed over the micro-batch's targets and divided by the step's
+    target count, plus config.nll_weight × the data's NLL. The distillation temperature is config.temperature,
+    applied to the logits inside the loss (`temperature` here is the forward pass's, which logits ignore). Metrics
+    are per-target-token means (divergence, nll, teacher_topk_mass, student_topk_mass, top1_agreement) and
+    target_tokens (a sum)."""
+
+    config: DistillationLossConfig
+    outputs: Outputs = "logits"
+    temperature: float = 1.0
+
+    def normalizer(self, micro_batches: Sequence[DistillBatch]) -> float:
+        return sum(batch.num_target_tokens for batch in micro_batches)
+
+    def __call__(self, logits: torch.Tensor, batch: DistillBatch, normalizer: float | None
+                 ) -> tuple[torch.Tensor, MetricDict]:
+        rows = batch.rows
+        if normalizer is None:
+            normalizer = max(rows.num_target_tokens, 1)
+        device = logits.device
+        loss, sums = distillation_loss(logits, batch.teacher_topk_logprobs.to(device),
+                                       batch.teacher_topk_ids.to(device), rows.input_ids, rows.loss_mask,
+                                       self.config, normalizer)
+        tokens = sums.pop("target_tokens")
+        count = tokens.clamp(min=1)
+        return loss, {"target_tokens": Metric.sum(tokens),
+                      **{name.removesuffix("_sum"): Metric.mean(value / count, tokens) for name, value in sums.items()}}
 
 
 # ---- pairs ------------------------------------------------------------------------------------------------
