@@ -45,3 +45,24 @@ def test_first_steps_log_the_pinned_losses(recipe, tmp_path, tiny_model_dir):
         for key in recorded["keys"]:
             assert now[key] == pytest.approx(was[key], rel=RELATIVE_TOLERANCE, abs=ABSOLUTE_TOLERANCE), \
                 f"{recipe} step {was['step']} {key}"
+
+
+@pytest.mark.parametrize("recipe", list(RECORDED))
+def test_pickled_workers_stopped_and_resumed_log_the_pinned_losses(recipe, tmp_path, tiny_model_dir, monkeypatch):
+    """Every worker call through pickle (tests/pickled_workers.py, a stand-in for an actor in another process), the
+    run stopped after step 2 and resumed from its checkpoint for step 3: the same losses as the uninterrupted local
+    run that wrote the fixture."""
+    from pickled_workers import pickle_every_worker
+
+    calls = pickle_every_worker(monkeypatch)
+    recorded = RECORDED[recipe]
+    keys = tuple(recorded["keys"])
+    pin_losses.run_recipe(recipe, [*recorded["overrides"], "trainer.max_steps=2", "trainer.save_every=2"], keys,
+                          tmp_path)
+    steps = pin_losses.run_recipe(recipe, [*recorded["overrides"], "trainer.save_every=2"], keys, tmp_path)
+    assert "forward_backward" in calls and "optim_step" in calls  # the pickled workers trained
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    for got, pinned in zip(steps, recorded["steps"]):
+        for key in keys:
+            assert got[key] == pytest.approx(pinned[key], rel=RELATIVE_TOLERANCE, abs=ABSOLUTE_TOLERANCE), (got["step"],
+                                                                                                            key)

@@ -14,6 +14,8 @@ from posttrain.workers.forward import forward_logits
 from posttrain.workers.local import LocalPolicyWorker
 from posttrain.losses.nll import nll_loss, token_logprobs
 
+from pickled_workers import PickledCalls
+
 
 def test_nll_matches_hand_computation():
     # Vocabulary of 2, one sequence [0, 1, 1]. Logits at t=0 are (0, 0): p(1) = 1/2.
@@ -41,21 +43,24 @@ def _examples(seed: int = 0) -> list[TokenizedExample]:
     return out
 
 
-def _grads_for_split(model, examples, micro_batch_size: int, packing: bool = False):
+def _grads_for_split(model, examples, micro_batch_size: int, packing: bool = False, pickled: bool = False):
     model.zero_grad(set_to_none=True)
     trainer = TrainerConfig(micro_batch_size=micro_batch_size, gradient_accumulation_steps=len(examples) // micro_batch_size)
     collate = (lambda ex: collate_packed(ex, 257, 64)) if packing else (lambda ex: collate_padded(ex, 257))
     micro_batches = [collate(examples[i : i + micro_batch_size]) for i in range(0, len(examples), micro_batch_size)]
-    loss, targets = accumulate_gradients(LocalPolicyWorker(model, None, trainer), micro_batches)
+    worker = LocalPolicyWorker(model, None, trainer)
+    # pickled: every call's arguments and result cross pickle, as for a worker in another process
+    loss, targets = accumulate_gradients(PickledCalls(worker, []) if pickled else worker, micro_batches)
     return loss, targets, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("pickled", [False, True], ids=["local", "pickled"])
 @pytest.mark.parametrize("micro_batch_size", [1, 4])
-def test_gradient_accumulation_invariance(tiny_model_dir, micro_batch_size):
+def test_gradient_accumulation_invariance(tiny_model_dir, micro_batch_size, pickled):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     examples = _examples()
     full_loss, full_targets, full_grads = _grads_for_split(model, examples, 8)
-    loss, targets, grads = _grads_for_split(model, examples, micro_batch_size)
+    loss, targets, grads = _grads_for_split(model, examples, micro_batch_size, pickled=pickled)
     assert targets == full_targets
     assert loss == pytest.approx(full_loss, abs=1e-5)
     for name, grad in grads.items():

@@ -259,8 +259,6 @@ def batch_to(batch: Batch, device: torch.device) -> Batch:
         value = getattr(batch, field.name)
         if isinstance(value, torch.Tensor):
             moved[field.name] = to_device(value, device)
-        elif dataclasses.is_dataclass(value):  # a PairBatch's rows
-            moved[field.name] = batch_to(value, device)
         elif isinstance(value, dict):
             moved[field.name] = {k: to_device(v, device) if isinstance(v, torch.Tensor) else v
                                  for k, v in value.items()}
