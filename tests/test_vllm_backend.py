@@ -285,7 +285,8 @@ class FakeLLM:
 
 
 @pytest.fixture
-def fake_vllm(monkeypatch, vllm_environment_restored):
+def fake_vllm(monkeypatch, vllm_environment_restored, tmp_path):
+    (tmp_path / "config.json").write_text("{}")  # tmp_path stands for a model directory; the fake engine reads none
     vllm = types.ModuleType("vllm")
     vllm.LLM = FakeLLM
     vllm.SamplingParams = lambda **kwargs: types.SimpleNamespace(kwargs=kwargs)
