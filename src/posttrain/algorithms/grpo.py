@@ -153,11 +153,8 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
             step_seconds = time.perf_counter() - step_started
             metrics.update(mean_over_updates(update_metrics))
             guard.check(step, metrics)
-            metrics.update(step_timings(generate=sampled.times.generate, score=sampled.times.score,
-                                        logprobs=logprob_seconds, train=train_seconds, step=step_seconds,
-                                        tokens=float(batch.attention_mask.sum()),
-                                        generated_tokens=sampled.times.generated_tokens,
-                                        epoch=source.sampler.epochs_completed))
+            metrics.update(step_timings(sampled, source, batch, logprobs=logprob_seconds, train=train_seconds,
+                                        step=step_seconds))
             metrics.update(due_evaluations(step, cfg, run.data, generator, run.greedy, weights, evaluation, run_log))
             log_step(run_log, step, metrics, trainer)
             save_if_due(run.output_dir, step, trainer, {POLICY: policy}, source.sampler, run.trainer_state(source))

@@ -140,11 +140,8 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
             guard.check(step, checked)
             if "nonfinite_skipped_steps" in checked:
                 metrics["nonfinite_skipped_steps"] = checked["nonfinite_skipped_steps"]
-            metrics.update(step_timings(generate=sampled.times.generate, score=sampled.times.score,
-                                        logprobs=logprob_seconds, train=train_seconds, step=step_seconds,
-                                        tokens=float(batch.attention_mask.sum()),
-                                        generated_tokens=sampled.times.generated_tokens,
-                                        epoch=source.sampler.epochs_completed))
+            metrics.update(step_timings(sampled, source, batch, logprobs=logprob_seconds, train=train_seconds,
+                                        step=step_seconds))
             metrics.update(due_evaluations(step, cfg, run.data, generator, run.greedy, weights, evaluation, run_log))
             log_step(run_log, step, metrics, trainer)
             save_if_due(run.output_dir, step, trainer, {POLICY: policy, CRITIC: critic}, source.sampler,

@@ -27,7 +27,7 @@ from posttrain.algorithms.rollout import (
     run_episodes,
     to_batch,
 )
-from posttrain.algorithms.rollout_source import RolloutSource, SynchronousRolloutSource
+from posttrain.algorithms.rollout_source import RolloutSource, SampledGroups, SynchronousRolloutSource
 from posttrain.checkpoint import Checkpoint, checkpoint_to_resume
 from posttrain.config.schema import DataConfig, GRPOConfig, ModelConfig, PromptSection, RolloutSection, TrainerConfig
 from posttrain.data.dataset import DataStats, check_not_empty, iter_rows, skip_or_raise
@@ -180,13 +180,15 @@ def mean_over_updates(records: list[MetricDict]) -> dict[str, float]:
     return as_floats(reduce_metrics(per_update))
 
 
-def step_timings(*, generate: float, score: float, logprobs: float, train: float, step: float, tokens: float,
-                 generated_tokens: int, epoch: int) -> dict[str, float]:
-    """The step's time/... metrics and throughputs: `tokens` in the training batch (prompt and completion) per
-    second of the whole step, sampled tokens per second of generation."""
-    return {"time/generate": generate, "time/score": score, "time/logprobs": logprobs, "time/train": train,
-            "time/step": step, "tokens_per_second": tokens / step,
-            "generation/tokens_per_second": generated_tokens / max(generate, 1e-9), "epoch": epoch}
+def step_timings(sampled: SampledGroups, source: SynchronousRolloutSource, batch: RolloutBatch, *, logprobs: float,
+                 train: float, step: float) -> dict[str, float]:
+    """The step's time/... metrics and throughputs: the training batch's tokens (prompt and completion) per second
+    of the whole step, sampled tokens per second of generation; and the epoch of the prompt sampler."""
+    times = sampled.times
+    return {"time/generate": times.generate, "time/score": times.score, "time/logprobs": logprobs,
+            "time/train": train, "time/step": step, "tokens_per_second": float(batch.attention_mask.sum()) / step,
+            "generation/tokens_per_second": times.generated_tokens / max(times.generate, 1e-9),
+            "epoch": source.sampler.epochs_completed}
 
 
 @dataclass
