@@ -72,7 +72,7 @@ def test_embedded_held_out_split_as_training_data_is_refused_in_grpo_and_evaluat
 
 
 def test_the_embedded_splits_share_nothing():
-    for task in ("arithmetic", "arithmetic-preference", "arithmetic-judge"):
+    for task in ("arithmetic", "arithmetic-preference", "arithmetic-judge", "subtraction", "arithmetic-two-tasks"):
         assert check_held_out([f"posttrain/{task}:train"], {}, [("heldout", [f"posttrain/{task}:heldout"], {})],
                               0.0) == [f"held-out check: 0 of {_count(task)} rows of heldout share a prompt with the "
                                        "training data (0 the whole example)"]

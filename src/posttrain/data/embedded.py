@@ -15,6 +15,11 @@
                                          "46 vs 46. Score: 1", and the same for one wrong reply (a plausible wrong sum,
                                          or a quarter of the time any number to 199) -> "46 vs 47. Score: 0"; same
                                          splits, [:N] is the first N rows
+    posttrain/subtraction                2-digit subtractions a-b with a >= b (prompt "57-23=", completion "34",
+                                         answer); their own train/heldout splits, [:N] limits as for arithmetic
+    posttrain/arithmetic-two-tasks       additions and subtractions alternating, each row with a `task` column
+                                         ("addition" or "subtraction"): the data for routing samples to one
+                                         teacher per task; same splits, [:N] is the first N rows
     posttrain/bench-lengths              benchmark rows with real-world length spread: prompt and completion
                                          each 16-1,024 characters (one token each for the byte-level
                                          tokenizer), log-normal (median ~128), random words; 4,096 rows per
@@ -37,8 +42,8 @@ from posttrain.envs import arithmetic
 from posttrain.envs.arithmetic import Problem
 
 _NAME = re.compile(r"^posttrain/(?P<task>[a-z_-]+)(?::(?P<split>[a-z]+))?(?:\[:(?P<count>\d+)\])?$")
-TASKS = ("arithmetic", "arithmetic-preference", "arithmetic-preference-dense", "arithmetic-judge", "bench-lengths",
-         "bench-lengths-messages", "bench-lengths-preference")
+TASKS = ("arithmetic", "arithmetic-preference", "arithmetic-preference-dense", "arithmetic-judge", "subtraction",
+         "arithmetic-two-tasks", "bench-lengths", "bench-lengths-messages", "bench-lengths-preference")
 BENCH_ROWS = 4096
 BENCH_LENGTHS = (16, 1024)
 """Shortest and longest prompt or completion of posttrain/bench-lengths, in characters."""
@@ -65,8 +70,14 @@ def iter_embedded(source: str) -> Iterator[tuple[str, dict[str, Any]]]:
         yield from _limited(source, _bench_rows(match["task"], split), count, split)
         return
     dense = match["task"] in ("arithmetic-preference-dense", "arithmetic-judge")  # several rows per problem
-    yield from _limited(source, _rows(match["task"], arithmetic.sample_problems(split, None if dense else count)),
-                        count, split)
+    limit = None if dense else count
+    if match["task"] == "subtraction":
+        problems = arithmetic.sample_problems(split, limit, op="-")
+    elif match["task"] == "arithmetic-two-tasks":
+        problems = arithmetic.two_task_problems(split, limit)
+    else:
+        problems = arithmetic.sample_problems(split, limit)
+    yield from _limited(source, _rows(match["task"], problems), count, split)
 
 
 def _limited(source: str, rows: Iterator[dict[str, Any]], count: int | None, split: str
@@ -111,5 +122,8 @@ def _rows(task: str, problems: list[Problem]) -> Iterator[dict[str, Any]]:
         elif task == "arithmetic-judge":
             for question, verdict in arithmetic.judge_rows(problem):
                 yield {"prompt": question, "completion": verdict}
+        elif task == "arithmetic-two-tasks":
+            yield {"prompt": problem.prompt, "completion": problem.answer, "answer": problem.answer,
+                   "task": problem.task}
         else:
             yield {"prompt": problem.prompt, "completion": problem.answer, "answer": problem.answer}

@@ -1,8 +1,9 @@
-"""The arithmetic task: n-digit additions with a verifiable answer.
+"""The arithmetic task: n-digit additions (and, as a second task, subtractions) with a verifiable answer.
 
-A problem is the prompt ``"a+b="`` with the answer ``str(a + b)``. Every (a, b) pair belongs to
-exactly one split, decided by a hash of the pair, so the training and held-out splits never
-overlap whatever sizes or seeds are asked for. About a tenth of the pairs are held out.
+A problem is the prompt ``"a+b="`` with the answer ``str(a + b)``, or ``"a-b="`` (a >= b, so the answer is never
+negative) with ``str(a - b)``. Every problem belongs to exactly one split, decided by a hash of its prompt text,
+so the training and held-out splits never overlap whatever sizes or seeds are asked for. About a tenth of the
+problems are held out.
 
 The task provides SFT rows (prompt/completion), preference pairs (the correct sum chosen, a
 plausible wrong one rejected: `wrong_answer`) and, through the same problems, the prompts and
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 Split = Literal["train", "heldout"]
+Operation = Literal["+", "-"]
 HELDOUT_FRACTION_DENOMINATOR = 10
 
 
@@ -26,37 +28,59 @@ HELDOUT_FRACTION_DENOMINATOR = 10
 class Problem:
     a: int
     b: int
+    op: Operation = "+"
 
     @property
     def prompt(self) -> str:
-        return f"{self.a}+{self.b}="
+        return f"{self.a}{self.op}{self.b}="
 
     @property
     def answer(self) -> str:
-        return str(self.a + self.b)
+        return str(self.a + self.b if self.op == "+" else self.a - self.b)
+
+    @property
+    def task(self) -> str:
+        """The `task` column of this problem's row in posttrain/arithmetic-two-tasks."""
+        return "addition" if self.op == "+" else "subtraction"
 
 
-def split_of(a: int, b: int) -> Split:
-    """Deterministic split membership of the pair (a, b), independent of Python's hash seed."""
-    digest = hashlib.sha256(f"{a}+{b}".encode()).digest()
+def split_of(a: int, b: int, op: Operation = "+") -> Split:
+    """Deterministic split membership of the problem a op b, independent of Python's hash seed."""
+    digest = hashlib.sha256(f"{a}{op}{b}".encode()).digest()
     return "heldout" if digest[0] % HELDOUT_FRACTION_DENOMINATOR == 0 else "train"
 
 
-def all_problems(split: Split, num_digits: int = 2) -> list[Problem]:
-    """Every problem of the split, both operands with exactly `num_digits` digits, in a fixed order."""
+def all_problems(split: Split, num_digits: int = 2, op: Operation = "+") -> list[Problem]:
+    """Every problem of the split, both operands with exactly `num_digits` digits (for subtraction a >= b), in a
+    fixed order."""
     low, high = 10 ** (num_digits - 1) if num_digits > 1 else 0, 10**num_digits
-    return [Problem(a, b) for a in range(low, high) for b in range(low, high) if split_of(a, b) == split]
+    return [Problem(a, b, op) for a in range(low, high) for b in range(low, high)
+            if (op == "+" or a >= b) and split_of(a, b, op) == split]
 
 
-def sample_problems(split: Split, n: int | None = None, seed: int = 0, num_digits: int = 2) -> list[Problem]:
+def sample_problems(split: Split, n: int | None = None, seed: int = 0, num_digits: int = 2,
+                    op: Operation = "+") -> list[Problem]:
     """`n` distinct problems of the split in a seeded random order (all of them when n is None)."""
-    problems = all_problems(split, num_digits)
-    random.Random(f"arithmetic/{split}/{num_digits}/{seed}").shuffle(problems)
+    problems = all_problems(split, num_digits, op)
+    stream = "arithmetic" if op == "+" else "subtraction"  # addition's order is the one every sweep was run on
+    random.Random(f"{stream}/{split}/{num_digits}/{seed}").shuffle(problems)
     if n is None:
         return problems
     if n > len(problems):
         raise ValueError(f"asked for {n} {split} problems with {num_digits} digits, but the split has {len(problems)}")
     return problems[:n]
+
+
+def two_task_problems(split: Split, n: int | None = None, seed: int = 0) -> list[Problem]:
+    """Additions and subtractions of the split, alternating (addition first) while both last, then the rest of
+    the longer list; `n` of them (all when None). Each operation's problems come in `sample_problems`' order."""
+    additions, subtractions = sample_problems(split, seed=seed), sample_problems(split, seed=seed, op="-")
+    mixed = [p for pair in zip(additions, subtractions) for p in pair]
+    shorter = min(len(additions), len(subtractions))
+    mixed += additions[shorter:] + subtractions[shorter:]
+    if n is not None and n > len(mixed):
+        raise ValueError(f"asked for {n} {split} problems of the two tasks, but the split has {len(mixed)}")
+    return mixed if n is None else mixed[:n]
 
 
 def wrong_answer(problem: Problem, rng: random.Random) -> str:

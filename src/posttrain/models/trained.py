@@ -5,6 +5,8 @@
                                     exact match on every seed and CPU code path measured)
     posttrain/tiny-arithmetic-sft-small   posttrain/tiny after configs/sft_arithmetic_small.yaml (SFT on only
                                     500 labelled additions, ~90 s; memorizes them, 22-30% held-out: the start for GRPO)
+    posttrain/tiny-subtraction-sft  posttrain/tiny after configs/sft_subtraction.yaml (the same recipe on 2-digit
+                                    subtraction: the second task's teacher for multi-teacher distillation)
     posttrain/tiny-arithmetic-judge  posttrain/tiny-arithmetic-sft after configs/sft_judge_arithmetic.yaml (a judge
                                     of sums: "12+34=47?" -> "46 vs 47. Score: 0"; the judge of
                                     configs/grpo_judge_arithmetic.yaml)
@@ -41,6 +43,7 @@ class TrainedSpec:
 TRAINED_MODELS: dict[str, TrainedSpec] = {
     "posttrain/tiny-arithmetic-sft": TrainedSpec(sft_preset="sft_arithmetic.yaml", version=2),
     "posttrain/tiny-arithmetic-sft-small": TrainedSpec(sft_preset="sft_arithmetic_small.yaml", version=3),
+    "posttrain/tiny-subtraction-sft": TrainedSpec(sft_preset="sft_subtraction.yaml"),
     "posttrain/tiny-arithmetic-judge": TrainedSpec(sft_preset="sft_judge_arithmetic.yaml", version=2),
 }
 
