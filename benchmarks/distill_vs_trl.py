@@ -117,6 +117,7 @@ SHAPES = {
 POSTTRAIN_SAMPLING_SECTION = "rollout"
 CONFIG_REFUSED = "posttrain refused the config: "
 LAST_N_LOSSES = 10
+LOSS_TOLERANCE = 1e-3
 
 
 # =========================================================================================================
@@ -440,10 +441,14 @@ def report(runs: dict[str, list[dict[str, Any]]], raw: dict[str, list[dict[str, 
     for pt, tr in zip(raw["posttrain"], raw["trl"]):
         diffs = [abs(a - b) for a, b in zip(pt["losses"], tr["losses"]) if a is not None and b is not None]
         if diffs and pt["losses"][0] is not None and tr["losses"][0] is not None:
-            agreement.append({"step1": abs(pt["losses"][0] - tr["losses"][0]), "max": max(diffs)})
+            agreement.append({"step1": abs(pt["losses"][0] - tr["losses"][0]), "max": max(diffs),
+                              "first_over_tolerance": next((i + 1 for i, d in enumerate(diffs) if d > LOSS_TOLERANCE),
+                                                           None)})
     if agreement and expected is not None:  # at lambda 1 the two distil different samples
-        notes.append("|loss(posttrain) - loss(TRL)| per repeat, at step 1 / largest over the steps: "
-                     + ", ".join(f"{a['step1']:.1e} / {a['max']:.1e}" for a in agreement)
+        notes.append(f"|loss(posttrain) - loss(TRL)| per repeat, at step 1 / largest over the steps / first step over "
+                     f"{LOSS_TOLERANCE:g}: "
+                     + ", ".join(f"{a['step1']:.1e} / {a['max']:.1e} / {a['first_over_tolerance'] or 'none'}"
+                                 for a in agreement)
                      + (" (the same loss: posttrain's top-k is the whole vocabulary)" if full_vocabulary else
                         " (not the same loss: posttrain's top-k is not the whole vocabulary; --topk V makes it so)"))
     if expected is not None:
