@@ -3,7 +3,7 @@ accuracy on the same distillation job, off-policy (lambda = 0) or on-policy (lam
 
 Run (CPU, offline; needs the bench extra: pip install 'trl>=1.0', which brings accelerate):
 
-    .venv/bin/python benchmarks/distill_vs_trl.py                   # lambda 0, tiny: 300 steps x 2 repeats + eval
+    .venv/bin/python benchmarks/distill_vs_trl.py      # lambda 0, tiny: 300 steps x 2 repeats + eval, ~6 min
     .venv/bin/python benchmarks/distill_vs_trl.py --steps 6 --skip-steps 2 --repeats 1       # quick check
     .venv/bin/python benchmarks/distill_vs_trl.py --shape vocab152k --steps 4 --skip-steps 1 --repeats 2 --threads 2
     .venv/bin/python benchmarks/distill_vs_trl.py --lmbda 1 --steps 20 --repeats 1          # on-policy
@@ -59,6 +59,10 @@ What differs and cannot be matched
       refused at lambda 0. DistillationTrainer (lambda 1) uses it for sampling and the loss, as posttrain does.
     - Sampling (lambda 1): different code and random streams, so the sampled completions, their lengths and the
       losses differ; the work per step is of the same size, not identical.
+    - GKDTrainer at lmbda > 0 (--trl-trainer gkd) divides the divergence summed over the sampled tokens by the
+      dataset's target count (transformers computes num_items_in_batch from the batch's labels before GKD replaces
+      them with the samples), so its logged loss is scaled by sampled / dataset targets per step (about 2.2x at the
+      tiny shape: 11.64 against DistillationTrainer's 5.26 at step 1); DistillationTrainer recounts.
     - posttrain's teacher.precompute (--precompute) scores the whole training set once before the first step and
       frees the teacher, so the teacher's cost leaves the step times (it stays in the wall time); TRL has no such
       mode. Off by default: then posttrain's teacher scores each micro-batch, as TRL's does.
