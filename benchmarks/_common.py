@@ -1,4 +1,4 @@
-"""Helpers shared by the posttrain-vs-TRL benchmarks (sft_vs_trl.py, grpo_vs_trl.py; later dpo_vs_trl.py).
+"""Helpers shared by the posttrain-vs-TRL benchmarks (sft_vs_trl.py, dpo_vs_trl.py, grpo_vs_trl.py, distill_vs_trl.py).
 
 A benchmark script runs every measured training call in its own fresh Python process (a "worker"), so each
 framework's imports, allocator state and peak memory are its own. The parent process only prepares the
@@ -11,11 +11,13 @@ its framework needs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import importlib.metadata
 import json
 import os
 import platform
+import random
 import re
 import statistics
 import subprocess
@@ -388,6 +390,77 @@ def trl_optimization_and_bookkeeping(spec: Mapping[str, Any]) -> dict[str, Any]:
         "save_strategy": "steps",
         "save_steps": spec["steps"],
         "save_total_limit": 1,
+    }
+
+
+def write_prompt_completion_rows(work_dir: Path, dataset: str, num_rows: int, seed: int, order_name: str,
+                                 keep: Callable[[dict[str, str]], bool] | None = None) -> Path:
+    """Write num_rows prompt/completion rows of `dataset` (those `keep` accepts, when given), in a seeded shuffled
+    order (reshuffled each time the rows are used up; the order depends on order_name and seed), to
+    work_dir/train.jsonl."""
+    from posttrain.data import iter_records
+
+    rows = [{"prompt": r["prompt"], "completion": r["completion"]} for _, r in iter_records(dataset)]
+    if keep is not None:
+        rows = [r for r in rows if keep(r)]
+    if not rows:
+        raise ValueError(f"no row of {dataset} is usable")
+    ordered: list[dict[str, str]] = []
+    epoch = 0
+    while len(ordered) < num_rows:
+        order = list(range(len(rows)))
+        random.Random(f"{order_name}/{seed}/{epoch}").shuffle(order)
+        ordered.extend(rows[i] for i in order[: num_rows - len(ordered)])
+        epoch += 1
+    path = work_dir / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ordered))
+    return path
+
+
+def posttrain_trainer_section(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """posttrain's `trainer:` keys matching trl_optimization_and_bookkeeping: spec["steps"] steps of
+    spec["micro_batch_size"] x spec["accumulation"] examples at spec["learning_rate"] (schedule spec["lr_scheduler"],
+    default constant, after spec["warmup_steps"], default 0), AdamW 0.9/0.999, eps 1e-8, no weight decay, clipping at
+    1.0, fp32, a metrics record every step, no evaluation, one checkpoint (at the last step), spec["threads"] torch
+    threads and the --lm-head/--packing/--compile/--lm-head-chunk-size flags."""
+    return {
+        "max_steps": spec["steps"],
+        "learning_rate": spec["learning_rate"],
+        "lr_scheduler": spec.get("lr_scheduler", "constant"),
+        "warmup_steps": spec.get("warmup_steps", 0),
+        "min_lr_ratio": 0.0,
+        "weight_decay": 0.0,
+        "adam_beta1": 0.9,
+        "adam_beta2": 0.999,
+        "adam_epsilon": 1e-8,
+        "max_grad_norm": 1.0,
+        "micro_batch_size": spec["micro_batch_size"],
+        "gradient_accumulation_steps": spec["accumulation"],
+        "precision": "fp32",
+        "log_every": 1,
+        "eval_every": 0,
+        "save_every": 0,  # still saves at the last step
+        "keep_last": 1,
+        "num_threads": spec["threads"],
+        "lm_head": spec.get("lm_head", "auto"),
+        "packing": spec.get("packing", False),
+        "compile": spec.get("compile", False),
+        "lm_head_chunk_size": spec.get("lm_head_chunk_size", 1024),
+    }
+
+
+def trl_fp32_cpu_args(config_class: Any) -> dict[str, Any]:
+    """The TRL config arguments that make a run plain fp32 on CPU with the model loaded as posttrain loads it
+    (float32, SDPA): TRL's defaults of bf16 and gradient checkpointing turned off."""
+    fields = {f.name for f in dataclasses.fields(config_class)}
+    return {
+        "use_cpu": True,
+        "bf16": False,
+        "fp16": False,
+        "gradient_checkpointing": False,  # TRL's default is True
+        # transformers >= 5.x renamed it; setting both avoids the deprecation path.
+        **({"activation_checkpointing": False} if "activation_checkpointing" in fields else {}),
+        "model_init_kwargs": {"dtype": "float32", "attn_implementation": "sdpa"},
     }
 
 

@@ -89,7 +89,6 @@ import dataclasses
 import itertools
 import json
 import math
-import random
 import shutil
 import statistics
 import sys
@@ -147,30 +146,7 @@ def worker_posttrain(spec: dict[str, Any]) -> dict[str, Any]:
             "packing": False,
             "shuffle": False,
         },
-        "trainer": {
-            "max_steps": spec["steps"],
-            "learning_rate": spec["learning_rate"],
-            "lr_scheduler": spec["lr_scheduler"],
-            "warmup_steps": spec["warmup_steps"],
-            "min_lr_ratio": 0.0,
-            "weight_decay": 0.0,
-            "adam_beta1": 0.9,
-            "adam_beta2": 0.999,
-            "adam_epsilon": 1e-8,
-            "max_grad_norm": 1.0,
-            "micro_batch_size": spec["micro_batch_size"],
-            "gradient_accumulation_steps": spec["accumulation"],
-            "precision": "fp32",
-            "log_every": 1,
-            "eval_every": 0,
-            "save_every": 0,
-            "keep_last": 1,
-            "num_threads": spec["threads"],
-            "lm_head": spec["lm_head"],
-            "packing": spec.get("packing", False),
-            "compile": spec.get("compile", False),
-            "lm_head_chunk_size": spec.get("lm_head_chunk_size", 1024),
-        },
+        "trainer": _common.posttrain_trainer_section(spec),
         "logging": {"progress": "none", "plot": False},
     }
     cfg = load_config(SFTConfig, None, None, base=tree)
@@ -335,24 +311,6 @@ def run_as_worker(framework: str, spec_path: str, result_path: str) -> None:
 
 # =========================================================================================================
 # Parent: prepare the data, run the workers, summarize
-
-
-def prepare_data(work_dir: Path, dataset: str, num_rows: int, seed: int) -> Path:
-    """Write num_rows prompt/completion rows of `dataset`, in a seeded shuffled order (reshuffled each time the
-    rows are used up), to work_dir/train.jsonl."""
-    from posttrain.data import iter_records
-
-    rows = [{"prompt": r["prompt"], "completion": r["completion"]} for _, r in iter_records(dataset)]
-    ordered: list[dict[str, str]] = []
-    epoch = 0
-    while len(ordered) < num_rows:
-        order = list(range(len(rows)))
-        random.Random(f"sft_vs_trl/{seed}/{epoch}").shuffle(order)
-        ordered.extend(rows[i] for i in order[: num_rows - len(ordered)])
-        epoch += 1
-    path = work_dir / "train.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in ordered))
-    return path
 
 
 def expected_tokens_per_step(train_file: Path, model_dir: Path, examples_per_step: int, steps: int) -> list[int]:
@@ -541,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
             name = f"micro-batch {micro} x accumulation {accumulation} ({micro * accumulation} examples/step, {args.steps} steps)"
             setting_dir = work_dir / f"{micro}x{accumulation}"
             setting_dir.mkdir()
-            train_file = prepare_data(setting_dir, dataset, args.steps * micro * accumulation, args.seed)
+            train_file = _common.write_prompt_completion_rows(setting_dir, dataset, args.steps * micro * accumulation,
+                                                              args.seed, "sft_vs_trl")
             expected = expected_tokens_per_step(train_file, model_dir, micro * accumulation, args.steps)
             raw: dict[str, list[dict[str, Any]]] = {fw: [] for fw in FRAMEWORKS}
             runs: dict[str, list[dict[str, Any]]] = {fw: [] for fw in FRAMEWORKS}
