@@ -169,3 +169,33 @@ def test_the_loss_description_and_the_batch_pickle(teacher_dir):
     restored = pickle.loads(pickle.dumps(batch))
     assert torch.equal(restored.teacher_topk_ids, batch.teacher_topk_ids)
     assert torch.equal(restored.rows.input_ids, batch.rows.input_ids)
+
+
+@pytest.mark.parametrize("loss_keys", [
+    {"kl_type": "forward"}, {"kl_type": "reverse", "outside_topk": "zero_outside"},
+    {"jsd_beta": 0.3, "outside_topk": "tail", "nll_weight": 0.5}, {"kl_type": "mixed", "temperature": 2.0},
+])
+def test_the_chunked_lm_head_gives_the_full_heads_loss_and_gradients(teacher_dir, loss_keys):
+    """trainer.lm_head=chunked: the student's logits exist only chunk_size positions at a time (3 here, so the
+    targets span several chunks) and the loss, its metrics and every gradient equal the full head's."""
+    tokenizer = load_tokenizer(ModelConfig(name_or_path="posttrain/tiny"))
+    teacher = LocalScoringWorker(load_causal_lm(ModelConfig(name_or_path=str(teacher_dir))), TrainerConfig())
+    examples = [TokenizedExample(tuple(range(3, 3 + n)), (0,) * 3 + (1,) * (n - 3)) for n in (6, 9, 5, 12)]
+    loss = DistillationObjective(DistillationLossConfig(topk=4, **loss_keys))
+    batches = [teacher_batch(teacher, collate(examples[:2], tokenizer.pad_token_id, False, 32), loss.config),
+               teacher_batch(teacher, collate(examples[2:], tokenizer.pad_token_id, False, 32), loss.config)]
+
+    def run(lm_head: str):
+        student = LocalPolicyWorker(load_causal_lm(ModelConfig(name_or_path="posttrain/tiny")), tokenizer,
+                                    TrainerConfig(learning_rate=1e-3, lm_head=lm_head, lm_head_chunk_size=3))
+        metrics = {name: metric.value for name, metric in student.forward_backward(batches, loss).items()}
+        return metrics, [p.grad.clone() for p in student.model.parameters()]
+
+    (full_metrics, full_grads), (chunked_metrics, chunked_grads) = run("full"), run("chunked")
+    assert full_metrics.keys() == chunked_metrics.keys()
+    for name, value in full_metrics.items():
+        assert chunked_metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    assert full_metrics["target_tokens"] == sum(b.num_target_tokens for b in batches) == 20
+    for a, b in zip(full_grads, chunked_grads, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+    assert any(g.abs().sum() > 0 for g in full_grads)

@@ -49,6 +49,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from posttrain.config.losses import DistillationLossConfig
 
@@ -82,17 +83,61 @@ def distillation_loss(
     argmax is the teacher's first token) — and target_tokens.
     """
     predicts = loss_mask[:, 1:] > 0  # [B, T - 1]: position s predicts target s + 1
-    logits = student_logits[:, :-1][predicts].float()  # [n, V]
-    teacher_logp = teacher_topk_logprobs[:, :-1][predicts].float()  # [n, k]
-    ids = teacher_topk_ids[:, :-1][predicts].long()
-    targets = input_ids[:, 1:][predicts]
+    loss_sum, metrics = position_sums(student_logits[:, :-1][predicts].float(),
+                                      teacher_topk_logprobs[:, :-1][predicts].float(),
+                                      teacher_topk_ids[:, :-1][predicts].long(), input_ids[:, 1:][predicts], config)
+    return loss_sum / normalizer, metrics
 
+
+def chunked_distillation_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    teacher_logp: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    targets: torch.Tensor,
+    config: DistillationLossConfig,
+    normalizer: float,
+    chunk_size: int,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`distillation_loss` from the last hidden states at the n positions that predict a target, with the LM head
+    applied chunk_size positions at a time: the student's [n, V] logits never exist whole, in the forward pass or
+    the backward pass (each chunk is recomputed there, torch.utils.checkpoint), so memory grows with chunk_size · V.
+
+    hidden: [n, H]; weight: [V, H] and bias: [V] or None, the LM head; teacher_logp, teacher_ids: [n, k] the
+    teacher's top-k at those positions; targets: [n] the data's tokens there. The same sums as distillation_loss
+    to float rounding (a matrix product over fewer rows may take other kernels)."""
+    def chunk_sums(h, w, b, logp, ids, tokens):
+        return position_sums(F.linear(h, w, b).float(), logp.float(), ids.long(), tokens, config)
+
+    loss_sum = (hidden.sum() * 0.0).float()  # with a graph, so a micro-batch without targets backpropagates
+    totals: dict[str, torch.Tensor] = {}
+    for start in range(0, hidden.shape[0], chunk_size):
+        part = slice(start, start + chunk_size)
+        chunk_loss, sums = checkpoint(chunk_sums, hidden[part], weight, bias, teacher_logp[part], teacher_ids[part],
+                                      targets[part], use_reentrant=False)
+        loss_sum = loss_sum + chunk_loss
+        totals = {name: totals.get(name, 0) + value for name, value in sums.items()}
+    if not totals:  # no target in this micro-batch
+        totals = {name: loss_sum.detach().clone() for name in METRIC_SUMS}
+    return loss_sum / normalizer, totals
+
+
+METRIC_SUMS = ("divergence_sum", "nll_sum", "teacher_topk_mass_sum", "student_topk_mass_sum", "top1_agreement_sum",
+               "target_tokens")
+"""The metrics `distillation_loss` returns, each a sum over the micro-batch's targets."""
+
+
+def position_sums(logits: torch.Tensor, teacher_logp: torch.Tensor, ids: torch.Tensor, targets: torch.Tensor,
+                  config: DistillationLossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(Σ divergence + nll_weight · Σ NLL, the METRIC_SUMS) over n positions: logits [n, V] float32 the student's,
+    teacher_logp [n, k] and ids [n, k] the teacher's top-k, targets [n] the data's tokens."""
     student_logq_full = torch.log_softmax(logits / config.temperature, dim=-1)  # [n, V]
     student_logq = student_logq_full.gather(-1, ids)  # [n, k]
     divergence = topk_divergence(teacher_logp, student_logq, config, student_logq_full)
 
     nll = F.cross_entropy(logits, targets, reduction="none") if config.nll_weight else torch.zeros_like(divergence)
-    loss = (divergence.sum() + config.nll_weight * nll.sum()) / normalizer
+    loss_sum = divergence.sum() + config.nll_weight * nll.sum()
     with torch.no_grad():
         metrics = {
             "divergence_sum": divergence.sum(),
@@ -100,9 +145,9 @@ def distillation_loss(
             "teacher_topk_mass_sum": teacher_logp.exp().sum(-1).sum(),
             "student_topk_mass_sum": student_logq.exp().sum(-1).sum(),
             "top1_agreement_sum": (logits.argmax(-1) == ids[:, 0]).float().sum(),
-            "target_tokens": predicts.sum().float(),
+            "target_tokens": logits.new_tensor(float(targets.shape[0])),
         }
-    return loss, metrics
+    return loss_sum, metrics
 
 
 def topk_divergence(teacher_logp: torch.Tensor, student_logq: torch.Tensor, config: DistillationLossConfig,

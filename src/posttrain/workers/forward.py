@@ -26,12 +26,14 @@ from posttrain.models.packing import block_causal_mask, custom_mask_problem, sha
 
 AnyBatch = SFTBatch | SharedPromptBatch | RolloutBatch
 Batch = TypeVar("Batch", SFTBatch, SharedPromptBatch, RolloutBatch)
-Outputs = Literal["logits", "target_logprobs", "target_scores"]
+Outputs = Literal["logits", "target_logprobs", "target_scores", "target_hidden"]
 """What a worker's forward pass hands a loss: the logits [B, T, V]; target_logprobs [B, T] float32, log p of each
 target token (the batch's loss_mask; a shared-prompt row's chosen and rejected tokens) given the tokens before it
 in its own sequence; or TargetScores (those log-probabilities and the entropies of the same distributions). The
 last two are what a chunked LM head computes without the logits (`chunked_head_outputs`); from full logits they
-hold every position, from the chunked head 0 off the targets, so a loss reads them at its targets only."""
+hold every position, from the chunked head 0 off the targets, so a loss reads them at its targets only.
+target_hidden: with a chunked head, TargetHidden (the hidden states at the targets and the head, for a loss that
+applies the head itself chunk by chunk, as distillation does); with a full head, the logits."""
 
 PLAIN_LM_HEAD_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "phi3", "gpt2"})
 """Architectures whose logits are the LM head's linear map of the last hidden states and nothing more (no soft-capping
@@ -116,6 +118,23 @@ class TargetScores:
 
     logprobs: torch.Tensor
     entropy: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetHidden:
+    """What outputs="target_hidden" hands a loss when the LM head is chunked: `hidden` [n, H] the last hidden
+    states at the n positions that predict a target (`target_positions` order: row by row), with their graph;
+    `weight` [V, H] and `bias` [V] or None, the LM head; `rows`, `sources`, `columns` [n] where each sits (the
+    target is input_ids[rows, columns], predicted from position sources of the same row); `chunk_size` the
+    positions per chunk the loss may apply the head to at once (trainer.lm_head_chunk_size)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    rows: torch.Tensor
+    sources: torch.Tensor
+    columns: torch.Tensor
+    chunk_size: int
 
 
 def target_mask(batch: AnyBatch) -> torch.Tensor:

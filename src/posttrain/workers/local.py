@@ -41,6 +41,7 @@ from posttrain.errors import RunError
 from posttrain.workers.forward import (
     AnyBatch,
     Outputs,
+    TargetHidden,
     autocast,
     batch_to,
     chunked_head_outputs,
@@ -85,10 +86,18 @@ class _LocalModel:
             batch = batch.rows
         if self._packs(batch):
             with autocast(self.trainer, self.device):
-                if kind == "logits":
+                if kind in ("logits", "target_hidden"):  # packed rows keep their full head
                     return packed_logits(self.model, batch)
                 return packed_target_outputs(self.model, batch, kind, self._chunked_head(batch),
                                              self.trainer.lm_head_chunk_size, temperature)
+        if kind == "target_hidden":
+            if not self._chunked_head(batch):
+                kind = "logits"
+            else:
+                with autocast(self.trainer, self.device):
+                    hidden, positions = target_hidden(self.model, batch)
+                head = self.model.get_output_embeddings()
+                return TargetHidden(hidden, head.weight, head.bias, *positions, self.trainer.lm_head_chunk_size)
         if kind != "logits" and self._chunked_head(batch):
             with autocast(self.trainer, self.device):
                 return chunked_head_outputs(self.model, batch, kind, self.trainer.lm_head_chunk_size, temperature)

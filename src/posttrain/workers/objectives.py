@@ -26,12 +26,12 @@ import torch
 from posttrain.data.types import DistillBatch, PairBatch, RolloutBatch, SFTBatch, SharedPromptBatch
 from posttrain.losses.nll import nll_of_logprobs
 from posttrain.config.losses import DistillationLossConfig, PolicyLossConfig, PreferenceLossConfig
-from posttrain.losses.distillation import distillation_loss
+from posttrain.losses.distillation import chunked_distillation_loss, distillation_loss
 from posttrain.losses.policy_gradient import loss_normalizer, policy_gradient_loss
 from posttrain.losses.preference import preference_loss, sequence_logps
 from posttrain.losses.reward_model import bradley_terry_loss
 from posttrain.losses.value import value_loss, value_loss_normalizer
-from posttrain.workers.forward import Outputs, TargetScores
+from posttrain.workers.forward import Outputs, TargetHidden, TargetScores
 from posttrain.workers.metrics import Metric, MetricDict
 
 
@@ -73,26 +73,37 @@ class DistillationObjective:
     """Off-policy top-k distillation (losses/distillation.py) of a `DistillBatch`: the student's logits against
     the teacher's top-k travelling in the batch, summed over the micro-batch's targets and divided by the step's
     target count, plus config.nll_weight × the data's NLL. The distillation temperature is config.temperature,
-    applied to the logits inside the loss (`temperature` here is the forward pass's, which logits ignore). Metrics
-    are per-target-token means (divergence, nll, teacher_topk_mass, student_topk_mass, top1_agreement) and
+    applied to the logits inside the loss (`temperature` here is the forward pass's, which logits ignore). With a
+    chunked LM head (trainer.lm_head) the worker hands the hidden states at the targets and the loss applies the
+    head chunk by chunk (chunked_distillation_loss), so the student's [T, V] logits never exist. Metrics are
+    per-target-token means (divergence, nll, teacher_topk_mass, student_topk_mass, top1_agreement) and
     target_tokens (a sum)."""
 
     config: DistillationLossConfig
-    outputs: Outputs = "logits"
+    outputs: Outputs = "target_hidden"
     temperature: float = 1.0
 
     def normalizer(self, micro_batches: Sequence[DistillBatch]) -> float:
         return sum(batch.num_target_tokens for batch in micro_batches)
 
-    def __call__(self, logits: torch.Tensor, batch: DistillBatch, normalizer: float | None
+    def __call__(self, outputs: torch.Tensor | TargetHidden, batch: DistillBatch, normalizer: float | None
                  ) -> tuple[torch.Tensor, MetricDict]:
         rows = batch.rows
         if normalizer is None:
             normalizer = max(rows.num_target_tokens, 1)
-        device = logits.device
-        loss, sums = distillation_loss(logits, batch.teacher_topk_logprobs.to(device),
-                                       batch.teacher_topk_ids.to(device), rows.input_ids, rows.loss_mask,
-                                       self.config, normalizer)
+        if isinstance(outputs, TargetHidden):
+            at = (outputs.rows.cpu(), outputs.sources.cpu())
+            device = outputs.hidden.device
+            loss, sums = chunked_distillation_loss(
+                outputs.hidden, outputs.weight, outputs.bias, batch.teacher_topk_logprobs[at].to(device),
+                batch.teacher_topk_ids[at].to(device), rows.input_ids[outputs.rows.cpu(), outputs.columns.cpu()
+                                                                       ].to(device),
+                self.config, normalizer, outputs.chunk_size)
+        else:
+            device = outputs.device
+            loss, sums = distillation_loss(outputs, batch.teacher_topk_logprobs.to(device),
+                                           batch.teacher_topk_ids.to(device), rows.input_ids, rows.loss_mask,
+                                           self.config, normalizer)
         tokens = sums.pop("target_tokens")
         count = tokens.clamp(min=1)
         return loss, {"target_tokens": Metric.sum(tokens),
