@@ -49,6 +49,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from posttrain.config.losses import DistillationLossConfig
 
@@ -100,56 +101,26 @@ def chunked_distillation_loss(
     chunk_size: int,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`distillation_loss` from the last hidden states at the n positions that predict a target, with the LM head
-    applied chunk_size positions at a time: the student's [n, V] logits never exist whole, so memory grows with
-    chunk_size · V.
+    applied chunk_size positions at a time: the student's [n, V] logits never exist whole, in the forward pass or
+    the backward pass (each chunk is recomputed there, torch.utils.checkpoint), so memory grows with chunk_size · V.
 
     hidden: [n, H]; weight: [V, H] and bias: [V] or None, the LM head; teacher_logp, teacher_ids: [n, k] the
     teacher's top-k at those positions; targets: [n] the data's tokens there. The same sums as distillation_loss
-    to float rounding (a matrix product over fewer rows may take other kernels).
+    to float rounding (a matrix product over fewer rows may take other kernels)."""
+    def chunk_sums(h, w, b, logp, ids, tokens):
+        return position_sums(F.linear(h, w, b).float(), logp.float(), ids.long(), tokens, config)
 
-    Each chunk's gradient with respect to the hidden states and the head is worked out while its logits exist, in
-    the forward pass (`_HeadDistillation`), and only scaled in the backward pass: three matrix products per chunk
-    (logits, their gradient to the hidden states, to the head), as the full head needs, where recomputing the
-    logits in the backward pass would need a fourth."""
-    sums = _HeadDistillation.apply(hidden, weight, bias, teacher_logp, teacher_ids, targets, config, chunk_size)
-    return sums[0] / normalizer, {name: sums[i + 1].detach() for i, name in enumerate(METRIC_SUMS)}
-
-
-class _HeadDistillation(torch.autograd.Function):
-    """[1 + len(METRIC_SUMS)] (the loss sum, then the metrics) of `position_sums` over chunks of positions, the
-    gradients of the loss sum with respect to hidden, weight and bias computed chunk by chunk in forward."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, teacher_logp, teacher_ids, targets, config, chunk_size):
-        grad_hidden = torch.zeros_like(hidden)
-        grad_weight = torch.zeros_like(weight)
-        grad_bias = None if bias is None else torch.zeros_like(bias)
-        totals = torch.zeros(1 + len(METRIC_SUMS), dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk_size):
-            part = slice(start, start + chunk_size)
-            with torch.enable_grad():
-                h = hidden[part].detach().requires_grad_()
-                w = weight.detach().requires_grad_()
-                b = None if bias is None else bias.detach().requires_grad_()
-                logits = F.linear(h.to(w.dtype), w, b).float()
-                chunk_loss, sums = position_sums(logits, teacher_logp[part].float(), teacher_ids[part].long(),
-                                                 targets[part], config)
-                grads = torch.autograd.grad(chunk_loss, [h, w] + ([] if b is None else [b]))
-            grad_hidden[part] = grads[0]
-            grad_weight += grads[1]
-            if grad_bias is not None:
-                grad_bias += grads[2]
-            totals += torch.stack([chunk_loss.detach(), *(sums[name] for name in METRIC_SUMS)])
-        ctx.save_for_backward(grad_hidden, grad_weight, *([] if grad_bias is None else [grad_bias]))
-        ctx.has_bias = grad_bias is not None
-        return totals
-
-    @staticmethod
-    def backward(ctx, grad_totals):
-        grad_hidden, grad_weight, *grad_bias = ctx.saved_tensors
-        scale = grad_totals[0]  # the metrics carry no gradient
-        return (grad_hidden * scale, grad_weight * scale, grad_bias[0] * scale if ctx.has_bias else None,
-                None, None, None, None, None)
+    loss_sum = (hidden.sum() * 0.0).float()  # with a graph, so a micro-batch without targets backpropagates
+    totals: dict[str, torch.Tensor] = {}
+    for start in range(0, hidden.shape[0], chunk_size):
+        part = slice(start, start + chunk_size)
+        chunk_loss, sums = checkpoint(chunk_sums, hidden[part], weight, bias, teacher_logp[part], teacher_ids[part],
+                                      targets[part], use_reentrant=False)
+        loss_sum = loss_sum + chunk_loss
+        totals = {name: totals.get(name, 0) + value for name, value in sums.items()}
+    if not totals:  # no target in this micro-batch
+        totals = {name: loss_sum.detach().clone() for name in METRIC_SUMS}
+    return loss_sum / normalizer, totals
 
 
 METRIC_SUMS = ("divergence_sum", "nll_sum", "teacher_topk_mass_sum", "student_topk_mass_sum", "top1_agreement_sum",
