@@ -143,7 +143,7 @@ def _rows(tokenizer, count):
 def test_a_slow_environment_call_holds_back_only_its_own_episode(tiny_model_dir):
     cfg = ModelConfig(name_or_path=str(tiny_model_dir))
     tokenizer, model = load_tokenizer(cfg), load_causal_lm(cfg)
-    environment = SlowFirstEpisode(delay=1.5)
+    environment = SlowFirstEpisode(delay=6.0)  # far longer than the others' second turn, even on a busy machine
     episodes, _ = run_episodes(_rows(tokenizer, 4), 0, 1, TransformersGenerator(model, tokenizer), environment,
                                tokenizer, SamplingParams(max_new_tokens=3, seed=1), max_turns=2)
     assert all(e.num_turns == 2 and e.reward == 1.0 for e in episodes)
