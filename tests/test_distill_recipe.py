@@ -120,10 +120,9 @@ def test_worker_forward_backward_is_invariant_to_the_micro_batch_split(teacher_d
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["mode=on_policy"], "advantage.estimator=opd"),
     (["teachers=[{name_or_path: a}, {name_or_path: b}]"], "exactly one teacher"),
     (["teachers=[]"], "exactly one teacher"),
-    (["teachers=[{name_or_path: a, offload: true}]"], "offload is not built"),
+    (["teachers=[{name_or_path: a, offload: true, precompute: true}]"], "precompute and offload"),
     (["data.packing=true"], "data.packing"),
     (["loss.kl_type=reverse", "loss.jsd_beta=0.5"], "jsd_beta"),
 ])

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,6 +44,7 @@ from posttrain.algorithms.common import (
     seed_everything,
 )
 from posttrain.algorithms.evaluate import TrainingEvaluation
+from posttrain.algorithms.rl import policy_generator, rollout_sampling
 from posttrain.checkpoint import POLICY, checkpoint_to_resume
 from posttrain.config.losses import DistillationLossConfig
 from posttrain.config.schema import DistillConfig, TeacherSection, TrainerConfig
@@ -53,6 +54,7 @@ from posttrain.data.sampler import EpochSampler, check_step_fits
 from posttrain.data.types import DistillBatch, SFTBatch, TokenizedExample
 from posttrain.distributed.builders import build_policy, build_scorer, check_split
 from posttrain.errors import RunError
+from posttrain.generation.base import Generator, SamplingParams
 from posttrain.models.loading import default_device, load_tokenizer
 from posttrain.process_group import is_distributed
 from posttrain.rundir import one_run_per_output_dir, sha256_all
@@ -171,6 +173,86 @@ def precomputed_topk(output_dir: Path, teacher_cfg: TeacherSection, loss: Distil
     return topk
 
 
+@dataclass(frozen=True)
+class OnPolicySampling:
+    """mode=on_policy (GKD): which steps are on-policy, and the student's samples for them.
+
+    A step is on-policy with probability `lmbda`: one uniform draw from a torch stream seeded by the run's seed
+    and the step, so the decision depends on nothing else the run did (a resumed run decides as an uninterrupted
+    one, and the draw consumes none of the global generators the student's training reads). An on-policy step
+    samples one completion per drawn row from the student, continuing the row's prompt, with `params` seeded by
+    the run's seed and the step likewise."""
+
+    generator: Generator
+    params: SamplingParams
+    lmbda: float
+    seed: int
+
+    def is_on_policy(self, step: int) -> bool:
+        return is_on_policy_step(self.seed, step, self.lmbda)
+
+    def sample(self, policy: PolicyWorker, examples: Sequence[TokenizedExample], step: int,
+               max_length: int) -> tuple[list[TokenizedExample], dict[str, float]]:
+        """The examples with their completions replaced by the student's samples (policy's current weights,
+        pushed to the generator first), and the sampling metrics: sample_seconds,
+        distill/sampled_completion_length (mean sampled tokens, the eos included when produced) and
+        distill/sampled_truncated (the fraction that reached rollout.max_new_tokens)."""
+        started = time.perf_counter()
+        policy.push_weights(self.generator)
+        prompts = [prompt_ids(example) for example in examples]
+        output = self.generator.generate(prompts, replace(self.params, seed=sampling_seed(self.seed, step)))
+        completions = [samples[0] for samples in output.completions]
+        sampled = [sampled_example(example, prompt, completion.token_ids, max_length)
+                   for example, prompt, completion in zip(examples, prompts, completions, strict=True)]
+        return sampled, {
+            "sample_seconds": time.perf_counter() - started,
+            "distill/sampled_completion_length": sum(len(c.token_ids) for c in completions) / len(completions),
+            "distill/sampled_truncated": sum(c.truncated for c in completions) / len(completions),
+        }
+
+
+def is_on_policy_step(seed: int, step: int, lmbda: float) -> bool:
+    """Bernoulli(lmbda) for step `step` from its own seeded stream (lmbda 0: never; 1: always)."""
+    stream = torch.Generator().manual_seed(sampling_seed(seed, step))
+    return bool(torch.rand(1, generator=stream, dtype=torch.float64) < lmbda)
+
+
+def sampling_seed(seed: int, step: int) -> int:
+    """The seed of step `step`'s on-policy draw and samples."""
+    return seed * 1_000_003 + step
+
+
+def prompt_ids(example: TokenizedExample) -> list[int]:
+    """The example's tokens before its first target: the prompt the student continues on an on-policy step."""
+    return list(example.input_ids[: example.loss_mask.index(1)])
+
+
+def sampled_example(example: TokenizedExample, prompt: list[int], completion: list[int],
+                    max_length: int) -> TokenizedExample:
+    """The prompt followed by the sampled tokens, the sampled tokens its targets, cut to max_length tokens (the
+    prompt is shorter than the example it came from, so at least one sampled token stays)."""
+    ids = (*prompt, *completion)[:max_length]
+    mask = ((0,) * len(prompt) + (1,) * len(completion))[:max_length]
+    return TokenizedExample(ids, mask, f"{example.source} (sampled by the student)")
+
+
+def build_on_policy_sampling(cfg: DistillConfig, tokenizer, policy: PolicyWorker) -> OnPolicySampling | None:
+    """The student's sampler for mode=on_policy with lmbda > 0 (the rollout.backend generator sampling from the
+    policy); None when no step samples."""
+    if cfg.on_policy_fraction == 0:
+        return None
+    sampling, _ = rollout_sampling(cfg.rollout)
+    return OnPolicySampling(policy_generator(cfg, tokenizer, policy), sampling, cfg.on_policy_fraction, cfg.seed)
+
+
+def describe_mode(cfg: DistillConfig) -> str:
+    """How the run's steps get their completions, for the run's opening lines."""
+    if cfg.on_policy_fraction == 0:
+        return "the dataset's completions" + (" (mode=on_policy with lmbda=0)" if cfg.mode == "on_policy" else "")
+    return (f"on-policy with probability lmbda={cfg.on_policy_fraction:g} (the student samples up to "
+            f"{cfg.rollout.max_new_tokens} tokens at temperature {cfg.rollout.temperature:g})")
+
+
 def evaluate_nll(policy: PolicyWorker, examples: Sequence[TokenizedExample], cfg: DistillConfig,
                  pad_token_id: int) -> float:
     """The student's mean NLL per target token on `examples` (the held-out data's completions)."""
@@ -219,25 +301,38 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
             cached = precomputed_topk(output_dir, teacher_cfg, cfg.loss, train_examples, pad,
                                       trainer, device, run_log)
         else:
-            teacher = build_scorer(teacher_cfg.as_model(), trainer, device, role="teacher")
+            teacher = build_scorer(teacher_cfg.as_model(), trainer, device, role="teacher",
+                                   offload=teacher_cfg.offload)
         policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, device,
                               resume_dir=resume.worker_dir(POLICY) if resume else None)
+        # mode=on_policy: the student's sampler (None when no step samples).
+        on_policy = build_on_policy_sampling(cfg, tokenizer, policy)
         announce_run(run_log, train_stats.summary(), resume, changed_keys, policy,
                      f"{examples_per_step} examples per step ({len(train_examples)} in the training set), teacher "
                      f"{teacher_cfg.name_or_path} (top-{cfg.loss.topk}, {cfg.loss.divergence}, "
-                     f"{cfg.loss.outside_topk})")
+                     f"{cfg.loss.outside_topk}), {describe_mode(cfg)}")
 
         step_loss, eval_nll = None, None
         guard = NonFiniteGuard(trainer, output_dir)
         for step in range(start_step + 1, trainer.max_steps + 1):
             started = time.perf_counter()
+            # The step's rows: the dataset's, or (an on-policy step) the same rows' prompts continued by the student.
+            draws = [sampler.next_indices(trainer.micro_batch_size) for _ in range(trainer.gradient_accumulation_steps)]
+            examples = [[train_examples[i] for i in indices] for indices in draws]
+            step_on_policy = on_policy is not None and on_policy.is_on_policy(step)
+            sample_metrics = {"sample_seconds": 0.0}
+            if step_on_policy:
+                flat, sample_metrics = on_policy.sample(policy, [e for part in examples for e in part], step,
+                                                        cfg.data.max_length)
+                examples = list(chunks(flat, trainer.micro_batch_size))
+            # The teacher's top-k at every target of every micro-batch.
+            scoring_started = time.perf_counter()
             micro_batches = []
-            for _ in range(trainer.gradient_accumulation_steps):
-                indices = sampler.next_indices(trainer.micro_batch_size)
-                rows = collate([train_examples[i] for i in indices], pad, False, cfg.data.max_length)
+            for indices, part in zip(draws, examples, strict=True):
+                rows = collate(part, pad, False, cfg.data.max_length)
                 micro_batches.append(cached.batch(rows, indices) if cached is not None
                                      else teacher_batch(teacher, rows, cfg.loss))
-            teacher_seconds = time.perf_counter() - started
+            teacher_seconds = time.perf_counter() - scoring_started
             if sum(mb.num_target_tokens for mb in micro_batches) == 0:
                 raise ValueError("an optimizer step drew no target tokens; check data.completion_only_loss and the data")
             stats = as_floats(policy.forward_backward(micro_batches, loss))
@@ -253,6 +348,8 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
                 "tokens_per_second": sum(mb.num_tokens for mb in micro_batches) / elapsed,
                 "step_seconds": elapsed,
                 "teacher_seconds": teacher_seconds,
+                "distill/on_policy": float(step_on_policy),
+                **sample_metrics,
                 "target_tokens": stats["target_tokens"],
                 "epoch": sampler.epochs_completed,
                 **{k: v for k, v in update.items() if k not in ("learning_rate", "grad_norm")},
