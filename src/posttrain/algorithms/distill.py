@@ -1,15 +1,23 @@
-"""Off-policy knowledge distillation: the student learns the teacher's top-k next-token distribution on a dataset.
+"""Knowledge distillation: the student learns the teacher's top-k next-token distribution, on a dataset's
+completions (off-policy KD) or, with mode=on_policy, on completions it samples itself (GKD's lmbda mixes the two).
 
 The loop, top to bottom: load the data (prompt/completion or messages rows, tokenized as for SFT) and check the
 teacher's tokenizer is the student's; with teacher.precompute, score every training example's top-k once into
 OUTPUT/teacher_topk/ (reused when its checksum and settings match, as on resume) and free the teacher, else load
-the teacher frozen; then for each optimizer step draw micro_batch_size x gradient_accumulation_steps examples,
-collate them, attach the teacher's top-k to each micro-batch (a DistillBatch), hand the step to the student with
-`DistillationObjective` (normalized by the target count of the whole step), step, log, evaluate, checkpoint; at
-the end write OUTPUT/final/.
+the teacher frozen (with teacher.offload, its weights on the CPU between scoring calls); with mode=on_policy and
+lmbda > 0, build the student's generator (rollout:). Then for each optimizer step draw micro_batch_size x
+gradient_accumulation_steps rows; with probability lmbda (a draw seeded by the run's seed and the step) the step is
+on-policy: each row's prompt is continued by the student's current weights and the sampled tokens become the row's
+targets; collate, attach the teacher's top-k to each micro-batch (a DistillBatch), hand the step to the student
+with `DistillationObjective` (normalized by the target count of the whole step), step, log, evaluate, checkpoint;
+at the end write OUTPUT/final/.
 
-Not built here yet (docs/distillation.md): on-policy distillation (GRPO's advantage.estimator=opd does OPD; GKD's
-lmbda mixing is not built), several teachers, cross-tokenizer teachers, teacher offload, packed rows.
+Departures from GKD (Agarwal et al. 2024) and TRL's GKDTrainer: the divergence is computed on the teacher's top-k,
+not the full vocabulary (docs/distillation.md); the per-step draw and the samples are seeded by (seed, step), not
+by a global generator, so a resumed run repeats an uninterrupted one; sampling and the loss have their own
+temperatures (rollout.temperature, loss.temperature); no seq_kd (teacher-sampled completions).
+
+Not built here yet (docs/distillation.md): several teachers, cross-tokenizer teachers, packed rows.
 """
 
 from __future__ import annotations
