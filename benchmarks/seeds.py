@@ -102,6 +102,10 @@ PRESETS: dict[str, Preset] = {
         at_least("gap_closed", 0.5, "closes >= half the held-out exact-match gap from its starting student "
                  "(sft_arithmetic_small) to its teacher posttrain/tiny-arithmetic-sft"),),
         teacher="posttrain/tiny-arithmetic-sft"),
+    "opd_arithmetic": Preset("grpo", "sft_arithmetic_small", (
+        at_least("gap_closed", 0.5, "closes >= half the held-out exact-match gap from its starting student "
+                 "(sft_arithmetic_small) to its teacher posttrain/tiny-arithmetic-sft"),),
+        teacher="posttrain/tiny-arithmetic-sft"),
     "dpo_arithmetic": Preset("dpo", "sft_arithmetic", (
         at_least("eval_reward_accuracy", 0.90, ">= 0.90 held-out reward accuracy"),
         Claim("exact_match_gain", "does not lower held-out exact match", lambda v: v >= 0),
