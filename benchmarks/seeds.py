@@ -216,11 +216,19 @@ class Sweep:
                 if preset.teacher:
                     teacher_accuracy = self.exact_match(code_path, preset.teacher, log)
                     result["teacher_exact_match"] = teacher_accuracy
-                    result["gap_closed"] = (result["exact_match"] - start_accuracy) / max(
-                        teacher_accuracy - start_accuracy, 1e-9)
+                    result["gap_closed"] = gap_closed(result["exact_match"], start_accuracy, teacher_accuracy)
         result["seconds"] = round(time.perf_counter() - started, 1)
         write_json(result_file, result)
         return result
+
+
+def gap_closed(exact_match: float, start: float, teacher: float) -> float:
+    """The fraction of the gap from the starting student's exact match to the teacher's that a run closed (1: it
+    matches the teacher; 0: no gain; negative: it lost ground). A teacher no better than its student is no gap to
+    close: 0."""
+    if teacher <= start:
+        return 0.0
+    return (exact_match - start) / (teacher - start)
 
 
 def with_reward_model(name: str, path: str) -> dict[str, Any]:
