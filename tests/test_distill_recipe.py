@@ -120,8 +120,8 @@ def test_worker_forward_backward_is_invariant_to_the_micro_batch_split(teacher_d
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["teachers=[{name_or_path: a}, {name_or_path: b}]"], "exactly one teacher"),
-    (["teachers=[]"], "exactly one teacher"),
+    (["teachers=[{name_or_path: a}, {name_or_path: b}]"], "need teacher_column"),
+    (["teachers=[]"], "at least one teacher"),
     (["teachers=[{name_or_path: a, offload: true, precompute: true}]"], "precompute and offload"),
     (["data.packing=true"], "data.packing"),
     (["loss.kl_type=reverse", "loss.jsd_beta=0.5"], "jsd_beta"),

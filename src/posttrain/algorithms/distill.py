@@ -58,6 +58,8 @@ from posttrain.config.losses import DistillationLossConfig
 from posttrain.config.schema import DistillConfig, TeacherSection, TrainerConfig
 from posttrain.data import load_sft_examples
 from posttrain.data.collate import collate
+from posttrain.data.errors import DataError
+from posttrain.data.loading import iter_records
 from posttrain.data.sampler import EpochSampler, check_step_fits
 from posttrain.data.types import DistillBatch, SFTBatch, TokenizedExample
 from posttrain.distributed.builders import build_policy, build_scorer, check_split
@@ -181,6 +183,93 @@ def precomputed_topk(output_dir: Path, teacher_cfg: TeacherSection, loss: Distil
     return topk
 
 
+def teacher_routes(cfg: DistillConfig, examples: Sequence[TokenizedExample]) -> list[int] | None:
+    """With teacher_column: the index of the teacher (in cfg.teachers) of every example, from its row's column value
+    (the rows read again from data.train_files, matched by location); None without. A row lacking the column, or
+    whose value no teacher's route lists, is a DataError naming the column (and the value) at the row."""
+    column = cfg.teacher_column
+    if column is None:
+        return None
+    serving = {value: i for i, teacher in enumerate(cfg.teachers) for value in teacher.route}
+    values: dict[str, object] = {}
+    for source in cfg.data.train_files:
+        for location, record in iter_records(source, on_bad_record=lambda error: None):
+            if cfg.data.column_map:
+                record = {cfg.data.column_map.get(key, key): value for key, value in record.items()}
+            values[location] = record.get(column, _MISSING)
+    routes = []
+    for example in examples:
+        value = values[example.source]
+        if value is _MISSING:
+            raise DataError(example.source, f"missing: teacher_column={column!r} routes every row to a teacher, and "
+                            "this row has no such column", column)
+        if str(value) not in serving:
+            served = ", ".join(f"{t.name}: {t.route}" for t in cfg.teachers)
+            raise DataError(example.source, f"{column}={value!r}: no teacher serves this value (teachers[].route: "
+                            f"{served})", column)
+        routes.append(serving[str(value)])
+    return routes
+
+
+_MISSING = object()
+
+
+def routed_teacher_batch(teachers: Sequence[ScoringWorker], routes: Sequence[int],
+                         examples: Sequence[TokenizedExample], rows: SFTBatch, loss: DistillationLossConfig,
+                         pad_token_id: int) -> DistillBatch:
+    """`rows` (collated from `examples`) with each row's top-k scored by its own teacher, teachers[routes[row]]:
+    each teacher scores its rows of the micro-batch together (padded to their own longest, placed back by row)."""
+    values = torch.zeros((*rows.input_ids.shape, loss.topk), dtype=torch.float32)
+    ids = torch.zeros((*rows.input_ids.shape, loss.topk), dtype=torch.long)
+    for index, teacher in enumerate(teachers):
+        members = [row for row, route in enumerate(routes) if route == index]
+        if not members:
+            continue
+        part = collate([examples[row] for row in members], pad_token_id, False, rows.input_ids.shape[1])
+        scored = teacher_batch(teacher, part, loss)
+        width = part.input_ids.shape[1]
+        values[members, :width] = scored.teacher_topk_logprobs
+        ids[members, :width] = scored.teacher_topk_ids
+    return DistillBatch(rows, values, ids)
+
+
+def per_teacher_metrics(policy: PolicyWorker, loss: DistillationObjective, cfg: DistillConfig,
+                        micro_batches: Sequence[DistillBatch], routes: Sequence[Sequence[int]]) -> dict[str, float]:
+    """distill/<teacher name>/{divergence, top1_agreement, teacher_topk_mass, student_topk_mass} (means per target
+    token of the teacher's rows) and distill/<name>/target_tokens, at the weights the step's update was computed
+    at: one more forward pass of the step's rows, without a graph (policy.evaluate)."""
+    metrics: dict[str, float] = {}
+    for index, teacher in enumerate(cfg.teachers):
+        parts = []
+        for batch, batch_routes in zip(micro_batches, routes, strict=True):
+            members = torch.tensor([row for row, route in enumerate(batch_routes) if route == index], dtype=torch.long)
+            if len(members):
+                parts.append(select_rows(batch, members))
+        if not parts:
+            continue
+        totals = reduce_metrics(policy.evaluate(part, loss) for part in parts)
+        stats = as_floats(totals)
+        for name in ("divergence", "top1_agreement", "teacher_topk_mass", "student_topk_mass", "target_tokens"):
+            metrics[f"distill/{teacher.name}/{name}"] = stats[name]
+    return metrics
+
+
+def select_rows(batch: DistillBatch, index: torch.Tensor) -> DistillBatch:
+    """The rows `index` of a padded DistillBatch."""
+    rows = batch.rows
+    selected = SFTBatch(rows.input_ids[index], rows.loss_mask[index], rows.position_ids[index],
+                        rows.attention_mask[index], len(index), int(rows.attention_mask[index].sum()))
+    return DistillBatch(selected, batch.teacher_topk_logprobs[index], batch.teacher_topk_ids[index])
+
+
+def describe_teachers(cfg: DistillConfig, routes: list[int] | None) -> str:
+    """The teachers for the run's opening lines (with teacher_column: each one's rows)."""
+    if routes is None:
+        return f"teacher {cfg.teacher.name_or_path}"
+    return "teachers " + ", ".join(f"{t.name} ({t.name_or_path}, {routes.count(i)} rows)"
+                                   for i, t in enumerate(cfg.teachers))
+
+
 @dataclass(frozen=True)
 class OnPolicySampling:
     """mode=on_policy (GKD): which steps are on-policy, and the student's samples for them.
@@ -284,8 +373,10 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
 
     # Data first: a malformed row should fail before minutes go into loading a model.
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
-    check_same_tokenizer(tokenizer, load_tokenizer(teacher_cfg.as_model()), teacher_cfg.name_or_path)
+    for each in cfg.teachers:
+        check_same_tokenizer(tokenizer, load_tokenizer(each.as_model()), each.name_or_path)
     train_examples, train_stats = load_sft_examples(cfg.data.train_files, tokenizer, cfg.data)
+    routes = teacher_routes(cfg, train_examples)  # with teacher_column: each example's teacher
     eval_examples: list[TokenizedExample] = []
     if cfg.data.eval_files:
         eval_examples, _ = load_sft_examples(cfg.data.eval_files, tokenizer, cfg.data)
@@ -304,20 +395,20 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
     with run_logger(output_dir, cfg.logging, recipe="distill", total_steps=trainer.max_steps, start_step=start_step,
                     run_config=cfg.model_dump(mode="json")) as run_log, contextlib.closing(evaluation):
         # The teacher: scored once up front (and freed), or resident and scoring each micro-batch.
-        cached = teacher = None
+        cached, teachers = None, []
         if teacher_cfg.precompute:
             cached = precomputed_topk(output_dir, teacher_cfg, cfg.loss, train_examples, pad,
                                       trainer, device, run_log)
-        else:
-            teacher = build_scorer(teacher_cfg.as_model(), trainer, device, role="teacher",
-                                   offload=teacher_cfg.offload)
+        else:  # each teacher loaded once
+            teachers = [build_scorer(each.as_model(), trainer, device, role="teacher", offload=each.offload)
+                        for each in cfg.teachers]
         policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, device,
                               resume_dir=resume.worker_dir(POLICY) if resume else None)
         # mode=on_policy: the student's sampler (None when no step samples).
         on_policy = build_on_policy_sampling(cfg, tokenizer, policy)
         announce_run(run_log, train_stats.summary(), resume, changed_keys, policy,
-                     f"{examples_per_step} examples per step ({len(train_examples)} in the training set), teacher "
-                     f"{teacher_cfg.name_or_path} (top-{cfg.loss.topk}, {cfg.loss.divergence}, "
+                     f"{examples_per_step} examples per step ({len(train_examples)} in the training set), "
+                     f"{describe_teachers(cfg, routes)} (top-{cfg.loss.topk}, {cfg.loss.divergence}, "
                      f"{cfg.loss.outside_topk}), {describe_mode(cfg)}")
 
         step_loss, eval_nll = None, None
@@ -338,12 +429,19 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
             micro_batches = []
             for indices, part in zip(draws, examples, strict=True):
                 rows = collate(part, pad, False, cfg.data.max_length)
-                micro_batches.append(cached.batch(rows, indices) if cached is not None
-                                     else teacher_batch(teacher, rows, cfg.loss))
+                if cached is not None:
+                    micro_batches.append(cached.batch(rows, indices))
+                elif routes is None:
+                    micro_batches.append(teacher_batch(teachers[0], rows, cfg.loss))
+                else:
+                    micro_batches.append(routed_teacher_batch(teachers, [routes[i] for i in indices], part, rows,
+                                                              cfg.loss, pad))
             teacher_seconds = time.perf_counter() - scoring_started
             if sum(mb.num_target_tokens for mb in micro_batches) == 0:
                 raise ValueError("an optimizer step drew no target tokens; check data.completion_only_loss and the data")
             stats = as_floats(policy.forward_backward(micro_batches, loss))
+            per_teacher = {} if routes is None else per_teacher_metrics(
+                policy, loss, cfg, micro_batches, [[routes[i] for i in indices] for indices in draws])
             update = as_floats(policy.optim_step())
             elapsed = time.perf_counter() - started
             step_loss = stats.pop("loss")
@@ -357,6 +455,7 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
                 "step_seconds": elapsed,
                 "teacher_seconds": teacher_seconds,
                 "distill/on_policy": float(step_on_policy),
+                **per_teacher,
                 **sample_metrics,
                 "target_tokens": stats["target_tokens"],
                 "epoch": sampler.epochs_completed,

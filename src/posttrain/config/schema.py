@@ -6,6 +6,7 @@ are rejected (``extra="forbid"``) so a typo never silently falls back to a defau
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -49,6 +50,14 @@ class TeacherSection(Section):
     name_or_path: str
     """Hugging Face hub id, local model directory, or an embedded model name (posttrain/tiny-arithmetic-sft). Its
     tokenizer must be the student's (cross-tokenizer distillation is not built yet)."""
+
+    name: str | None = None
+    """distill with several teachers: the teacher's name, in its metrics distill/<name>/... (letters, digits, '_'
+    and '-'); optional with one teacher."""
+
+    route: list[str] = Field(default_factory=list)
+    """distill with several teachers (MOPD): the values of the routing column (teacher_column) whose rows this
+    teacher scores; each value belongs to one teacher."""
 
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype the teacher's weights are loaded in."""
@@ -437,7 +446,12 @@ class DistillConfig(RecipeConfig):
     teachers: list[TeacherSection] = Field(default_factory=list)
     """The teacher models, each {name_or_path, dtype (float32 or bfloat16), precompute (bool: score the training
     set's top-k once into OUTPUT/teacher_topk/ and free the teacher), offload (bool: weights on the CPU, moved to
-    the training device only while scoring)}; one is supported for now."""
+    the training device only while scoring), name, route}. Several teachers (MOPD) each score the rows whose
+    teacher_column value their `route` lists."""
+
+    teacher_column: str | None = None
+    """Several teachers: the training data's column whose value sends each row to the one teacher whose `route`
+    lists it (a row without the column, or with a value no teacher serves, is refused naming it)."""
 
     loss: DistillationLossConfig = Field(default_factory=DistillationLossConfig)
     """The distillation loss."""
@@ -456,9 +470,7 @@ class DistillConfig(RecipeConfig):
     @model_validator(mode="after")
     def _check(self) -> DistillConfig:
         check_evaluation_sets(self.evaluation, self.trainer)
-        if len(self.teachers) != 1:
-            raise ValueError(f"teachers: give exactly one teacher (got {len(self.teachers)}); several teachers "
-                             "(routing samples to teachers) are not built yet")
+        self._check_teachers()
         if not self.data.train_files:
             raise ValueError("data.train_files is empty: give at least one training file or dataset name")
         if self.data.format in ("preference", "prompt_only", "text"):
@@ -469,6 +481,40 @@ class DistillConfig(RecipeConfig):
                              "padded row); set data.packing=false")
         self._check_on_policy()
         return self
+
+    def _check_teachers(self) -> None:
+        """One teacher, or several each with a name and the teacher_column values it serves (each value one
+        teacher's)."""
+        if not self.teachers:
+            raise ValueError("teachers: give at least one teacher ({name_or_path: ...})")
+        if self.teacher_column is None:
+            if len(self.teachers) > 1:
+                raise ValueError(f"teachers: {len(self.teachers)} teachers need teacher_column, the data column "
+                                 "whose value routes each row to one teacher (each teacher's route lists its values)")
+            if self.teachers[0].route:
+                raise ValueError("teachers[0].route applies with teacher_column (the column it routes by); set "
+                                 "teacher_column or remove route")
+            return
+        names: dict[str, int] = {}
+        served: dict[str, int] = {}
+        for i, teacher in enumerate(self.teachers):
+            if teacher.name is None or not re.fullmatch(r"[A-Za-z0-9_-]+", teacher.name):
+                raise ValueError(f"teachers[{i}].name: with teacher_column every teacher needs a name of letters, "
+                                 f"digits, '_' and '-' (its metrics are distill/<name>/...); got {teacher.name!r}")
+            if teacher.name in names:
+                raise ValueError(f"teachers[{i}].name={teacher.name!r} is also teachers[{names[teacher.name]}]'s")
+            names[teacher.name] = i
+            if not teacher.route:
+                raise ValueError(f"teachers[{i}].route is empty: list the {self.teacher_column!r} values whose rows "
+                                 f"teacher {teacher.name!r} scores")
+            if len(self.teachers) > 1 and teacher.precompute:
+                raise ValueError(f"teachers[{i}].precompute=true with several teachers is not built yet; set it "
+                                 "false (each teacher then scores its rows each step)")
+            for value in teacher.route:
+                if value in served:
+                    raise ValueError(f"teachers[{i}].route: the {self.teacher_column!r} value {value!r} is also "
+                                     f"served by teachers[{served[value]}]; each value belongs to one teacher")
+                served[value] = i
 
     def _check_on_policy(self) -> None:
         """The keys of mode=on_policy: lmbda and rollout only with it; no precompute, no NLL term, no whole-text
@@ -964,6 +1010,8 @@ class GRPOConfig(OnlineRLConfig):
         if (self.advantage.estimator == "opd") != (self.teacher is not None):
             raise ValueError("advantage.estimator='opd' and teacher go together: on-policy distillation needs "
                              "teacher.name_or_path, and a teacher is read only by advantage.estimator='opd'")
+        if self.teacher is not None and self.teacher.route:
+            raise ValueError("teacher.route applies to posttrain distill with several teachers")
         if self.teacher is not None and self.teacher.precompute:
             raise ValueError("teacher.precompute applies to posttrain distill; on-policy samples are new each step")
         if "opd_reward_weight" in self.advantage.model_fields_set and self.advantage.estimator != "opd":
