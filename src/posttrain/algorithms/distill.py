@@ -4,7 +4,7 @@ completions (off-policy KD) or, with mode=on_policy, on completions it samples i
 The loop, top to bottom: load the data (prompt/completion or messages rows, tokenized as for SFT) and check the
 teacher's tokenizer is the student's; with teacher.precompute, score every training example's top-k once into
 OUTPUT/teacher_topk/ (reused when its checksum and settings match, as on resume) and free the teacher, else load
-the teacher frozen (with teacher.offload, its weights on the CPU between scoring calls); with mode=on_policy and
+each teacher frozen (with offload, its weights on the CPU between scoring calls); with mode=on_policy and
 lmbda > 0, build the student's generator (rollout:). Then for each optimizer step draw micro_batch_size x
 gradient_accumulation_steps rows; with probability lmbda (a draw seeded by the run's seed and the step) the step is
 on-policy: each row's prompt is continued by the student's current weights and the sampled tokens become the row's
@@ -17,7 +17,10 @@ not the full vocabulary (docs/distillation.md); the per-step draw and the sample
 by a global generator, so a resumed run repeats an uninterrupted one; sampling and the loss have their own
 temperatures (rollout.temperature, loss.temperature); no seq_kd (teacher-sampled completions).
 
-Not built here yet (docs/distillation.md): several teachers, cross-tokenizer teachers, packed rows.
+Several teachers (MOPD): teacher_column routes each row to the one teacher whose route lists its value; each
+teacher scores its rows of every micro-batch, and per-teacher metrics come from one more graph-free forward pass.
+
+Not built here yet (docs/distillation.md): cross-tokenizer teachers, packed rows, precompute with several teachers.
 """
 
 from __future__ import annotations
