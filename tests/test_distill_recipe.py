@@ -151,7 +151,8 @@ def test_cli_help_lists_the_distillation_keys(capsys):
         main(["distill", "--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for key in ("teachers", "loss.kl_type", "loss.jsd_beta", "loss.outside_topk", "loss.topk", "mode"):
+    for key in ("teachers", "loss.kl_type", "loss.jsd_beta", "loss.outside_topk", "loss.topk", "mode", "lmbda",
+                "rollout.max_new_tokens", "rollout.temperature", "teacher_column"):
         assert key in text
 
 
