@@ -82,6 +82,9 @@ class Preset:
     verifier's accuracy (`reward_minus_accuracy`, meaningful for 0/1 rewards)."""
     reward_model: str | None = None
     """The rm preset whose run of the same seed and code path scores this preset's reward_model components."""
+    teacher: str | None = None
+    """A distillation preset's teacher (an embedded model): its held-out exact match is measured on each code path
+    and `gap_closed` = (exact_match - start_exact_match) / (teacher_exact_match - start_exact_match) reported."""
 
 
 def at_least(metric: str, bound: float, text: str) -> Claim:
@@ -95,6 +98,14 @@ PRESETS: dict[str, Preset] = {
     "distill_kd_arithmetic": Preset("distill", claims=(
         at_least("exact_match", 0.5, ">= 50% held-out exact match: half the gap from the untrained student (0%) to "
                  "its teacher posttrain/tiny-arithmetic-sft (100%)"),)),
+    "distill_gkd_arithmetic": Preset("distill", "sft_arithmetic_small", (
+        at_least("gap_closed", 0.5, "closes >= half the held-out exact-match gap from its starting student "
+                 "(sft_arithmetic_small) to its teacher posttrain/tiny-arithmetic-sft"),),
+        teacher="posttrain/tiny-arithmetic-sft"),
+    "opd_arithmetic": Preset("grpo", "sft_arithmetic_small", (
+        at_least("gap_closed", 0.5, "closes >= half the held-out exact-match gap from its starting student "
+                 "(sft_arithmetic_small) to its teacher posttrain/tiny-arithmetic-sft"),),
+        teacher="posttrain/tiny-arithmetic-sft"),
     "dpo_arithmetic": Preset("dpo", "sft_arithmetic", (
         at_least("eval_reward_accuracy", 0.90, ">= 0.90 held-out reward accuracy"),
         Claim("exact_match_gain", "does not lower held-out exact match", lambda v: v >= 0),
@@ -202,9 +213,22 @@ class Sweep:
                     start_accuracy = self.exact_match(code_path, result["start_model"], log)
                 result["start_exact_match"] = start_accuracy
                 result["exact_match_gain"] = result["exact_match"] - start_accuracy
+                if preset.teacher:
+                    teacher_accuracy = self.exact_match(code_path, preset.teacher, log)
+                    result["teacher_exact_match"] = teacher_accuracy
+                    result["gap_closed"] = gap_closed(result["exact_match"], start_accuracy, teacher_accuracy)
         result["seconds"] = round(time.perf_counter() - started, 1)
         write_json(result_file, result)
         return result
+
+
+def gap_closed(exact_match: float, start: float, teacher: float) -> float:
+    """The fraction of the gap from the starting student's exact match to the teacher's that a run closed (1: it
+    matches the teacher; 0: no gain; negative: it lost ground). A teacher no better than its student is no gap to
+    close: 0."""
+    if teacher <= start:
+        return 0.0
+    return (exact_match - start) / (teacher - start)
 
 
 def with_reward_model(name: str, path: str) -> dict[str, Any]:

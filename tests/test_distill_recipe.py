@@ -120,10 +120,9 @@ def test_worker_forward_backward_is_invariant_to_the_micro_batch_split(teacher_d
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
-    (["mode=on_policy"], "advantage.estimator=opd"),
-    (["teachers=[{name_or_path: a}, {name_or_path: b}]"], "exactly one teacher"),
-    (["teachers=[]"], "exactly one teacher"),
-    (["teachers=[{name_or_path: a, offload: true}]"], "offload is not built"),
+    (["teachers=[{name_or_path: a}, {name_or_path: b}]"], "need teacher_column"),
+    (["teachers=[]"], "at least one teacher"),
+    (["teachers=[{name_or_path: a, offload: true, precompute: true}]"], "precompute and offload"),
     (["data.packing=true"], "data.packing"),
     (["loss.kl_type=reverse", "loss.jsd_beta=0.5"], "jsd_beta"),
 ])
@@ -152,7 +151,8 @@ def test_cli_help_lists_the_distillation_keys(capsys):
         main(["distill", "--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for key in ("teachers", "loss.kl_type", "loss.jsd_beta", "loss.outside_topk", "loss.topk", "mode"):
+    for key in ("teachers", "loss.kl_type", "loss.jsd_beta", "loss.outside_topk", "loss.topk", "mode", "lmbda",
+                "rollout.max_new_tokens", "rollout.temperature", "teacher_column"):
         assert key in text
 
 

@@ -43,3 +43,15 @@ def test_a_claim_is_judged_on_the_worst_run(seeds):
 
     _, summary, all_hold = seeds.summarize("sft_arithmetic", [r for r in runs if r["exact_match"] >= 0.9])
     assert all_hold and summary["claims"][0]["worst"] == 0.95
+
+
+def test_gap_closed_and_the_distillation_presets_claim_it(seeds):
+    assert seeds.gap_closed(0.65, 0.3, 1.0) == pytest.approx(0.5)
+    assert seeds.gap_closed(0.2, 0.3, 1.0) < 0
+    assert seeds.gap_closed(0.9, 0.95, 0.9) == 0.0
+    for name in ("distill_gkd_arithmetic", "opd_arithmetic"):
+        preset = seeds.PRESETS[name]
+        assert preset.teacher == "posttrain/tiny-arithmetic-sft" and preset.start == "sft_arithmetic_small"
+        assert [c.metric for c in preset.claims] == ["gap_closed"]
+        assert (SCRIPT.parent.parent / "configs" / f"{name}.yaml").is_file()
+        assert not preset.claims[0].holds(0.49) and preset.claims[0].holds(0.5)

@@ -1,15 +1,26 @@
-"""Off-policy knowledge distillation: the student learns the teacher's top-k next-token distribution on a dataset.
+"""Knowledge distillation: the student learns the teacher's top-k next-token distribution, on a dataset's
+completions (off-policy KD) or, with mode=on_policy, on completions it samples itself (GKD's lmbda mixes the two).
 
 The loop, top to bottom: load the data (prompt/completion or messages rows, tokenized as for SFT) and check the
 teacher's tokenizer is the student's; with teacher.precompute, score every training example's top-k once into
 OUTPUT/teacher_topk/ (reused when its checksum and settings match, as on resume) and free the teacher, else load
-the teacher frozen; then for each optimizer step draw micro_batch_size x gradient_accumulation_steps examples,
-collate them, attach the teacher's top-k to each micro-batch (a DistillBatch), hand the step to the student with
-`DistillationObjective` (normalized by the target count of the whole step), step, log, evaluate, checkpoint; at
-the end write OUTPUT/final/.
+each teacher frozen (with offload, its weights on the CPU between scoring calls); with mode=on_policy and
+lmbda > 0, build the student's generator (rollout:). Then for each optimizer step draw micro_batch_size x
+gradient_accumulation_steps rows; with probability lmbda (a draw seeded by the run's seed and the step) the step is
+on-policy: each row's prompt is continued by the student's current weights and the sampled tokens become the row's
+targets; collate, attach the teacher's top-k to each micro-batch (a DistillBatch), hand the step to the student
+with `DistillationObjective` (normalized by the target count of the whole step), step, log, evaluate, checkpoint;
+at the end write OUTPUT/final/.
 
-Not built here yet (docs/distillation.md): on-policy distillation (GRPO's advantage.estimator=opd does OPD; GKD's
-lmbda mixing is not built), several teachers, cross-tokenizer teachers, teacher offload, packed rows.
+Departures from GKD (Agarwal et al. 2024) and TRL's GKDTrainer: the divergence is computed on the teacher's top-k,
+not the full vocabulary (docs/distillation.md); the per-step draw and the samples are seeded by (seed, step), not
+by a global generator, so a resumed run repeats an uninterrupted one; sampling and the loss have their own
+temperatures (rollout.temperature, loss.temperature); no seq_kd (teacher-sampled completions).
+
+Several teachers (MOPD): teacher_column routes each row to the one teacher whose route lists its value; each
+teacher scores its rows of every micro-batch, and per-teacher metrics come from one more graph-free forward pass.
+
+Not built here yet (docs/distillation.md): cross-tokenizer teachers, packed rows, precompute with several teachers.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -44,15 +55,19 @@ from posttrain.algorithms.common import (
     seed_everything,
 )
 from posttrain.algorithms.evaluate import TrainingEvaluation
+from posttrain.algorithms.rl import policy_generator, rollout_sampling
 from posttrain.checkpoint import POLICY, checkpoint_to_resume
 from posttrain.config.losses import DistillationLossConfig
 from posttrain.config.schema import DistillConfig, TeacherSection, TrainerConfig
 from posttrain.data import load_sft_examples
 from posttrain.data.collate import collate
+from posttrain.data.errors import DataError
+from posttrain.data.loading import iter_records
 from posttrain.data.sampler import EpochSampler, check_step_fits
 from posttrain.data.types import DistillBatch, SFTBatch, TokenizedExample
 from posttrain.distributed.builders import build_policy, build_scorer, check_split
 from posttrain.errors import RunError
+from posttrain.generation.base import Generator, SamplingParams
 from posttrain.models.loading import default_device, load_tokenizer
 from posttrain.process_group import is_distributed
 from posttrain.rundir import one_run_per_output_dir, sha256_all
@@ -171,6 +186,173 @@ def precomputed_topk(output_dir: Path, teacher_cfg: TeacherSection, loss: Distil
     return topk
 
 
+def teacher_routes(cfg: DistillConfig, examples: Sequence[TokenizedExample]) -> list[int] | None:
+    """With teacher_column: the index of the teacher (in cfg.teachers) of every example, from its row's column value
+    (the rows read again from data.train_files, matched by location); None without. A row lacking the column, or
+    whose value no teacher's route lists, is a DataError naming the column (and the value) at the row."""
+    column = cfg.teacher_column
+    if column is None:
+        return None
+    serving = {value: i for i, teacher in enumerate(cfg.teachers) for value in teacher.route}
+    values: dict[str, object] = {}
+    for source in cfg.data.train_files:
+        for location, record in iter_records(source, on_bad_record=lambda error: None):
+            if cfg.data.column_map:
+                record = {cfg.data.column_map.get(key, key): value for key, value in record.items()}
+            values[location] = record.get(column, _MISSING)
+    routes = []
+    for example in examples:
+        value = values[example.source]
+        if value is _MISSING:
+            raise DataError(example.source, f"missing: teacher_column={column!r} routes every row to a teacher, and "
+                            "this row has no such column", column)
+        if str(value) not in serving:
+            served = ", ".join(f"{t.name}: {t.route}" for t in cfg.teachers)
+            raise DataError(example.source, f"{column}={value!r}: no teacher serves this value (teachers[].route: "
+                            f"{served})", column)
+        routes.append(serving[str(value)])
+    return routes
+
+
+_MISSING = object()
+
+
+def routed_teacher_batch(teachers: Sequence[ScoringWorker], routes: Sequence[int],
+                         examples: Sequence[TokenizedExample], rows: SFTBatch, loss: DistillationLossConfig,
+                         pad_token_id: int) -> DistillBatch:
+    """`rows` (collated from `examples`) with each row's top-k scored by its own teacher, teachers[routes[row]]:
+    each teacher scores its rows of the micro-batch together (padded to their own longest, placed back by row)."""
+    values = torch.zeros((*rows.input_ids.shape, loss.topk), dtype=torch.float32)
+    ids = torch.zeros((*rows.input_ids.shape, loss.topk), dtype=torch.long)
+    for index, teacher in enumerate(teachers):
+        members = [row for row, route in enumerate(routes) if route == index]
+        if not members:
+            continue
+        part = collate([examples[row] for row in members], pad_token_id, False, rows.input_ids.shape[1])
+        scored = teacher_batch(teacher, part, loss)
+        width = part.input_ids.shape[1]
+        values[members, :width] = scored.teacher_topk_logprobs
+        ids[members, :width] = scored.teacher_topk_ids
+    return DistillBatch(rows, values, ids)
+
+
+def per_teacher_metrics(policy: PolicyWorker, loss: DistillationObjective, cfg: DistillConfig,
+                        micro_batches: Sequence[DistillBatch], routes: Sequence[Sequence[int]]) -> dict[str, float]:
+    """distill/<teacher name>/{divergence, top1_agreement, teacher_topk_mass, student_topk_mass} (means per target
+    token of the teacher's rows) and distill/<name>/target_tokens, at the weights the step's update was computed
+    at: one more forward pass of the step's rows, without a graph (policy.evaluate)."""
+    metrics: dict[str, float] = {}
+    for index, teacher in enumerate(cfg.teachers):
+        parts = []
+        for batch, batch_routes in zip(micro_batches, routes, strict=True):
+            members = torch.tensor([row for row, route in enumerate(batch_routes) if route == index], dtype=torch.long)
+            if len(members):
+                parts.append(select_rows(batch, members))
+        if not parts:
+            continue
+        totals = reduce_metrics(policy.evaluate(part, loss) for part in parts)
+        stats = as_floats(totals)
+        for name in ("divergence", "top1_agreement", "teacher_topk_mass", "student_topk_mass", "target_tokens"):
+            metrics[f"distill/{teacher.name}/{name}"] = stats[name]
+    return metrics
+
+
+def select_rows(batch: DistillBatch, index: torch.Tensor) -> DistillBatch:
+    """The rows `index` of a padded DistillBatch."""
+    rows = batch.rows
+    selected = SFTBatch(rows.input_ids[index], rows.loss_mask[index], rows.position_ids[index],
+                        rows.attention_mask[index], len(index), int(rows.attention_mask[index].sum()))
+    return DistillBatch(selected, batch.teacher_topk_logprobs[index], batch.teacher_topk_ids[index])
+
+
+def describe_teachers(cfg: DistillConfig, routes: list[int] | None) -> str:
+    """The teachers for the run's opening lines (with teacher_column: each one's rows)."""
+    if routes is None:
+        return f"teacher {cfg.teacher.name_or_path}"
+    return "teachers " + ", ".join(f"{t.name} ({t.name_or_path}, {routes.count(i)} rows)"
+                                   for i, t in enumerate(cfg.teachers))
+
+
+@dataclass(frozen=True)
+class OnPolicySampling:
+    """mode=on_policy (GKD): which steps are on-policy, and the student's samples for them.
+
+    A step is on-policy with probability `lmbda`: one uniform draw from a torch stream seeded by the run's seed
+    and the step, so the decision depends on nothing else the run did (a resumed run decides as an uninterrupted
+    one, and the draw consumes none of the global generators the student's training reads). An on-policy step
+    samples one completion per drawn row from the student, continuing the row's prompt, with `params` seeded by
+    the run's seed and the step likewise."""
+
+    generator: Generator
+    params: SamplingParams
+    lmbda: float
+    seed: int
+
+    def is_on_policy(self, step: int) -> bool:
+        return is_on_policy_step(self.seed, step, self.lmbda)
+
+    def sample(self, policy: PolicyWorker, examples: Sequence[TokenizedExample], step: int,
+               max_length: int) -> tuple[list[TokenizedExample], dict[str, float]]:
+        """The examples with their completions replaced by the student's samples (policy's current weights,
+        pushed to the generator first), and the sampling metrics: sample_seconds,
+        distill/sampled_completion_length (mean sampled tokens, the eos included when produced) and
+        distill/sampled_truncated (the fraction that reached rollout.max_new_tokens)."""
+        started = time.perf_counter()
+        policy.push_weights(self.generator)
+        prompts = [prompt_ids(example) for example in examples]
+        output = self.generator.generate(prompts, replace(self.params, seed=sampling_seed(self.seed, step)))
+        completions = [samples[0] for samples in output.completions]
+        sampled = [sampled_example(example, prompt, completion.token_ids, max_length)
+                   for example, prompt, completion in zip(examples, prompts, completions, strict=True)]
+        return sampled, {
+            "sample_seconds": time.perf_counter() - started,
+            "distill/sampled_completion_length": sum(len(c.token_ids) for c in completions) / len(completions),
+            "distill/sampled_truncated": sum(c.truncated for c in completions) / len(completions),
+        }
+
+
+def is_on_policy_step(seed: int, step: int, lmbda: float) -> bool:
+    """Bernoulli(lmbda) for step `step` from its own seeded stream (lmbda 0: never; 1: always)."""
+    stream = torch.Generator().manual_seed(sampling_seed(seed, step))
+    return bool(torch.rand(1, generator=stream, dtype=torch.float64) < lmbda)
+
+
+def sampling_seed(seed: int, step: int) -> int:
+    """The seed of step `step`'s on-policy draw and samples."""
+    return seed * 1_000_003 + step
+
+
+def prompt_ids(example: TokenizedExample) -> list[int]:
+    """The example's tokens before its first target: the prompt the student continues on an on-policy step."""
+    return list(example.input_ids[: example.loss_mask.index(1)])
+
+
+def sampled_example(example: TokenizedExample, prompt: list[int], completion: list[int],
+                    max_length: int) -> TokenizedExample:
+    """The prompt followed by the sampled tokens, the sampled tokens its targets, cut to max_length tokens (the
+    prompt is shorter than the example it came from, so at least one sampled token stays)."""
+    ids = (*prompt, *completion)[:max_length]
+    mask = ((0,) * len(prompt) + (1,) * len(completion))[:max_length]
+    return TokenizedExample(ids, mask, f"{example.source} (sampled by the student)")
+
+
+def build_on_policy_sampling(cfg: DistillConfig, tokenizer, policy: PolicyWorker) -> OnPolicySampling | None:
+    """The student's sampler for mode=on_policy with lmbda > 0 (the rollout.backend generator sampling from the
+    policy); None when no step samples."""
+    if cfg.on_policy_fraction == 0:
+        return None
+    sampling, _ = rollout_sampling(cfg.rollout)
+    return OnPolicySampling(policy_generator(cfg, tokenizer, policy), sampling, cfg.on_policy_fraction, cfg.seed)
+
+
+def describe_mode(cfg: DistillConfig) -> str:
+    """How the run's steps get their completions, for the run's opening lines."""
+    if cfg.on_policy_fraction == 0:
+        return "the dataset's completions" + (" (mode=on_policy with lmbda=0)" if cfg.mode == "on_policy" else "")
+    return (f"on-policy with probability lmbda={cfg.on_policy_fraction:g} (the student samples up to "
+            f"{cfg.rollout.max_new_tokens} tokens at temperature {cfg.rollout.temperature:g})")
+
+
 def evaluate_nll(policy: PolicyWorker, examples: Sequence[TokenizedExample], cfg: DistillConfig,
                  pad_token_id: int) -> float:
     """The student's mean NLL per target token on `examples` (the held-out data's completions)."""
@@ -194,8 +376,10 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
 
     # Data first: a malformed row should fail before minutes go into loading a model.
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
-    check_same_tokenizer(tokenizer, load_tokenizer(teacher_cfg.as_model()), teacher_cfg.name_or_path)
+    for each in cfg.teachers:
+        check_same_tokenizer(tokenizer, load_tokenizer(each.as_model()), each.name_or_path)
     train_examples, train_stats = load_sft_examples(cfg.data.train_files, tokenizer, cfg.data)
+    routes = teacher_routes(cfg, train_examples)  # with teacher_column: each example's teacher
     eval_examples: list[TokenizedExample] = []
     if cfg.data.eval_files:
         eval_examples, _ = load_sft_examples(cfg.data.eval_files, tokenizer, cfg.data)
@@ -214,33 +398,53 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
     with run_logger(output_dir, cfg.logging, recipe="distill", total_steps=trainer.max_steps, start_step=start_step,
                     run_config=cfg.model_dump(mode="json")) as run_log, contextlib.closing(evaluation):
         # The teacher: scored once up front (and freed), or resident and scoring each micro-batch.
-        cached = teacher = None
+        cached, teachers = None, []
         if teacher_cfg.precompute:
             cached = precomputed_topk(output_dir, teacher_cfg, cfg.loss, train_examples, pad,
                                       trainer, device, run_log)
-        else:
-            teacher = build_scorer(teacher_cfg.as_model(), trainer, device, role="teacher")
+        else:  # each teacher loaded once
+            teachers = [build_scorer(each.as_model(), trainer, device, role="teacher", offload=each.offload)
+                        for each in cfg.teachers]
         policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, device,
                               resume_dir=resume.worker_dir(POLICY) if resume else None)
+        # mode=on_policy: the student's sampler (None when no step samples).
+        on_policy = build_on_policy_sampling(cfg, tokenizer, policy)
         announce_run(run_log, train_stats.summary(), resume, changed_keys, policy,
-                     f"{examples_per_step} examples per step ({len(train_examples)} in the training set), teacher "
-                     f"{teacher_cfg.name_or_path} (top-{cfg.loss.topk}, {cfg.loss.divergence}, "
-                     f"{cfg.loss.outside_topk})")
+                     f"{examples_per_step} examples per step ({len(train_examples)} in the training set), "
+                     f"{describe_teachers(cfg, routes)} (top-{cfg.loss.topk}, {cfg.loss.divergence}, "
+                     f"{cfg.loss.outside_topk}), {describe_mode(cfg)}")
 
         step_loss, eval_nll = None, None
         guard = NonFiniteGuard(trainer, output_dir)
         for step in range(start_step + 1, trainer.max_steps + 1):
             started = time.perf_counter()
+            # The step's rows: the dataset's, or (an on-policy step) the same rows' prompts continued by the student.
+            draws = [sampler.next_indices(trainer.micro_batch_size) for _ in range(trainer.gradient_accumulation_steps)]
+            examples = [[train_examples[i] for i in indices] for indices in draws]
+            step_on_policy = on_policy is not None and on_policy.is_on_policy(step)
+            sample_metrics = {"sample_seconds": 0.0}
+            if step_on_policy:
+                flat, sample_metrics = on_policy.sample(policy, [e for part in examples for e in part], step,
+                                                        cfg.data.max_length)
+                examples = list(chunks(flat, trainer.micro_batch_size))
+            # The teacher's top-k at every target of every micro-batch.
+            scoring_started = time.perf_counter()
             micro_batches = []
-            for _ in range(trainer.gradient_accumulation_steps):
-                indices = sampler.next_indices(trainer.micro_batch_size)
-                rows = collate([train_examples[i] for i in indices], pad, False, cfg.data.max_length)
-                micro_batches.append(cached.batch(rows, indices) if cached is not None
-                                     else teacher_batch(teacher, rows, cfg.loss))
-            teacher_seconds = time.perf_counter() - started
+            for indices, part in zip(draws, examples, strict=True):
+                rows = collate(part, pad, False, cfg.data.max_length)
+                if cached is not None:
+                    micro_batches.append(cached.batch(rows, indices))
+                elif routes is None:
+                    micro_batches.append(teacher_batch(teachers[0], rows, cfg.loss))
+                else:
+                    micro_batches.append(routed_teacher_batch(teachers, [routes[i] for i in indices], part, rows,
+                                                              cfg.loss, pad))
+            teacher_seconds = time.perf_counter() - scoring_started
             if sum(mb.num_target_tokens for mb in micro_batches) == 0:
                 raise ValueError("an optimizer step drew no target tokens; check data.completion_only_loss and the data")
             stats = as_floats(policy.forward_backward(micro_batches, loss))
+            per_teacher = {} if routes is None else per_teacher_metrics(
+                policy, loss, cfg, micro_batches, [[routes[i] for i in indices] for indices in draws])
             update = as_floats(policy.optim_step())
             elapsed = time.perf_counter() - started
             step_loss = stats.pop("loss")
@@ -253,6 +457,9 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
                 "tokens_per_second": sum(mb.num_tokens for mb in micro_batches) / elapsed,
                 "step_seconds": elapsed,
                 "teacher_seconds": teacher_seconds,
+                "distill/on_policy": float(step_on_policy),
+                **per_teacher,
+                **sample_metrics,
                 "target_tokens": stats["target_tokens"],
                 "epoch": sampler.epochs_completed,
                 **{k: v for k, v in update.items() if k not in ("learning_rate", "grad_norm")},

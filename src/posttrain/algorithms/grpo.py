@@ -85,7 +85,8 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
     teacher = None
     if cfg.teacher is not None:
         check_same_tokenizer(tokenizer, load_tokenizer(cfg.teacher.as_model()), cfg.teacher.name_or_path)
-        teacher = build_scorer(cfg.teacher.as_model(), trainer, run.device, role="teacher")
+        teacher = build_scorer(cfg.teacher.as_model(), trainer, run.device, role="teacher",
+                              offload=cfg.teacher.offload)
     generator = policy_generator(cfg, tokenizer, policy)
     source, start_step = run.rollout_source(cfg, generator, weights, dynamic_sampling=rollout.dynamic_sampling)
 

@@ -6,6 +6,7 @@ are rejected (``extra="forbid"``) so a typo never silently falls back to a defau
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -50,6 +51,14 @@ class TeacherSection(Section):
     """Hugging Face hub id, local model directory, or an embedded model name (posttrain/tiny-arithmetic-sft). Its
     tokenizer must be the student's (cross-tokenizer distillation is not built yet)."""
 
+    name: str | None = None
+    """distill with several teachers: the teacher's name, in its metrics distill/<name>/... (letters, digits, '_'
+    and '-'); optional with one teacher."""
+
+    route: list[str] = Field(default_factory=list)
+    """distill with several teachers (MOPD): the values of the routing column (teacher_column) whose rows this
+    teacher scores; each value belongs to one teacher."""
+
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype the teacher's weights are loaded in."""
 
@@ -58,13 +67,16 @@ class TeacherSection(Section):
     a checksum; a resumed run reuses it), and free the teacher, so it is not resident while the student trains."""
 
     offload: bool = False
-    """Keep the teacher resident only while it scores (not built yet: true is refused; use precompute)."""
+    """Keep the teacher's weights in CPU memory and move them to the training device only while the teacher scores
+    (then back), so that the device holds the teacher only for its forward passes; costs two copies of its
+    weights over the host link per scoring call. On a CPU-only machine nothing moves. One process only (refused
+    under torchrun)."""
 
     @model_validator(mode="after")
-    def _built(self) -> TeacherSection:
-        if self.offload:
-            raise ValueError("teacher offload is not built yet; use precompute: true to keep the teacher out of "
-                             "memory while the student trains")
+    def _one_way_out_of_memory(self) -> TeacherSection:
+        if self.precompute and self.offload:
+            raise ValueError("teacher precompute and offload: precompute frees the teacher after scoring the data "
+                             "once, so there is nothing to offload; set one of them")
         return self
 
     def as_model(self) -> ModelConfig:
@@ -378,6 +390,35 @@ class DPOConfig(RecipeConfig):
         return self.share_prompt
 
 
+class SamplingSection(NumericSection):
+    """How a recipe samples completions from the model it trains: the knobs the online RL recipes' `rollout:` and
+    on-policy distillation's `rollout:` share."""
+
+    max_new_tokens: int = Field(256, gt=0)
+    """Completion budget in tokens (per turn of a multi-turn episode); a completion that reaches it is truncated."""
+
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature. The RL recipes' trainer scores tokens under the same temperature."""
+
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling (1: off). Anything but 1 makes the sampler's distribution differ from the trainer's."""
+
+    top_k: int = Field(0, ge=0)
+    """Top-k sampling (0: off)."""
+
+    stop_strings: list[str] = Field(default_factory=list)
+    """Stop a completion once its text contains one of these (the completion keeps the stop string)."""
+
+    backend: Literal["transformers", "vllm"] = "transformers"
+    """Generator: transformers (samples from the trained model itself; CPU or GPU) or vllm (GPU extra)."""
+
+    generation_batch_size: int = Field(256, gt=0)
+    """Sequences sampled together by the transformers backend."""
+
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)
+    """Fraction of GPU memory vLLM may take (vllm backend)."""
+
+
 class DistillConfig(RecipeConfig):
     """Knowledge distillation: the student (model:) learns the teacher's next-token distribution (its top-k at
     every completion position) on a dataset, with the loss of `loss:` (see docs/distillation.md)."""
@@ -387,13 +428,30 @@ class DistillConfig(RecipeConfig):
     directory resumes."""
 
     mode: Literal["off_policy", "on_policy"] = "off_policy"
-    """off_policy: the dataset's completions (prompt/completion or messages rows) are distilled. on_policy (the
-    student's own samples) is not built in this recipe yet: use `posttrain grpo` with advantage.estimator=opd."""
+    """off_policy: every step distills the dataset's completions (prompt/completion or messages rows). on_policy
+    (GKD, Agarwal et al. 2024): a step is on-policy with probability `lmbda`; its completions are then sampled by
+    the student (rollout:) from the same rows' prompts, and the teacher scores its top-k at the sampled tokens."""
+
+    lmbda: float | None = Field(None, ge=0, le=1)
+    """mode=on_policy: the probability that a step's completions are the student's own samples (TRL GKDConfig's
+    lmbda), drawn per step from a stream seeded by the run's seed and the step (a resumed run draws what an
+    uninterrupted one does); the other steps distill the dataset's completions. Default 1.0 (every step on-policy);
+    0 is exactly off_policy. Refused with mode=off_policy, which is lmbda 0."""
+
+    rollout: SamplingSection = Field(default_factory=SamplingSection)
+    """mode=on_policy: how the student samples an on-policy step's completions (max_new_tokens, temperature, top_p,
+    top_k, stop_strings, backend); one completion per prompt, the prompt being the row's tokens before its first
+    target. Refused with mode=off_policy."""
 
     teachers: list[TeacherSection] = Field(default_factory=list)
     """The teacher models, each {name_or_path, dtype (float32 or bfloat16), precompute (bool: score the training
-    set's top-k once into OUTPUT/teacher_topk/ and free the teacher), offload (not built yet)}; one is supported
-    for now."""
+    set's top-k once into OUTPUT/teacher_topk/ and free the teacher), offload (bool: weights on the CPU, moved to
+    the training device only while scoring), name, route}. Several teachers (MOPD) each score the rows whose
+    teacher_column value their `route` lists."""
+
+    teacher_column: str | None = None
+    """Several teachers: the training data's column whose value sends each row to the one teacher whose `route`
+    lists it (a row without the column, or with a value no teacher serves, is refused naming it)."""
 
     loss: DistillationLossConfig = Field(default_factory=DistillationLossConfig)
     """The distillation loss."""
@@ -402,16 +460,17 @@ class DistillConfig(RecipeConfig):
     """Evaluation sets sampled from the student during training (see docs/evaluation.md), each logged as
     eval/<name>/<metric>; none by default."""
 
+    @field_validator("lmbda", mode="before")
+    @classmethod
+    def _a_number(cls, value: Any) -> Any:
+        if isinstance(value, bool):
+            raise ValueError(f"expected a number in [0, 1], got the boolean {value}")
+        return value
+
     @model_validator(mode="after")
     def _check(self) -> DistillConfig:
         check_evaluation_sets(self.evaluation, self.trainer)
-        if self.mode == "on_policy":
-            raise ValueError("mode='on_policy' is not built in posttrain distill yet; on-policy distillation (OPD) "
-                             "runs in posttrain grpo with advantage.estimator=opd and teacher.name_or_path=...; "
-                             "use mode='off_policy' here")
-        if len(self.teachers) != 1:
-            raise ValueError(f"teachers: give exactly one teacher (got {len(self.teachers)}); several teachers "
-                             "(routing samples to teachers) are not built yet")
+        self._check_teachers()
         if not self.data.train_files:
             raise ValueError("data.train_files is empty: give at least one training file or dataset name")
         if self.data.format in ("preference", "prompt_only", "text"):
@@ -420,7 +479,75 @@ class DistillConfig(RecipeConfig):
         if self.data.packing:
             raise ValueError("data.packing=true is not built for distill yet (the teacher's top-k travels per "
                              "padded row); set data.packing=false")
+        self._check_on_policy()
         return self
+
+    def _check_teachers(self) -> None:
+        """One teacher, or several each with a name and the teacher_column values it serves (each value one
+        teacher's)."""
+        if not self.teachers:
+            raise ValueError("teachers: give at least one teacher ({name_or_path: ...})")
+        if self.teacher_column is None:
+            if len(self.teachers) > 1:
+                raise ValueError(f"teachers: {len(self.teachers)} teachers need teacher_column, the data column "
+                                 "whose value routes each row to one teacher (each teacher's route lists its values)")
+            if self.teachers[0].route:
+                raise ValueError("teachers[0].route applies with teacher_column (the column it routes by); set "
+                                 "teacher_column or remove route")
+            return
+        names: dict[str, int] = {}
+        served: dict[str, int] = {}
+        for i, teacher in enumerate(self.teachers):
+            if teacher.name is None or not re.fullmatch(r"[A-Za-z0-9_-]+", teacher.name):
+                raise ValueError(f"teachers[{i}].name: with teacher_column every teacher needs a name of letters, "
+                                 f"digits, '_' and '-' (its metrics are distill/<name>/...); got {teacher.name!r}")
+            if teacher.name in names:
+                raise ValueError(f"teachers[{i}].name={teacher.name!r} is also teachers[{names[teacher.name]}]'s")
+            names[teacher.name] = i
+            if not teacher.route:
+                raise ValueError(f"teachers[{i}].route is empty: list the {self.teacher_column!r} values whose rows "
+                                 f"teacher {teacher.name!r} scores")
+            if len(self.teachers) > 1 and teacher.precompute:
+                raise ValueError(f"teachers[{i}].precompute=true with several teachers is not built yet; set it "
+                                 "false (each teacher then scores its rows each step)")
+            for value in teacher.route:
+                if value in served:
+                    raise ValueError(f"teachers[{i}].route: the {self.teacher_column!r} value {value!r} is also "
+                                     f"served by teachers[{served[value]}]; each value belongs to one teacher")
+                served[value] = i
+
+    def _check_on_policy(self) -> None:
+        """The keys of mode=on_policy: lmbda and rollout only with it; no precompute, no NLL term, no whole-text
+        loss when some steps sample."""
+        if self.mode == "off_policy":
+            if self.lmbda is not None:
+                raise ValueError("lmbda applies to mode=on_policy (off_policy is lmbda 0: every step distills the "
+                                 "dataset's completions); set mode=on_policy or remove lmbda")
+            if self.rollout.model_fields_set:
+                keys = ", ".join(f"rollout.{key}" for key in sorted(self.rollout.model_fields_set))
+                raise ValueError(f"{keys}: the rollout section applies to mode=on_policy (the student's samples); "
+                                 "set mode=on_policy or remove it")
+            return
+        if self.on_policy_fraction == 0:
+            return
+        if self.teacher.precompute:
+            raise ValueError(f"teachers[0].precompute=true cannot serve mode=on_policy with lmbda="
+                             f"{self.on_policy_fraction:g}: on-policy steps score the student's new samples each "
+                             "step; set teachers[0].precompute=false (or lmbda=0)")
+        if self.loss.nll_weight > 0:
+            raise ValueError("loss.nll_weight > 0 with mode=on_policy and lmbda > 0: on an on-policy step the NLL "
+                             "term would train the student on its own samples; set loss.nll_weight=0")
+        if not self.data.completion_only_loss:
+            raise ValueError("data.completion_only_loss=false with mode=on_policy: the student samples from each "
+                             "row's prompt (its tokens before the first target), which needs completion-only "
+                             "targets; set data.completion_only_loss=true")
+
+    @property
+    def on_policy_fraction(self) -> float:
+        """lmbda as the loop uses it: 0 with mode=off_policy, lmbda (default 1) with mode=on_policy."""
+        if self.mode == "off_policy":
+            return 0.0
+        return 1.0 if self.lmbda is None else self.lmbda
 
     @property
     def teacher(self) -> TeacherSection:
@@ -467,7 +594,7 @@ def check_pair_data(data: DataConfig, recipe: str) -> None:
                          "data.packing=false and trainer.packing=true to pack each micro-batch's rows")
 
 
-class RolloutSection(NumericSection):
+class RolloutSection(SamplingSection):
     """How completions are sampled each step."""
 
     prompts_per_step: int = Field(16, gt=0)
@@ -476,30 +603,6 @@ class RolloutSection(NumericSection):
     num_generations_per_prompt: int = Field(8, gt=0, le=4096)
     """Completions sampled per prompt: the group that group-relative advantages compare (at most 4096: every
     sample of a step is held in memory, so a larger group is a mistyped number, not a recipe)."""
-
-    max_new_tokens: int = Field(256, gt=0)
-    """Completion budget in tokens per turn; a completion that reaches it is truncated."""
-
-    temperature: float = Field(1.0, gt=0)
-    """Sampling temperature. The trainer scores tokens under the same temperature."""
-
-    top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus sampling (1: off). Anything but 1 makes the sampler's distribution differ from the trainer's."""
-
-    top_k: int = Field(0, ge=0)
-    """Top-k sampling (0: off)."""
-
-    stop_strings: list[str] = Field(default_factory=list)
-    """Stop a completion once its text contains one of these (the completion keeps the stop string)."""
-
-    backend: Literal["transformers", "vllm"] = "transformers"
-    """Generator: transformers (samples from the trained model itself; CPU or GPU) or vllm (GPU extra)."""
-
-    generation_batch_size: int = Field(256, gt=0)
-    """Sequences sampled together by the transformers backend."""
-
-    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)
-    """Fraction of GPU memory vLLM may take (vllm backend)."""
 
     max_turns: int = Field(1, gt=0)
     """Assistant turns per episode; multi-turn environments return an observation after each until done."""
@@ -907,6 +1010,8 @@ class GRPOConfig(OnlineRLConfig):
         if (self.advantage.estimator == "opd") != (self.teacher is not None):
             raise ValueError("advantage.estimator='opd' and teacher go together: on-policy distillation needs "
                              "teacher.name_or_path, and a teacher is read only by advantage.estimator='opd'")
+        if self.teacher is not None and self.teacher.route:
+            raise ValueError("teacher.route applies to posttrain distill with several teachers")
         if self.teacher is not None and self.teacher.precompute:
             raise ValueError("teacher.precompute applies to posttrain distill; on-policy samples are new each step")
         if "opd_reward_weight" in self.advantage.model_fields_set and self.advantage.estimator != "opd":

@@ -14,6 +14,7 @@ import torch
 
 from posttrain.config.schema import LoraSection, ModelConfig, TrainerConfig
 from posttrain.process_group import is_distributed, world_size
+from posttrain.errors import RunError
 from posttrain.distributed.fsdp import FSDP2ScoringWorker, FSDP2ValueWorker, build_fsdp_policy
 from posttrain.models.loading import load_causal_lm, load_trainable_model
 from posttrain.models.lora import TaskKind
@@ -47,10 +48,14 @@ def build_critic(init_from: str, model: ModelConfig, trainer: TrainerConfig, tok
 
 
 def build_scorer(model: ModelConfig, trainer: TrainerConfig, device: torch.device,
-                 role: str = "reference") -> ScoringWorker:
-    """A frozen scoring worker: local in one process, FSDP2-sharded under torchrun."""
+                 role: str = "reference", offload: bool = False) -> ScoringWorker:
+    """A frozen scoring worker: local in one process (with `offload`, its weights in CPU memory between passes),
+    FSDP2-sharded under torchrun (offload refused there)."""
     if not is_distributed():
-        return local.build_scorer(model, trainer, device, role)
+        return local.build_scorer(model, trainer, device, role, offload)
+    if offload:
+        raise RunError(f"{role} offload runs in one process for now; run without torchrun, or set offload=false "
+                       "(an FSDP2 scorer holds only its shard of the weights)")
     return FSDP2ScoringWorker(load_causal_lm(model, device=device), trainer, role)
 
 

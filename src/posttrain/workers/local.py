@@ -359,13 +359,31 @@ class LocalScoringWorker(_LocalModel):
     LoRA policy's and scores as its frozen base (adapters switched off for each pass, nothing copied)."""
 
     def __init__(self, model: torch.nn.Module, trainer: TrainerConfig, role: str = "reference",
-                 adapters_off: bool = False):
+                 adapters_off: bool = False, compute_device: torch.device | None = None):
         self.model, self.trainer, self.role, self.adapters_off = model, trainer, role, adapters_off
+        # Offloaded (compute_device given): the weights live where the model was loaded (the CPU) between passes.
+        self.home_device = model.device if compute_device is not None else None
+        self.compute_device = compute_device
         self._refuse_inexact_packing()
         if not adapters_off:  # a LoRA policy's base is the policy's own module, compiled (or not) with it
             self._compile_if_asked()
             self.model.eval()
             self.model.requires_grad_(False)
+
+    @contextlib.contextmanager
+    def _frozen_pass(self) -> Iterator[None]:
+        """The frozen pass; an offloaded scorer moves its weights to its compute device for the pass and back
+        home afterwards (no-ops when both are the CPU)."""
+        if self.compute_device is None:
+            with super()._frozen_pass():
+                yield
+            return
+        self.model.to(self.compute_device)
+        try:
+            with super()._frozen_pass():
+                yield
+        finally:
+            self.model.to(self.home_device)
 
     def topk_logprobs(self, batch: AnyBatch, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
         values, indices = [], []
@@ -407,8 +425,12 @@ def build_policy(model: ModelConfig, lora: LoraSection, trainer: TrainerConfig, 
 
 
 def build_scorer(model: ModelConfig, trainer: TrainerConfig, device: torch.device,
-                 role: str = "reference") -> LocalScoringWorker:
-    """`model` loaded frozen (eval mode, no gradients): a reference or teacher."""
+                 role: str = "reference", offload: bool = False) -> LocalScoringWorker:
+    """`model` loaded frozen (eval mode, no gradients): a reference or teacher. With `offload` its weights are
+    kept in CPU memory and moved to `device` only while it scores."""
+    if offload:
+        return LocalScoringWorker(load_causal_lm(model, device=torch.device("cpu")), trainer, role,
+                                  compute_device=device)
     return LocalScoringWorker(load_causal_lm(model, device=device), trainer, role)
 
 
