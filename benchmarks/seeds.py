@@ -85,6 +85,9 @@ class Preset:
     teacher: str | None = None
     """A distillation preset's teacher (an embedded model): its held-out exact match is measured on each code path
     and `gap_closed` = (exact_match - start_exact_match) / (teacher_exact_match - start_exact_match) reported."""
+    held_out: tuple[str, ...] = ()
+    """More held-out sets of the arithmetic environment (embedded dataset names, e.g. posttrain/subtraction:heldout),
+    each reported as exact_match/<task>: the greedy exact match of the run's model on its prompts."""
 
 
 def at_least(metric: str, bound: float, text: str) -> Claim:
@@ -98,6 +101,12 @@ PRESETS: dict[str, Preset] = {
     "distill_kd_arithmetic": Preset("distill", claims=(
         at_least("exact_match", 0.5, ">= 50% held-out exact match: half the gap from the untrained student (0%) to "
                  "its teacher posttrain/tiny-arithmetic-sft (100%)"),)),
+    "distill_mopd_arithmetic": Preset("distill", claims=(
+        at_least("exact_match", 0.5, ">= 50% held-out exact match on addition: half the gap from the untrained "
+                 "student (0%) to its addition teacher posttrain/tiny-arithmetic-sft (100%)"),
+        at_least("exact_match/subtraction", 0.5, ">= 50% held-out exact match on subtraction: half the gap from "
+                 "the untrained student (0%) to its subtraction teacher posttrain/tiny-subtraction-sft (100%)"),
+    ), held_out=("posttrain/subtraction:heldout",)),
     "distill_gkd_arithmetic": Preset("distill", "sft_arithmetic_small", (
         at_least("gap_closed", 0.5, "closes >= half the held-out exact-match gap from its starting student "
                  "(sft_arithmetic_small) to its teacher posttrain/tiny-arithmetic-sft"),),
@@ -149,8 +158,11 @@ class Sweep:
             raise RuntimeError(f"posttrain {args[0]} failed (exit {process.returncode}); see {log}:\n{tail}")
         return process.stdout
 
-    def exact_match(self, code_path: str, model: str, log: Path) -> float:
-        out = self.posttrain(code_path, ["eval", "--model", model, "--json", f"num_examples={HELD_OUT_PROBLEMS}"], log)
+    def exact_match(self, code_path: str, model: str, log: Path, data: str | None = None) -> float:
+        """Greedy exact match of `model` on the built-in task's held-out problems, or on the prompts of `data`
+        scored by the arithmetic environment."""
+        where = ["--data", data, "--environment", "arithmetic"] if data else [f"num_examples={HELD_OUT_PROBLEMS}"]
+        out = self.posttrain(code_path, ["eval", "--model", model, "--json", *where], log)
         return json.loads(out.strip().splitlines()[-1])["accuracy"]
 
     def run(self, name: str, code_path: str, seed: int, overrides: list[str], label: str = "") -> dict[str, Any]:
@@ -208,6 +220,9 @@ class Sweep:
                 result["reward_minus_accuracy"] = validated[-1]["val/reward_mean"] - validated[-1]["val/accuracy"]
             if preset.recipe in ("sft", "dpo", "grpo", "ppo", "distill"):
                 result["exact_match"] = self.exact_match(code_path, result["model"], log)
+            for data in preset.held_out:
+                task = data.removeprefix("posttrain/").split(":")[0]
+                result[f"exact_match/{task}"] = self.exact_match(code_path, result["model"], log, data)
             if preset.start and preset.recipe != "rm":
                 if start_accuracy is None:
                     start_accuracy = self.exact_match(code_path, result["start_model"], log)
