@@ -8,8 +8,12 @@ collate them, attach the teacher's top-k to each micro-batch (a DistillBatch), h
 `DistillationObjective` (normalized by the target count of the whole step), step, log, evaluate, checkpoint; at
 the end write OUTPUT/final/.
 
+A teacher whose tokenizer differs from the student's goes through the aligner instead (algorithms/distill_xtoken.py):
+the data is tokenized by both, cut into aligned chunks, and each micro-batch is a CrossTokenizerBatch trained with
+`CrossTokenizerObjective`; the teacher is refused before training when its tokenizer cannot serve the student.
+
 Not built here yet (docs/distillation.md): on-policy distillation (GRPO's advantage.estimator=opd does OPD; GKD's
-lmbda mixing is not built), several teachers, cross-tokenizer teachers, teacher offload, packed rows.
+lmbda mixing is not built), several teachers, teacher offload, packed rows.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -43,6 +47,7 @@ from posttrain.algorithms.common import (
     save_if_due,
     seed_everything,
 )
+from posttrain.algorithms.distill_xtoken import align_training_data, chunk_teacher, stored_projection, tokenizers_differ
 from posttrain.algorithms.evaluate import TrainingEvaluation
 from posttrain.checkpoint import POLICY, checkpoint_to_resume
 from posttrain.config.losses import DistillationLossConfig
@@ -58,7 +63,7 @@ from posttrain.process_group import is_distributed
 from posttrain.rundir import one_run_per_output_dir, sha256_all
 from posttrain.workers import PolicyWorker, as_floats, reduce_metrics
 from posttrain.workers.base import ScoringWorker
-from posttrain.workers.objectives import DistillationObjective, NLLObjective
+from posttrain.workers.objectives import CrossTokenizerObjective, DistillationObjective, NLLObjective
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +199,13 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
 
     # Data first: a malformed row should fail before minutes go into loading a model.
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
-    check_same_tokenizer(tokenizer, load_tokenizer(teacher_cfg.as_model()), teacher_cfg.name_or_path)
+    teacher_tokenizer = load_tokenizer(teacher_cfg.as_model(), padding_side="right")
+    cross_tokenizer = cfg.loss.cross_tokenizer.align == "always" or tokenizers_differ(tokenizer, teacher_tokenizer)
+    if not cross_tokenizer:
+        check_same_tokenizer(tokenizer, teacher_tokenizer, teacher_cfg.name_or_path)
     train_examples, train_stats = load_sft_examples(cfg.data.train_files, tokenizer, cfg.data)
+    aligned = (align_training_data(tokenizer, teacher_tokenizer, teacher_cfg.name_or_path, train_examples, cfg.data,
+                                   cfg.data.train_files) if cross_tokenizer else None)
     eval_examples: list[TokenizedExample] = []
     if cfg.data.eval_files:
         eval_examples, _ = load_sft_examples(cfg.data.eval_files, tokenizer, cfg.data)
@@ -207,15 +217,27 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
     resume = checkpoint_to_resume(output_dir)
     sampler = EpochSampler(len(train_examples), seed=cfg.seed, shuffle=cfg.data.shuffle)
     start_step, _ = resume_trainer_state(resume, sampler)
-    loss = DistillationObjective(cfg.loss)
+    loss = CrossTokenizerObjective(cfg.loss) if cross_tokenizer else DistillationObjective(cfg.loss)
     pad = tokenizer.pad_token_id
 
     examples_per_step = trainer.micro_batch_size * trainer.gradient_accumulation_steps
     with run_logger(output_dir, cfg.logging, recipe="distill", total_steps=trainer.max_steps, start_step=start_step,
                     run_config=cfg.model_dump(mode="json")) as run_log, contextlib.closing(evaluation):
         # The teacher: scored once up front (and freed), or resident and scoring each micro-batch.
-        cached = teacher = None
-        if teacher_cfg.precompute:
+        cached = teacher = chunked = None
+        if aligned is not None:  # another tokenizer: the teacher's scores per aligned chunk
+            aligned = replace(aligned, projection=stored_projection(output_dir, teacher_cfg.name_or_path,
+                                                                    aligned.projection, run_log))
+            teacher_pad = next(i for i in (teacher_tokenizer.pad_token_id, teacher_tokenizer.eos_token_id, 0)
+                               if i is not None)
+            chunked = chunk_teacher(output_dir, teacher_cfg, cfg.loss, aligned,
+                                    (data_fingerprint(train_examples),
+                                     data_fingerprint([a.teacher_example for a in aligned.examples])),
+                                    teacher_pad, trainer, device, run_log)
+            run_log.message(f"cross-tokenizer teacher: aligned chunks cover {aligned.covered_targets} of "
+                            f"{aligned.targets} completion targets; {aligned.fallback_rows} rows aligned by the "
+                            "sequence-alignment fallback")
+        elif teacher_cfg.precompute:
             cached = precomputed_topk(output_dir, teacher_cfg, cfg.loss, train_examples, pad,
                                       trainer, device, run_log)
         else:
@@ -235,7 +257,8 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
             for _ in range(trainer.gradient_accumulation_steps):
                 indices = sampler.next_indices(trainer.micro_batch_size)
                 rows = collate([train_examples[i] for i in indices], pad, False, cfg.data.max_length)
-                micro_batches.append(cached.batch(rows, indices) if cached is not None
+                micro_batches.append(chunked.batch(rows, indices) if chunked is not None
+                                     else cached.batch(rows, indices) if cached is not None
                                      else teacher_batch(teacher, rows, cfg.loss))
             teacher_seconds = time.perf_counter() - started
             if sum(mb.num_target_tokens for mb in micro_batches) == 0:
