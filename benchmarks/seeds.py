@@ -82,6 +82,10 @@ class Preset:
     verifier's accuracy (`reward_minus_accuracy`, meaningful for 0/1 rewards)."""
     reward_model: str | None = None
     """The rm preset whose run of the same seed and code path scores this preset's reward_model components."""
+    teacher: str | None = None
+    """A distillation preset's teacher and untrained student (embedded names): both are scored on the same code
+    path, and `gap_closed` = (student − untrained) / (teacher − untrained) exact match is reported."""
+    untrained: str = "posttrain/tiny"
 
 
 def at_least(metric: str, bound: float, text: str) -> Claim:
@@ -95,6 +99,11 @@ PRESETS: dict[str, Preset] = {
     "distill_kd_arithmetic": Preset("distill", claims=(
         at_least("exact_match", 0.5, ">= 50% held-out exact match: half the gap from the untrained student (0%) to "
                  "its teacher posttrain/tiny-arithmetic-sft (100%)"),)),
+    "sft_bpe_arithmetic": Preset("sft", claims=(at_least("exact_match", 0.90, ">= 90% held-out exact match"),)),
+    "distill_xtoken_arithmetic": Preset("distill", claims=(
+        at_least("gap_closed", 0.5, "closes at least half the held-out exact-match gap between the untrained student "
+                 "and its teacher with another tokenizer, posttrain/tiny-bpe-arithmetic-sft"),),
+        teacher="posttrain/tiny-bpe-arithmetic-sft"),
     "dpo_arithmetic": Preset("dpo", "sft_arithmetic", (
         at_least("eval_reward_accuracy", 0.90, ">= 0.90 held-out reward accuracy"),
         Claim("exact_match_gain", "does not lower held-out exact match", lambda v: v >= 0),
@@ -197,6 +206,11 @@ class Sweep:
                 result["reward_minus_accuracy"] = validated[-1]["val/reward_mean"] - validated[-1]["val/accuracy"]
             if preset.recipe in ("sft", "dpo", "grpo", "ppo", "distill"):
                 result["exact_match"] = self.exact_match(code_path, result["model"], log)
+            if preset.teacher:
+                teacher, untrained = (self.exact_match(code_path, model, log)
+                                      for model in (preset.teacher, preset.untrained))
+                result.update(teacher_exact_match=teacher, untrained_exact_match=untrained,
+                              gap_closed=(result["exact_match"] - untrained) / max(teacher - untrained, 1e-9))
             if preset.start and preset.recipe != "rm":
                 if start_accuracy is None:
                     start_accuracy = self.exact_match(code_path, result["start_model"], log)
