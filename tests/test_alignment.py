@@ -172,3 +172,29 @@ def test_the_same_tokenizer_gives_one_token_chunks_and_the_identity_projection(t
     chunks = align_tokens(ids, ids, surfaces, surfaces).chunks
     assert chunks == tuple(Chunk(i, i + 1, i, i + 1) for i in range(len(ids)))
     assert exact_projection(surfaces, surfaces) == list(range(len(tiny)))
+
+
+def sentencepiece_like() -> PreTrainedTokenizerFast:
+    """A Llama-style BPE: "▁" marks a space (prepended to the first word), bytes it lacks fall back to <0xNN>
+    tokens, and its decoder strips the space it prepended."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for token in ["▁", "h", "e", "l", "o", "1", "0", "▁h", "▁he", "ll", "▁hell", "▁hello", "10"]:
+        vocab.setdefault(token, len(vocab))
+    merges = [("▁", "h"), ("▁h", "e"), ("l", "l"), ("▁he", "ll"), ("▁hell", "o"), ("1", "0")]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def test_sentencepiece_spaces_and_byte_fallback_tokens(tiny):
+    teacher = sentencepiece_like()
+    teacher_ids = teacher("hello 日10", add_special_tokens=False)["input_ids"]
+    assert teacher.convert_ids_to_tokens(teacher_ids) == ["▁hello", "▁", "<0xE6>", "<0x97>", "<0xA5>", "10"]
+    student_ids = tiny("hello 日10", add_special_tokens=False)["input_ids"]
+    alignment = align_tokens(student_ids, teacher_ids, TokenSurfaces(tiny), TokenSurfaces(teacher))
+    assert alignment.exact  # the prepended space, which the decoder strips, is dropped from the first token
+    assert written(tiny, teacher, student_ids, teacher_ids) == [
+        ("h|e|l|l|o", " hello"), (" ", " "), ("\\xe6", "\\xe6"), ("\\x97", "\\x97"), ("\\xa5", "\\xa5"),
+        ("1|0", "10")]

@@ -14,7 +14,7 @@ never occurs in UTF-8 text), so a teacher's "</s>" and a student's "<|endoftext|
 are exact where they reproduce the tokenizer's own decoding of the row (checked row by row).
 
 Fallback: where a side's token bytes are unknown or do not reproduce its decoding (a normalizer, a decoder that
-strips a leading space), each token's text is taken from decoding it alone, and the two sides' texts are aligned
+writes spaces its tokens do not hold), each token's text is its bytes where known, else its decoding alone, and the two sides' texts are aligned
 by a sequence alignment (difflib's longest matching blocks, on bytes); boundaries coincide where the alignment maps
 one onto the other inside a matched block. The same alignment serves rows whose two texts differ (a truncation
 that cut one side shorter, a character one tokenizer cannot encode): only chunks of matched text are produced there.
@@ -97,19 +97,26 @@ class TokenSurfaces:
                 self.table[token_id] = token.replace("▁", " ").encode()
 
     def exact(self, ids: Sequence[int]) -> list[bytes] | None:
-        """The tokens' bytes when they reproduce the tokenizer's decoding of `ids`, else None."""
+        """The tokens' bytes when they reproduce the tokenizer's decoding of `ids`, else None. A SentencePiece
+        decoder drops the space its pre-tokenizer prepended to the first word ("▁hello" decodes as "hello" at the
+        start): when that alone tells the two apart, the first token's leading space is dropped too."""
         pieces = [self.table.get(token_id) for token_id in ids]
         if any(piece is None for piece in pieces):
             return None
         decoded = self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
         roles = {surface: getattr(self.tokenizer, role) for role, surface in ROLE_SURFACES.items()
                  if getattr(self.tokenizer, role) is not None}
-        text = b"".join(roles[p].encode() if p in roles else p for p in pieces)
-        return pieces if text.decode("utf-8", errors="replace") == decoded else None
+        text = b"".join(roles[p].encode() if p in roles else p for p in pieces).decode("utf-8", errors="replace")
+        if text == decoded:
+            return pieces
+        if pieces and pieces[0][:1] == b" " and text[1:] == decoded:
+            return [pieces[0][1:], *pieces[1:]]
+        return None
 
     def decoded(self, ids: Sequence[int]) -> list[bytes]:
-        """Each token decoded alone (the fallback): its text as the tokenizer writes it, role tokens as above."""
-        return [self.table[t] if self.table.get(t, b"")[:1] == b"\xff"
+        """The fallback's token texts: each token's bytes where the vocabulary tells them (byte-fallback tokens are
+        no character alone), else the token decoded alone."""
+        return [self.table[t] if self.table.get(t) is not None
                 else self.tokenizer.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False).encode()
                 for t in ids]
 
