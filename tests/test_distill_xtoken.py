@@ -167,3 +167,10 @@ def test_a_teacher_whose_vocabulary_cannot_encode_the_data_is_refused(tmp_path, 
     with pytest.raises(RunError, match=r"cannot serve the student: its tokenization shares the text of only \d+ of"):
         train_distill(config(tmp_path / "run", teacher, "trainer.max_steps=1"))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_teacher_ids_beyond_its_tokenizer_project_onto_nothing():
+    from posttrain.algorithms.distill_xtoken import projected
+
+    projection = torch.tensor([2, -1, 0])  # a 3-token teacher vocabulary; its LM head has 5 rows
+    assert projected(projection, torch.tensor([0, 1, 2, 3, 4])).tolist() == [2, -1, 0, -1, -1]

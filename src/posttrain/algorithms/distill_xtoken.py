@@ -209,7 +209,7 @@ def score_chunks(teacher: ScoringWorker, aligned: Sequence[ExampleChunks], proje
             scores.append(logprobs[row, chunk.teacher_start:chunk.teacher_end].sum())
             exact.append(is_exact)
             values.append(topk_values[row, chunk.teacher_start - 1])
-            ids.append(projection[topk_ids[row, chunk.teacher_start - 1]] if is_exact
+            ids.append(projected(projection, topk_ids[row, chunk.teacher_start - 1]) if is_exact
                        else torch.full((k,), -1, dtype=torch.long))
     if not start:
         none = torch.zeros(0, dtype=torch.long)
@@ -217,6 +217,13 @@ def score_chunks(teacher: ScoringWorker, aligned: Sequence[ExampleChunks], proje
                             torch.zeros(0, k, dtype=torch.long), torch.tensor(counts).cumsum(0))
     return ChunkTargets(torch.tensor(start), torch.tensor(end), torch.stack(scores).float(), torch.tensor(exact),
                         torch.stack(values).float(), torch.stack(ids).long(), torch.tensor(counts).cumsum(0))
+
+
+def projected(projection: torch.Tensor, teacher_ids: torch.Tensor) -> torch.Tensor:
+    """The student ids of `teacher_ids` through the projection; −1 for ids without a match, and for ids of the
+    teacher's LM head beyond its tokenizer's vocabulary (heads padded to a round size)."""
+    inside = teacher_ids < len(projection)
+    return torch.where(inside, projection[teacher_ids.clamp(max=len(projection) - 1)], -1)
 
 
 def concatenated(parts: Sequence[ChunkTargets]) -> ChunkTargets:
