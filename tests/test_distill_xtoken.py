@@ -103,7 +103,8 @@ def test_a_teacher_with_another_tokenizer_trains_and_stores_its_projection(tmp_p
     manifest = json.loads((cached / PROJECTION_DIR / "manifest.json").read_text())
     assert manifest["sha256"] == sha256_all([projection])[0]
     student_ids = load_file(projection)["student_ids"]
-    student, teacher = (load_tokenizer(ModelConfig(name_or_path=name)) for name in ("posttrain/tiny", str(bpe_teacher_dir)))
+    student, teacher = (load_tokenizer(ModelConfig(name_or_path=name))
+                        for name in ("posttrain/tiny", str(bpe_teacher_dir)))
     assert student_ids[teacher.convert_tokens_to_ids("7")] == student.convert_tokens_to_ids("7")
     assert student_ids[teacher.convert_tokens_to_ids("10")] == -1
     assert student_ids[teacher.eos_token_id] == student.eos_token_id

@@ -26,7 +26,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -47,7 +47,7 @@ from posttrain.algorithms.common import (
     save_if_due,
     seed_everything,
 )
-from posttrain.algorithms.distill_xtoken import align_training_data, chunk_teacher, stored_projection, tokenizers_differ
+from posttrain.algorithms.distill_xtoken import align_training_data, chunk_teacher, tokenizers_differ
 from posttrain.algorithms.evaluate import TrainingEvaluation
 from posttrain.checkpoint import POLICY, checkpoint_to_resume
 from posttrain.config.losses import DistillationLossConfig
@@ -226,17 +226,10 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
         # The teacher: scored once up front (and freed), or resident and scoring each micro-batch.
         cached = teacher = chunked = None
         if aligned is not None:  # another tokenizer: the teacher's scores per aligned chunk
-            aligned = replace(aligned, projection=stored_projection(output_dir, teacher_cfg.name_or_path,
-                                                                    aligned.projection, run_log))
-            teacher_pad = next(i for i in (teacher_tokenizer.pad_token_id, teacher_tokenizer.eos_token_id, 0)
-                               if i is not None)
-            chunked = chunk_teacher(output_dir, teacher_cfg, cfg.loss, aligned,
+            chunked = chunk_teacher(output_dir, teacher_cfg, cfg.loss, aligned, teacher_tokenizer,
                                     (data_fingerprint(train_examples),
                                      data_fingerprint([a.teacher_example for a in aligned.examples])),
-                                    teacher_pad, trainer, device, run_log)
-            run_log.message(f"cross-tokenizer teacher: aligned chunks cover {aligned.covered_targets} of "
-                            f"{aligned.targets} completion targets; {aligned.fallback_rows} rows aligned by the "
-                            "sequence-alignment fallback")
+                                    trainer, device, run_log)
         elif teacher_cfg.precompute:
             cached = precomputed_topk(output_dir, teacher_cfg, cfg.loss, train_examples, pad,
                                       trainer, device, run_log)

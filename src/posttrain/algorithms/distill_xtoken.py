@@ -24,7 +24,7 @@ import hashlib
 import json
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -249,12 +249,17 @@ class LiveChunkTeacher:
 
 
 def chunk_teacher(output_dir: Path, teacher_cfg: TeacherSection, loss: DistillationLossConfig,
-                  data: CrossTokenizerData, data_sha256: tuple[str, str], teacher_pad_token_id: int,
+                  data: CrossTokenizerData, teacher_tokenizer, data_sha256: tuple[str, str],
                   trainer: TrainerConfig, device: torch.device, run_log) -> ChunkTargets | LiveChunkTeacher:
-    """What gives each micro-batch its chunks: with teacher.precompute, every example's chunks scored once (or
-    reused from OUTPUT/teacher_topk/chunks.safetensors when its settings and checksum match) and the teacher freed;
-    else the teacher loaded and scoring as training goes. data_sha256: the fingerprints of the student's and the
-    teacher's tokenizations of the training data."""
+    """What gives each micro-batch its chunks, once the projection is stored with the run (stored_projection):
+    with teacher.precompute, every example's chunks scored once (or reused from OUTPUT/teacher_topk/chunks.safetensors
+    when its settings and checksum match) and the teacher freed; else the teacher loaded and scoring as training goes.
+    data_sha256: the fingerprints of the student's and the teacher's tokenizations of the training data."""
+    data = replace(data, projection=stored_projection(output_dir, teacher_cfg.name_or_path, data.projection, run_log))
+    run_log.message(f"cross-tokenizer teacher: aligned chunks cover {data.covered_targets} of {data.targets} "
+                    f"completion targets; {data.fallback_rows} rows aligned by the sequence-alignment fallback")
+    teacher_pad_token_id = next(i for i in (teacher_tokenizer.pad_token_id, teacher_tokenizer.eos_token_id, 0)
+                                if i is not None)
     if not teacher_cfg.precompute:
         return LiveChunkTeacher(build_scorer(teacher_cfg.as_model(), trainer, device, role="teacher"), data, loss,
                                 teacher_pad_token_id)
