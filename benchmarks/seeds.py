@@ -84,7 +84,10 @@ class Preset:
     """The rm preset whose run of the same seed and code path scores this preset's reward_model components."""
     teacher: str | None = None
     """A distillation preset's teacher (an embedded model): its held-out exact match is measured on each code path
-    and `gap_closed` = (exact_match - start_exact_match) / (teacher_exact_match - start_exact_match) reported."""
+    and `gap_closed` = (exact_match - start) / (teacher_exact_match - start) reported, `start` being the starting
+    student's exact match (the start preset's model, or `untrained` for a preset without one)."""
+    untrained: str = "posttrain/tiny"
+    """The untrained student of a distillation preset without a start preset, scored on the same code path."""
     held_out: tuple[str, ...] = ()
     """More held-out sets of the arithmetic environment (embedded dataset names, e.g. posttrain/subtraction:heldout),
     each reported as exact_match/<task>: the greedy exact match of the run's model on its prompts."""
@@ -115,6 +118,11 @@ PRESETS: dict[str, Preset] = {
         at_least("gap_closed", 0.5, "closes >= half the held-out exact-match gap from its starting student "
                  "(sft_arithmetic_small) to its teacher posttrain/tiny-arithmetic-sft"),),
         teacher="posttrain/tiny-arithmetic-sft"),
+    "sft_bpe_arithmetic": Preset("sft", claims=(at_least("exact_match", 0.90, ">= 90% held-out exact match"),)),
+    "distill_xtoken_arithmetic": Preset("distill", claims=(
+        at_least("gap_closed", 0.5, "closes at least half the held-out exact-match gap between the untrained student "
+                 "and its teacher with another tokenizer, posttrain/tiny-bpe-arithmetic-sft"),),
+        teacher="posttrain/tiny-bpe-arithmetic-sft"),
     "dpo_arithmetic": Preset("dpo", "sft_arithmetic", (
         at_least("eval_reward_accuracy", 0.90, ">= 0.90 held-out reward accuracy"),
         Claim("exact_match_gain", "does not lower held-out exact match", lambda v: v >= 0),
@@ -223,6 +231,11 @@ class Sweep:
             for data in preset.held_out:
                 task = data.removeprefix("posttrain/").split(":")[0]
                 result[f"exact_match/{task}"] = self.exact_match(code_path, result["model"], log, data)
+            if preset.teacher and not preset.start:
+                teacher, untrained = (self.exact_match(code_path, model, log)
+                                      for model in (preset.teacher, preset.untrained))
+                result.update(teacher_exact_match=teacher, untrained_exact_match=untrained,
+                              gap_closed=gap_closed(result["exact_match"], untrained, teacher))
             if preset.start and preset.recipe != "rm":
                 if start_accuracy is None:
                     start_accuracy = self.exact_match(code_path, result["start_model"], log)

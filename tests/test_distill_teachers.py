@@ -93,7 +93,7 @@ def test_each_rows_topk_is_its_own_teachers(tmp_path, teacher_dirs, monkeypatch,
                 assert same == (index == route)  # its teacher's top-k, and not the other's
             torch.testing.assert_close(batch.teacher_topk_logprobs[row, : length - 1][sources],
                                        workers[route].topk_logprobs(alone, 8)[0][0, :-1][sources],
-                                       rtol=1e-5, atol=1e-5)
+                                       rtol=1e-4, atol=2e-4)  # a row scored in a padded batch or alone: float rounding
 
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     for r in records:

@@ -80,3 +80,22 @@ def test_the_large_vocabulary_benchmark_model_has_qwen_like_shapes():
     with torch.device("meta"):
         tiny = build_model(EMBEDDED_MODELS["posttrain/tiny"], tokenizer)
     assert tiny.config.vocab_size == len(tokenizer) and tiny.config.num_key_value_heads == 4
+
+
+def test_the_bpe_teacher_tokenizer_is_deterministic_round_trips_and_merges_digits():
+    from posttrain.models.tiny import build_bpe_tokenizer, ensure_embedded_model
+
+    first, second = build_bpe_tokenizer(), build_bpe_tokenizer()
+    assert first.backend_tokenizer.to_str() == second.backend_tokenizer.to_str()  # training is deterministic
+    folder = ensure_embedded_model("posttrain/tiny-bpe")
+    reloaded = AutoTokenizer.from_pretrained(folder)
+    for text in [*SAMPLES, "26+84=110"]:
+        ids = reloaded(text, add_special_tokens=False)["input_ids"]
+        assert reloaded.decode(ids) == text
+        assert ids == first(text, add_special_tokens=False)["input_ids"]
+    assert reloaded.convert_ids_to_tokens(reloaded("69+72=141")["input_ids"]) == [
+        "6", "9", "+", "7", "2", "=", "14", "1"]
+    assert (reloaded.eos_token, reloaded.pad_token, reloaded.chat_template) == ("<|endoftext|>", "<|pad|>",
+                                                                               build_tokenizer().chat_template)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert model.config.model_type == "llama" and model.config.vocab_size == len(reloaded) == 280

@@ -20,7 +20,12 @@ temperatures (rollout.temperature, loss.temperature); no seq_kd (teacher-sampled
 Several teachers (MOPD): teacher_column routes each row to the one teacher whose route lists its value; each
 teacher scores its rows of every micro-batch, and per-teacher metrics come from one more graph-free forward pass.
 
-Not built here yet (docs/distillation.md): cross-tokenizer teachers, packed rows, precompute with several teachers.
+A teacher whose tokenizer differs from the student's goes through the aligner instead (algorithms/distill_xtoken.py):
+the data is tokenized by both, cut into aligned chunks, and each micro-batch is a CrossTokenizerBatch trained with
+`CrossTokenizerObjective`; the teacher is refused before training when its tokenizer cannot serve the student.
+
+Not built here yet (docs/distillation.md): cross-tokenizer distillation with several teachers or on-policy, packed
+rows, precompute with several teachers.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from posttrain.algorithms.common import (
     save_if_due,
     seed_everything,
 )
+from posttrain.algorithms.distill_xtoken import align_training_data, chunk_teacher, tokenizers_differ
 from posttrain.algorithms.evaluate import TrainingEvaluation
 from posttrain.algorithms.rl import policy_generator, rollout_sampling
 from posttrain.checkpoint import POLICY, checkpoint_to_resume
@@ -73,7 +79,7 @@ from posttrain.process_group import is_distributed
 from posttrain.rundir import one_run_per_output_dir, sha256_all
 from posttrain.workers import PolicyWorker, as_floats, reduce_metrics
 from posttrain.workers.base import ScoringWorker
-from posttrain.workers.objectives import DistillationObjective, NLLObjective
+from posttrain.workers.objectives import CrossTokenizerObjective, DistillationObjective, NLLObjective
 
 log = logging.getLogger(__name__)
 
@@ -363,6 +369,18 @@ def evaluate_nll(policy: PolicyWorker, examples: Sequence[TokenizedExample], cfg
     return totals["nll_sum"].value / max(totals["target_tokens"].value, 1.0)
 
 
+def refuse_cross_tokenizer_beyond_one_teacher_off_policy(cfg: DistillConfig) -> None:
+    """RunError, before any model is loaded, for what the cross-tokenizer path does not do yet: several teachers
+    (kd_loss_mode) and on-policy steps (the aligner works on the dataset's own rows)."""
+    if len(cfg.teachers) > 1:
+        raise RunError(f"teachers: {len(cfg.teachers)} teachers with a teacher whose tokenizer differs from the "
+                       "student's: cross-tokenizer distillation takes one teacher for now (several, combined by "
+                       "kd_loss_mode, are not built yet)")
+    if cfg.on_policy_fraction > 0:
+        raise RunError(f"mode=on_policy (lmbda {cfg.on_policy_fraction}) with a teacher whose tokenizer differs from "
+                       "the student's: cross-tokenizer distillation runs off-policy for now; set mode=off_policy")
+
+
 @one_run_per_output_dir
 def train_distill(cfg: DistillConfig) -> DistillResult:
     configure_torch(cfg.trainer)
@@ -376,10 +394,18 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
 
     # Data first: a malformed row should fail before minutes go into loading a model.
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
-    for each in cfg.teachers:
-        check_same_tokenizer(tokenizer, load_tokenizer(each.as_model()), each.name_or_path)
+    teacher_tokenizers = [load_tokenizer(each.as_model(), padding_side="right") for each in cfg.teachers]
+    cross_tokenizer = cfg.loss.cross_tokenizer.align == "always" or any(
+        tokenizers_differ(tokenizer, other) for other in teacher_tokenizers)
+    if cross_tokenizer:
+        refuse_cross_tokenizer_beyond_one_teacher_off_policy(cfg)
+    else:
+        for each, other in zip(cfg.teachers, teacher_tokenizers, strict=True):
+            check_same_tokenizer(tokenizer, other, each.name_or_path)
     train_examples, train_stats = load_sft_examples(cfg.data.train_files, tokenizer, cfg.data)
     routes = teacher_routes(cfg, train_examples)  # with teacher_column: each example's teacher
+    aligned = (align_training_data(tokenizer, teacher_tokenizers[0], teacher_cfg.name_or_path, train_examples,
+                                   cfg.data, cfg.data.train_files) if cross_tokenizer else None)
     eval_examples: list[TokenizedExample] = []
     if cfg.data.eval_files:
         eval_examples, _ = load_sft_examples(cfg.data.eval_files, tokenizer, cfg.data)
@@ -391,15 +417,20 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
     resume = checkpoint_to_resume(output_dir)
     sampler = EpochSampler(len(train_examples), seed=cfg.seed, shuffle=cfg.data.shuffle)
     start_step, _ = resume_trainer_state(resume, sampler)
-    loss = DistillationObjective(cfg.loss)
+    loss = CrossTokenizerObjective(cfg.loss) if cross_tokenizer else DistillationObjective(cfg.loss)
     pad = tokenizer.pad_token_id
 
     examples_per_step = trainer.micro_batch_size * trainer.gradient_accumulation_steps
     with run_logger(output_dir, cfg.logging, recipe="distill", total_steps=trainer.max_steps, start_step=start_step,
                     run_config=cfg.model_dump(mode="json")) as run_log, contextlib.closing(evaluation):
         # The teacher: scored once up front (and freed), or resident and scoring each micro-batch.
-        cached, teachers = None, []
-        if teacher_cfg.precompute:
+        cached, teachers, chunked = None, [], None
+        if aligned is not None:  # another tokenizer: the teacher's scores per aligned chunk
+            chunked = chunk_teacher(output_dir, teacher_cfg, cfg.loss, aligned, teacher_tokenizers[0],
+                                    (data_fingerprint(train_examples),
+                                     data_fingerprint([a.teacher_example for a in aligned.examples])),
+                                    trainer, device, run_log)
+        elif teacher_cfg.precompute:
             cached = precomputed_topk(output_dir, teacher_cfg, cfg.loss, train_examples, pad,
                                       trainer, device, run_log)
         else:  # each teacher loaded once
@@ -432,7 +463,9 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
             micro_batches = []
             for indices, part in zip(draws, examples, strict=True):
                 rows = collate(part, pad, False, cfg.data.max_length)
-                if cached is not None:
+                if chunked is not None:
+                    micro_batches.append(chunked.batch(rows, indices))
+                elif cached is not None:
                     micro_batches.append(cached.batch(rows, indices))
                 elif routes is None:
                     micro_batches.append(teacher_batch(teachers[0], rows, cfg.loss))

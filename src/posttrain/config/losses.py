@@ -191,6 +191,42 @@ class PreferenceLossConfig(LossConfig):
         return self.type in REFERENCE_FREE_LOSSES
 
 
+class CrossTokenizerConfig(LossConfig):
+    """Distillation from a teacher whose tokenizer differs from the student's (posttrain.losses.cross_tokenizer;
+    the aligner is posttrain.data.alignment): the loss is taken per aligned chunk of text. Formulas and peers in
+    docs/distillation.md, "Cross-tokenizer distillation"."""
+
+    align: Literal["auto", "always"] = "auto"
+    """auto: the aligner runs for a teacher whose tokenizer differs from the student's (vocabulary, ids or special
+    tokens), the plain top-k loss otherwise; always: every teacher goes through the aligner (a teacher sharing the
+    student's tokenizer then gives the plain loss, to float rounding)."""
+
+    projection: Literal["exact"] = "exact"
+    """How teacher tokens are carried onto the student's vocabulary. exact: a teacher token maps to the student token
+    with the same bytes (special tokens by role: end of sequence, beginning, padding), built from the two
+    tokenizers and stored with the run (OUTPUT/teacher_projection/); chunks of one student and one teacher token so
+    matched compare top-k distributions, through the projection."""
+
+    chunk_weight: float = Field(1.0, ge=0)
+    """Weight of each other chunk's term: the divergence between the two-outcome distributions (e^ℓ_T, 1 − e^ℓ_T)
+    and (e^ℓ_S, 1 − e^ℓ_S), ℓ the chunk's summed log-probability under teacher and student."""
+
+    unmatched: Literal["ignore", "uld"] = "ignore"
+    """What else compares the models at chunks without an exact one-token match. ignore: only the chunk term; uld:
+    also uld_weight × Σ_i |p_(i) − q_(i)|, the L1 distance of the two next-token distributions sorted by probability
+    (top-k of each side), at the chunk's first position (Boizard et al. 2024's ULD, TRL GOLD's uld_loss)."""
+
+    uld_weight: float = Field(1.0, ge=0)
+    """unmatched=uld: the weight of the ULD term."""
+
+    @model_validator(mode="after")
+    def _compatible_knobs(self) -> CrossTokenizerConfig:
+        if "uld_weight" in self.model_fields_set and self.unmatched != "uld":
+            raise ValueError("loss.cross_tokenizer.uld_weight applies only to unmatched='uld'; remove it or set "
+                             "loss.cross_tokenizer.unmatched=uld")
+        return self
+
+
 class DistillationLossConfig(LossConfig):
     """Top-k knowledge distillation (posttrain.losses.distillation): the student's next-token distribution pulled
     toward the teacher's top-k at every target position; the formulas, and which peer each knob matches, are in
@@ -225,6 +261,9 @@ class DistillationLossConfig(LossConfig):
 
     nll_weight: float = Field(0.0, ge=0)
     """Weight of the data's next-token NLL (at temperature 1) added to the divergence per target token; 0: off."""
+
+    cross_tokenizer: CrossTokenizerConfig = Field(default_factory=CrossTokenizerConfig)
+    """A teacher with another tokenizer than the student's: how its tokens are aligned and compared."""
 
     @model_validator(mode="after")
     def _compatible_knobs(self) -> DistillationLossConfig:

@@ -48,8 +48,9 @@ class TeacherSection(Section):
     """A frozen teacher model (distillation; GRPO's on-policy distillation)."""
 
     name_or_path: str
-    """Hugging Face hub id, local model directory, or an embedded model name (posttrain/tiny-arithmetic-sft). Its
-    tokenizer must be the student's (cross-tokenizer distillation is not built yet)."""
+    """Hugging Face hub id, local model directory, or an embedded model name (posttrain/tiny-arithmetic-sft). In
+    posttrain distill a teacher with another tokenizer than the student's goes through the cross-tokenizer aligner
+    (loss.cross_tokenizer); GRPO's on-policy distillation needs the student's tokenizer."""
 
     name: str | None = None
     """distill with several teachers: the teacher's name, in its metrics distill/<name>/... (letters, digits, '_'

@@ -1,5 +1,5 @@
 """Typed containers that cross module boundaries: the data pipeline's examples and the batches every worker reads
-(SFTBatch, SharedPromptBatch, RolloutBatch, PairBatch, DistillBatch)."""
+(SFTBatch, SharedPromptBatch, RolloutBatch, PairBatch, DistillBatch, CrossTokenizerBatch)."""
 
 from __future__ import annotations
 
@@ -212,6 +212,41 @@ class DistillBatch:
     """
 
     rows: SFTBatch
+    teacher_topk_logprobs: torch.Tensor
+    teacher_topk_ids: torch.Tensor
+
+    @property
+    def num_target_tokens(self) -> int:
+        return self.rows.num_target_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows.num_tokens
+
+
+@dataclass(frozen=True)
+class CrossTokenizerBatch:
+    """A micro-batch of data rows with a teacher of another tokenizer, as aligned chunks (posttrain.data.alignment):
+    C chunks over the batch's rows, each a span of the student's tokens that the teacher covers with whole tokens
+    of its own, with what the teacher says about it.
+
+    rows: the SFTBatch the student reads (padded; loss_mask marks the targets; the normalizer counts them).
+    chunk_row: [C] long, the row of chunk c; chunk_start, chunk_end: [C] long, its student tokens
+        chunk_start..chunk_end − 1 (all targets, chunk_start ≥ 1).
+    chunk_teacher_logprobs: [C] float32, the teacher's summed log-probabilities (at the distillation temperature) of
+        its tokens of the chunk.
+    chunk_exact: [C] bool, one student token and one teacher token, the same token through the exact projection.
+    teacher_topk_logprobs: [C, k] float32, the teacher's top-k log-probabilities at the chunk's first position.
+    teacher_topk_ids: [C, k] long, for exact chunks the student ids of those tokens through the projection (−1: the
+        teacher token has no student match); −1 for the other chunks.
+    """
+
+    rows: SFTBatch
+    chunk_row: torch.Tensor
+    chunk_start: torch.Tensor
+    chunk_end: torch.Tensor
+    chunk_teacher_logprobs: torch.Tensor
+    chunk_exact: torch.Tensor
     teacher_topk_logprobs: torch.Tensor
     teacher_topk_ids: torch.Tensor
 

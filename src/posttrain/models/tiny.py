@@ -5,6 +5,12 @@ Every UTF-8 string tokenizes (256 byte tokens, no unknown token), digits are sin
 (which is what lets so small a model learn arithmetic), and the tokenizer carries a ChatML
 chat template so conversational datasets work too.
 
+`posttrain/tiny-bpe` is the same architecture with ANOTHER tokenizer, for cross-tokenizer distillation: a byte-level
+BPE with 20 merges trained with the `tokenizers` library on the text of every 2-digit addition ("26+84=110"), so
+the most frequent digit pairs merge ("26+84=110" -> 2|6|+|8|4|=|1|10, "69+72=141" -> 6|9|+|7|2|=|14|1) while every
+byte still tokenizes. Its ids differ from the
+byte-level tokenizer's (the special tokens come first); the special tokens and the chat template are the same.
+
 The directory is built on first use under the cache directory (``POSTTRAIN_CACHE_DIR`` or the
 user cache dir) in a temporary folder that is renamed into place, so a build interrupted at any
 point never leaves a half-written model behind. Building takes about a second.
@@ -22,11 +28,11 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import platformdirs
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 EOS_TOKEN = "<|endoftext|>"
@@ -60,6 +66,9 @@ class TinySpec:
     vocab_size: int | None = None
     """The LM head's size; None: the byte-level tokenizer's. A larger one gives a real model's LM-head cost (the
     tokenizer's ids all fit; the ids above them are never produced by it)."""
+    tokenizer: Literal["bytes", "bpe-arithmetic"] = "bytes"
+    """bytes: the byte-level tokenizer (build_tokenizer); bpe-arithmetic: the small BPE trained on additions
+    (build_bpe_tokenizer)."""
 
 
 EMBEDDED_MODELS: dict[str, TinySpec] = {
@@ -70,7 +79,16 @@ EMBEDDED_MODELS: dict[str, TinySpec] = {
     "posttrain/bench-vocab152k": TinySpec(hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                                           num_attention_heads=8, num_key_value_heads=2, vocab_size=151_936,
                                           max_position_embeddings=4096),
+    # A teacher with another tokenizer than posttrain/tiny's (cross-tokenizer distillation).
+    "posttrain/tiny-bpe": TinySpec(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                                   tokenizer="bpe-arithmetic"),
 }
+
+BPE_MERGES = 20
+"""How many merges the arithmetic BPE learns: enough that many sums split into pieces whose boundaries the
+byte-level tokenizer does not share ("110" -> 1|10), few enough that the tiny model still learns addition through
+them (with 60 merges, most 2-digit numbers one token, it reached 81.5% held-out after configs/sft_arithmetic.yaml's
+schedule)."""
 
 
 def cache_dir() -> Path:
@@ -99,6 +117,34 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+def build_bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """The small byte-level BPE of posttrain/tiny-bpe: the 256 byte tokens and the special tokens (first), then
+    BPE_MERGES merges learned by `tokenizers`' BpeTrainer on "a+b=c" for every a, b in 0..99, split by the GPT-2
+    pre-tokenizer regex (digits group apart from signs). Training is deterministic (tested), so the cache entry needs
+    no stored vocabulary."""
+    backend = Tokenizer(models.BPE(fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=256 + len(SPECIAL_TOKENS) + BPE_MERGES, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=list(SPECIAL_TOKENS))
+    backend.train_from_iterator((f"{a}+{b}={a + b}" for a in range(100) for b in range(100)), trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=[IM_START, IM_END],
+        clean_up_tokenization_spaces=False,
+        model_max_length=EMBEDDED_MODELS["posttrain/tiny-bpe"].max_position_embeddings,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+TOKENIZER_BUILDERS: dict[str, Callable[[], PreTrainedTokenizerFast]] = {
+    "bytes": build_tokenizer, "bpe-arithmetic": build_bpe_tokenizer}
 
 
 def _byte_of(ch: str) -> int:
@@ -143,7 +189,7 @@ def ensure_embedded_model(name: str) -> Path:
     spec = EMBEDDED_MODELS[name]
 
     def build(staging: Path) -> Path:
-        tokenizer = build_tokenizer()
+        tokenizer = TOKENIZER_BUILDERS[spec.tokenizer]()
         build_model(spec, tokenizer).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         return staging

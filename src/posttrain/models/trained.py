@@ -10,6 +10,9 @@
     posttrain/tiny-arithmetic-judge  posttrain/tiny-arithmetic-sft after configs/sft_judge_arithmetic.yaml (a judge
                                     of sums: "12+34=47?" -> "46 vs 47. Score: 0"; the judge of
                                     configs/grpo_judge_arithmetic.yaml)
+    posttrain/tiny-bpe-arithmetic-sft   posttrain/tiny-bpe (another tokenizer: a small BPE) after
+                                    configs/sft_bpe_arithmetic.yaml; the teacher of cross-tokenizer distillation
+                                    (configs/distill_xtoken_arithmetic.yaml)
 
 The starting point for recipes that need an already-competent policy (DPO, GRPO on arithmetic). The run
 trains in a hidden temporary directory beside the cache entry and only its final/ model is renamed into
@@ -45,6 +48,7 @@ TRAINED_MODELS: dict[str, TrainedSpec] = {
     "posttrain/tiny-arithmetic-sft-small": TrainedSpec(sft_preset="sft_arithmetic_small.yaml", version=3),
     "posttrain/tiny-subtraction-sft": TrainedSpec(sft_preset="sft_subtraction.yaml"),
     "posttrain/tiny-arithmetic-judge": TrainedSpec(sft_preset="sft_judge_arithmetic.yaml", version=2),
+    "posttrain/tiny-bpe-arithmetic-sft": TrainedSpec(sft_preset="sft_bpe_arithmetic.yaml"),
 }
 
 

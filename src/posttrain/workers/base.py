@@ -18,12 +18,12 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from posttrain.config.schema import ModelConfig
-from posttrain.data.types import DistillBatch, PairBatch, RolloutBatch
+from posttrain.data.types import CrossTokenizerBatch, DistillBatch, PairBatch, RolloutBatch
 from posttrain.workers.forward import AnyBatch
 from posttrain.workers.metrics import MetricDict
 from posttrain.workers.objectives import Objective
 
-TrainBatch = RolloutBatch | Sequence[AnyBatch | PairBatch | DistillBatch]
+TrainBatch = RolloutBatch | Sequence[AnyBatch | PairBatch | DistillBatch | CrossTokenizerBatch]
 """One optimizer step's minibatch as a worker receives it: a RolloutBatch (the worker splits it into micro-batches
 of trainer.micro_batch_size rows), or the step's micro-batches already collated (SFT's packed rows, pairs)."""
 

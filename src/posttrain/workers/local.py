@@ -31,7 +31,7 @@ from posttrain.checkpoint import (
     save_model_state,
 )
 from posttrain.config.schema import LoraSection, ModelConfig, TrainerConfig
-from posttrain.data.types import DistillBatch, PairBatch, RolloutBatch, SFTBatch
+from posttrain.data.types import CrossTokenizerBatch, DistillBatch, PairBatch, RolloutBatch, SFTBatch
 from posttrain.models.loading import load_causal_lm, load_trainable_model
 from posttrain.models.packing import unverified_architecture
 from posttrain.models.lora import ADAPTER_DIR, TaskKind, adapters_disabled, is_lora_model, merged_model, save_adapter
@@ -79,10 +79,11 @@ class _LocalModel:
         finally:
             self.model.train(was_training)
 
-    def _outputs(self, batch: AnyBatch | PairBatch | DistillBatch, kind: Outputs = "logits", temperature: float = 1.0):
-        """`kind` (workers/forward.py's Outputs) of `batch`, log-probabilities under `temperature` (a PairBatch or
-        DistillBatch: of its rows)."""
-        if isinstance(batch, (PairBatch, DistillBatch)):
+    def _outputs(self, batch: AnyBatch | PairBatch | DistillBatch | CrossTokenizerBatch, kind: Outputs = "logits",
+                 temperature: float = 1.0):
+        """`kind` (workers/forward.py's Outputs) of `batch`, log-probabilities under `temperature` (a PairBatch,
+        DistillBatch or CrossTokenizerBatch: of its rows)."""
+        if isinstance(batch, (PairBatch, DistillBatch, CrossTokenizerBatch)):
             batch = batch.rows
         if self._packs(batch):
             with autocast(self.trainer, self.device):

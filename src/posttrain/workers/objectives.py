@@ -4,7 +4,7 @@ A description is a frozen dataclass holding only its configuration (which pure f
 its config, the sampling temperature): it pickles, so the same call crosses a process boundary to a Ray actor or a
 subprocess. Everything it reads per example travels in the typed batch (a `RolloutBatch`'s advantages, π_old and
 π_ref log-probabilities, a critic's old values and returns; a `PairBatch`'s reference log-probabilities and
-margins; a `DistillBatch`'s teacher top-k), never in a closure.
+margins; a `DistillBatch`'s teacher top-k, a `CrossTokenizerBatch`'s aligned chunks), never in a closure.
 
 Each description says
   - `outputs`: what the worker's forward pass hands it (workers/forward.py's Outputs: logits, target_logprobs,
@@ -23,9 +23,10 @@ from typing import Any, Protocol
 
 import torch
 
-from posttrain.data.types import DistillBatch, PairBatch, RolloutBatch, SFTBatch, SharedPromptBatch
+from posttrain.data.types import CrossTokenizerBatch, DistillBatch, PairBatch, RolloutBatch, SFTBatch, SharedPromptBatch
 from posttrain.losses.nll import nll_of_logprobs
 from posttrain.config.losses import DistillationLossConfig, PolicyLossConfig, PreferenceLossConfig
+from posttrain.losses.cross_tokenizer import cross_tokenizer_loss
 from posttrain.losses.distillation import chunked_distillation_loss, distillation_loss
 from posttrain.losses.policy_gradient import loss_normalizer, policy_gradient_loss
 from posttrain.losses.preference import preference_loss, sequence_logps
@@ -108,6 +109,44 @@ class DistillationObjective:
         count = tokens.clamp(min=1)
         return loss, {"target_tokens": Metric.sum(tokens),
                       **{name.removesuffix("_sum"): Metric.mean(value / count, tokens) for name, value in sums.items()}}
+
+
+@dataclass(frozen=True)
+class CrossTokenizerObjective:
+    """Distillation from a teacher with another tokenizer (losses/cross_tokenizer.py) of a `CrossTokenizerBatch`:
+    per aligned chunk, the top-k divergence through the exact projection (one-token chunks so matched) or the
+    divergence of the chunk's likelihood (the others), plus ULD there when config.cross_tokenizer.unmatched=uld,
+    summed over the micro-batch and divided by the step's student target count. Metrics: divergence (mean over
+    exact chunks), chunk_divergence, uld and logprob_gap (|ℓ_S − ℓ_T|; means over the other chunks), nll (mean per
+    target), exact_chunk_fraction (exact chunks among all), target_tokens (a sum)."""
+
+    config: DistillationLossConfig
+    outputs: Outputs = "logits"
+    temperature: float = 1.0
+
+    def normalizer(self, micro_batches: Sequence[CrossTokenizerBatch]) -> float:
+        return sum(batch.num_target_tokens for batch in micro_batches)
+
+    def __call__(self, logits: torch.Tensor, batch: CrossTokenizerBatch, normalizer: float | None
+                 ) -> tuple[torch.Tensor, MetricDict]:
+        rows = batch.rows
+        if normalizer is None:
+            normalizer = max(rows.num_target_tokens, 1)
+        device = logits.device
+        loss, sums = cross_tokenizer_loss(
+            logits, rows.input_ids, rows.loss_mask, batch.chunk_row.to(device), batch.chunk_start.to(device),
+            batch.chunk_end.to(device), batch.chunk_teacher_logprobs.to(device), batch.chunk_exact.to(device),
+            batch.teacher_topk_logprobs.to(device), batch.teacher_topk_ids.to(device), self.config, normalizer)
+        tokens, exact, other = sums["target_tokens"], sums["exact_chunks"], sums["other_chunks"]
+        return loss, {
+            "target_tokens": Metric.sum(tokens),
+            "divergence": Metric.mean(sums["divergence_sum"] / exact.clamp(min=1), exact),
+            "chunk_divergence": Metric.mean(sums["chunk_divergence_sum"] / other.clamp(min=1), other),
+            "uld": Metric.mean(sums["uld_sum"] / other.clamp(min=1), other),
+            "logprob_gap": Metric.mean(sums["logprob_gap_sum"] / other.clamp(min=1), other),
+            "nll": Metric.mean(sums["nll_sum"] / tokens.clamp(min=1), tokens),
+            "exact_chunk_fraction": Metric.mean(exact / (exact + other).clamp(min=1), exact + other),
+        }
 
 
 # ---- pairs ------------------------------------------------------------------------------------------------
