@@ -107,16 +107,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(list(SPECIAL_TOKENS))
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        additional_special_tokens=[IM_START, IM_END],
-        clean_up_tokenization_spaces=False,
-        model_max_length=EMBEDDED_MODELS["posttrain/tiny"].max_position_embeddings,
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return _embedded_tokenizer(backend, "posttrain/tiny")
 
 
 def build_bpe_tokenizer() -> PreTrainedTokenizerFast:
@@ -131,13 +122,19 @@ def build_bpe_tokenizer() -> PreTrainedTokenizerFast:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=list(SPECIAL_TOKENS))
     backend.train_from_iterator((f"{a}+{b}={a + b}" for a in range(100) for b in range(100)), trainer)
+    return _embedded_tokenizer(backend, "posttrain/tiny-bpe")
+
+
+def _embedded_tokenizer(backend: Tokenizer, model: str) -> PreTrainedTokenizerFast:
+    """`backend` as the transformers tokenizer of embedded model `model`: its special tokens, chat template and
+    context length."""
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         additional_special_tokens=[IM_START, IM_END],
         clean_up_tokenization_spaces=False,
-        model_max_length=EMBEDDED_MODELS["posttrain/tiny-bpe"].max_position_embeddings,
+        model_max_length=EMBEDDED_MODELS[model].max_position_embeddings,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
