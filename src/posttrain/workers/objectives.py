@@ -93,13 +93,14 @@ class DistillationObjective:
         if normalizer is None:
             normalizer = max(rows.num_target_tokens, 1)
         if isinstance(outputs, TargetHidden):
-            at = (outputs.rows.cpu(), outputs.sources.cpu())
+            at_rows, at_sources, at_columns = (index.cpu() for index in (outputs.rows, outputs.sources,
+                                                                         outputs.columns))
             device = outputs.hidden.device
             loss, sums = chunked_distillation_loss(
-                outputs.hidden, outputs.weight, outputs.bias, batch.teacher_topk_logprobs[at].to(device),
-                batch.teacher_topk_ids[at].to(device), rows.input_ids[outputs.rows.cpu(), outputs.columns.cpu()
-                                                                       ].to(device),
-                self.config, normalizer, outputs.chunk_size)
+                outputs.hidden, outputs.weight, outputs.bias,
+                batch.teacher_topk_logprobs[at_rows, at_sources].to(device),
+                batch.teacher_topk_ids[at_rows, at_sources].to(device),
+                rows.input_ids[at_rows, at_columns].to(device), self.config, normalizer, outputs.chunk_size)
         else:
             device = outputs.device
             loss, sums = distillation_loss(outputs, batch.teacher_topk_logprobs.to(device),
