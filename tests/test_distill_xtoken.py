@@ -25,21 +25,9 @@ from posttrain.logging import read_metrics
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.rundir import sha256_all
 
-from teachers_for_tests import perturbed_tiny_teacher
+from teachers_for_tests import ARITHMETIC_64, TINY_DISTILL, perturbed_tiny_teacher
 
-TINY = [
-    "model.name_or_path=posttrain/tiny",
-    "data.train_files=['posttrain/arithmetic[:64]']",
-    "data.max_length=32",
-    "trainer.micro_batch_size=8",
-    "trainer.gradient_accumulation_steps=2",
-    "trainer.learning_rate=1e-3",
-    "trainer.lr_scheduler=constant",
-    "loss.topk=8",
-    "logging.progress=none",
-    "logging.plot=false",
-    "logging.report=false",
-]
+TINY = [*TINY_DISTILL, ARITHMETIC_64]
 
 
 def config(output_dir: Path, teacher: str | Path, *overrides: str, precompute: bool = False) -> DistillConfig:
@@ -130,9 +118,12 @@ def test_the_student_moves_toward_the_cross_tokenizer_teacher(tmp_path, confiden
     records = read_metrics(tmp_path / "metrics.jsonl")
     first, last = records[:3], records[-3:]
     mean = lambda rows, key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
-    # The gap between student and teacher chunk log-likelihoods, and the divergences, shrink.
-    for key in ("distill/logprob_gap", "distill/chunk_divergence", "distill/divergence"):
-        assert mean(last, key) < 0.5 * mean(first, key), key
+    # The gap between student and teacher chunk log-likelihoods, and the divergences, shrink. Last/first measured on
+    # both CPU code paths (default; ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2):
+    # logprob_gap 0.24 / 0.22, chunk_divergence 0.12 / 0.11, divergence 0.33 / 0.56; the bounds leave a margin over
+    # the worst of each.
+    for key, bound in (("distill/logprob_gap", 0.5), ("distill/chunk_divergence", 0.5), ("distill/divergence", 0.8)):
+        assert mean(last, key) < bound * mean(first, key), key
 
 
 def messages_file(folder: Path) -> Path:
