@@ -11,6 +11,22 @@ from posttrain.config.schema import ModelConfig
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 
 
+TINY_DISTILL = [
+    "model.name_or_path=posttrain/tiny",
+    "data.max_length=32",
+    "trainer.micro_batch_size=8",
+    "trainer.gradient_accumulation_steps=2",
+    "trainer.learning_rate=1e-3",
+    "trainer.lr_scheduler=constant",
+    "loss.topk=8",
+    "logging.progress=none",
+    "logging.plot=false",
+    "logging.report=false",
+]
+"""The distillation tests' small run: the tiny student, 2 micro-batches of 8 per step, top-8, no progress or plots."""
+ARITHMETIC_64 = "data.train_files=['posttrain/arithmetic[:64]']"
+
+
 def perturbed_tiny_teacher(folder: Path, scale: float = 0.5, seed: int = 0) -> Path:
     model = load_causal_lm(ModelConfig(name_or_path="posttrain/tiny"))
     generator = torch.Generator().manual_seed(seed)

@@ -32,22 +32,9 @@ from posttrain.workers import as_floats
 from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker, build_scorer
 from posttrain.workers.objectives import DistillationObjective
 
-from teachers_for_tests import perturbed_tiny_teacher
+from teachers_for_tests import ARITHMETIC_64, TINY_DISTILL, perturbed_tiny_teacher
 
-TINY = [
-    "model.name_or_path=posttrain/tiny",
-    "data.train_files=['posttrain/arithmetic[:64]']",
-    "data.max_length=32",
-    "trainer.micro_batch_size=8",
-    "trainer.gradient_accumulation_steps=2",
-    "trainer.learning_rate=1e-3",
-    "trainer.lr_scheduler=constant",
-    "loss.topk=8",
-    "rollout.max_new_tokens=6",
-    "logging.progress=none",
-    "logging.plot=false",
-    "logging.report=false",
-]
+TINY = [*TINY_DISTILL, ARITHMETIC_64, "rollout.max_new_tokens=6"]
 OFF_POLICY = [o for o in TINY if not o.startswith("rollout.")]
 
 

@@ -21,21 +21,9 @@ from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.workers.local import LocalPolicyWorker, LocalScoringWorker
 from posttrain.workers.objectives import DistillationObjective
 
-from teachers_for_tests import perturbed_tiny_teacher
+from teachers_for_tests import ARITHMETIC_64, TINY_DISTILL, perturbed_tiny_teacher
 
-TINY = [
-    "model.name_or_path=posttrain/tiny",
-    "data.train_files=['posttrain/arithmetic[:64]']",
-    "data.max_length=32",
-    "trainer.micro_batch_size=8",
-    "trainer.gradient_accumulation_steps=2",
-    "trainer.learning_rate=1e-3",
-    "trainer.lr_scheduler=constant",
-    "loss.topk=8",
-    "logging.progress=none",
-    "logging.plot=false",
-    "logging.report=false",
-]
+TINY = [*TINY_DISTILL, ARITHMETIC_64]
 
 
 @pytest.fixture(scope="module")

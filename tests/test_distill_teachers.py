@@ -21,20 +21,9 @@ from posttrain.logging import read_metrics
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.workers.local import LocalScoringWorker
 
-from teachers_for_tests import perturbed_tiny_teacher
+from teachers_for_tests import TINY_DISTILL, perturbed_tiny_teacher
 
-BASE = [
-    "model.name_or_path=posttrain/tiny",
-    "data.max_length=32",
-    "trainer.micro_batch_size=8",
-    "trainer.gradient_accumulation_steps=2",
-    "trainer.learning_rate=1e-3",
-    "trainer.lr_scheduler=constant",
-    "loss.topk=8",
-    "logging.progress=none",
-    "logging.plot=false",
-    "logging.report=false",
-]
+BASE = TINY_DISTILL
 
 
 @pytest.fixture(scope="module")
