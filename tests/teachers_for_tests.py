@@ -27,12 +27,14 @@ TINY_DISTILL = [
 ARITHMETIC_64 = "data.train_files=['posttrain/arithmetic[:64]']"
 
 
-def perturbed_tiny_teacher(folder: Path, scale: float = 0.5, seed: int = 0) -> Path:
-    model = load_causal_lm(ModelConfig(name_or_path="posttrain/tiny"))
+def perturbed_tiny_teacher(folder: Path, scale: float = 0.5, seed: int = 0, base: str = "posttrain/tiny") -> Path:
+    """`base` (posttrain/tiny, or posttrain/tiny-bpe for a teacher with another tokenizer) with every weight
+    perturbed by seeded noise of scale `scale`, saved with its tokenizer into `folder`."""
+    model = load_causal_lm(ModelConfig(name_or_path=base))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in model.parameters():
             parameter.add_(torch.randn(parameter.shape, generator=generator) * scale)
     model.save_pretrained(folder)
-    load_tokenizer(ModelConfig(name_or_path="posttrain/tiny")).save_pretrained(folder)
+    load_tokenizer(ModelConfig(name_or_path=base)).save_pretrained(folder)
     return folder

@@ -43,15 +43,7 @@ def teacher_dir(tiny_model_dir, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def bpe_teacher_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """posttrain/tiny-bpe with its weights perturbed: another model with another tokenizer."""
-    folder = tmp_path_factory.mktemp("bpe-teacher")
-    model = load_causal_lm(ModelConfig(name_or_path="posttrain/tiny-bpe"))
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.5)
-    model.save_pretrained(folder)
-    load_tokenizer(ModelConfig(name_or_path="posttrain/tiny-bpe")).save_pretrained(folder)
-    return folder
+    return perturbed_tiny_teacher(tmp_path_factory.mktemp("bpe-teacher"), seed=1, base="posttrain/tiny-bpe")
 
 
 @pytest.mark.parametrize("overrides", [[], ["loss.kl_type=reverse", "loss.outside_topk=zero_outside",
@@ -166,16 +158,3 @@ def test_teacher_ids_beyond_its_tokenizer_project_onto_nothing():
 
     projection = torch.tensor([2, -1, 0])  # a 3-token teacher vocabulary; its LM head has 5 rows
     assert projected(projection, torch.tensor([0, 1, 2, 3, 4])).tolist() == [2, -1, 0, -1, -1]
-
-
-@pytest.mark.parametrize(("overrides", "message"), [
-    (["mode=on_policy", "rollout.max_new_tokens=4"], "runs off-policy for now"),
-    (["teacher_column=task", "teachers=[{name: a, name_or_path: TEACHER, route: [x]}, "
-      "{name: b, name_or_path: TEACHER, route: [y]}]"], "takes one teacher for now"),
-])
-def test_a_cross_tokenizer_teacher_on_policy_or_beside_others_is_refused_before_training(tmp_path, bpe_teacher_dir,
-                                                                                        overrides, message):
-    overrides = [o.replace("TEACHER", str(bpe_teacher_dir)) for o in overrides]
-    with pytest.raises(RunError, match=message):
-        train_distill(config(tmp_path / "run", bpe_teacher_dir, *overrides))
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -59,7 +59,12 @@ from posttrain.algorithms.common import (
     save_if_due,
     seed_everything,
 )
-from posttrain.algorithms.distill_xtoken import align_training_data, chunk_teacher, tokenizers_differ
+from posttrain.algorithms.distill_xtoken import (
+    align_teachers,
+    cross_tokenizer_teachers,
+    data_fingerprint,
+    tokenizers_differ,
+)
 from posttrain.algorithms.evaluate import TrainingEvaluation
 from posttrain.algorithms.rl import policy_generator, rollout_sampling
 from posttrain.checkpoint import POLICY, checkpoint_to_resume
@@ -144,14 +149,6 @@ def examples_topk(teacher: ScoringWorker, examples: Sequence[TokenizedExample], 
             ids.append(scored.teacher_topk_ids[row, sources])
             counts.append(len(sources))
     return TeacherTopk(torch.cat(values), torch.cat(ids), torch.tensor(counts).cumsum(0))
-
-
-def data_fingerprint(examples: Sequence[TokenizedExample]) -> str:
-    """SHA-256 of the examples' tokens and masks: a precomputed top-k belongs to exactly this data."""
-    digest = hashlib.sha256()
-    for example in examples:
-        digest.update(json.dumps([example.input_ids, example.loss_mask]).encode())
-    return digest.hexdigest()
 
 
 def precomputed_topk(output_dir: Path, teacher_cfg: TeacherSection, loss: DistillationLossConfig,
@@ -369,18 +366,6 @@ def evaluate_nll(policy: PolicyWorker, examples: Sequence[TokenizedExample], cfg
     return totals["nll_sum"].value / max(totals["target_tokens"].value, 1.0)
 
 
-def refuse_cross_tokenizer_beyond_one_teacher_off_policy(cfg: DistillConfig) -> None:
-    """RunError, before any model is loaded, for what the cross-tokenizer path does not do yet: several teachers
-    (kd_loss_mode) and on-policy steps (the aligner works on the dataset's own rows)."""
-    if len(cfg.teachers) > 1:
-        raise RunError(f"teachers: {len(cfg.teachers)} teachers with a teacher whose tokenizer differs from the "
-                       "student's: cross-tokenizer distillation takes one teacher for now (several, combined by "
-                       "kd_loss_mode, are not built yet)")
-    if cfg.on_policy_fraction > 0:
-        raise RunError(f"mode=on_policy (lmbda {cfg.on_policy_fraction}) with a teacher whose tokenizer differs from "
-                       "the student's: cross-tokenizer distillation runs off-policy for now; set mode=off_policy")
-
-
 @one_run_per_output_dir
 def train_distill(cfg: DistillConfig) -> DistillResult:
     configure_torch(cfg.trainer)
@@ -395,17 +380,15 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
     # Data first: a malformed row should fail before minutes go into loading a model.
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
     teacher_tokenizers = [load_tokenizer(each.as_model(), padding_side="right") for each in cfg.teachers]
-    cross_tokenizer = cfg.loss.cross_tokenizer.align == "always" or any(
-        tokenizers_differ(tokenizer, other) for other in teacher_tokenizers)
-    if cross_tokenizer:
-        refuse_cross_tokenizer_beyond_one_teacher_off_policy(cfg)
-    else:
+    # The aligner serves teachers with another tokenizer, and combines several teachers' losses (kd_loss_mode).
+    cross_tokenizer = (cfg.loss.cross_tokenizer.align == "always" or cfg.kd_loss_mode != "select"
+                       or any(tokenizers_differ(tokenizer, other) for other in teacher_tokenizers))
+    if not cross_tokenizer:
         for each, other in zip(cfg.teachers, teacher_tokenizers, strict=True):
             check_same_tokenizer(tokenizer, other, each.name_or_path)
     train_examples, train_stats = load_sft_examples(cfg.data.train_files, tokenizer, cfg.data)
     routes = teacher_routes(cfg, train_examples)  # with teacher_column: each example's teacher
-    aligned = (align_training_data(tokenizer, teacher_tokenizers[0], teacher_cfg.name_or_path, train_examples,
-                                   cfg.data, cfg.data.train_files) if cross_tokenizer else None)
+    aligned = align_teachers(cfg, tokenizer, teacher_tokenizers, train_examples, routes) if cross_tokenizer else None
     eval_examples: list[TokenizedExample] = []
     if cfg.data.eval_files:
         eval_examples, _ = load_sft_examples(cfg.data.eval_files, tokenizer, cfg.data)
@@ -417,7 +400,6 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
     resume = checkpoint_to_resume(output_dir)
     sampler = EpochSampler(len(train_examples), seed=cfg.seed, shuffle=cfg.data.shuffle)
     start_step, _ = resume_trainer_state(resume, sampler)
-    loss = CrossTokenizerObjective(cfg.loss) if cross_tokenizer else DistillationObjective(cfg.loss)
     pad = tokenizer.pad_token_id
 
     examples_per_step = trainer.micro_batch_size * trainer.gradient_accumulation_steps
@@ -425,17 +407,17 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
                     run_config=cfg.model_dump(mode="json")) as run_log, contextlib.closing(evaluation):
         # The teacher: scored once up front (and freed), or resident and scoring each micro-batch.
         cached, teachers, chunked = None, [], None
-        if aligned is not None:  # another tokenizer: the teacher's scores per aligned chunk
-            chunked = chunk_teacher(output_dir, teacher_cfg, cfg.loss, aligned, teacher_tokenizers[0],
-                                    (data_fingerprint(train_examples),
-                                     data_fingerprint([a.teacher_example for a in aligned.examples])),
-                                    trainer, device, run_log)
+        if aligned is not None:  # the teachers' scores per aligned chunk
+            chunked = cross_tokenizer_teachers(cfg, output_dir, tokenizer, teacher_tokenizers, train_examples, aligned,
+                                               routes, device, run_log)
         elif teacher_cfg.precompute:
             cached = precomputed_topk(output_dir, teacher_cfg, cfg.loss, train_examples, pad,
                                       trainer, device, run_log)
         else:  # each teacher loaded once
             teachers = [build_scorer(each.as_model(), trainer, device, role="teacher", offload=each.offload)
                         for each in cfg.teachers]
+        loss = (CrossTokenizerObjective(cfg.loss, teacher_names=chunked.names) if chunked is not None
+                else DistillationObjective(cfg.loss))
         policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, device,
                               resume_dir=resume.worker_dir(POLICY) if resume else None)
         # mode=on_policy: the student's sampler (None when no step samples).
@@ -464,7 +446,7 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
             for indices, part in zip(draws, examples, strict=True):
                 rows = collate(part, pad, False, cfg.data.max_length)
                 if chunked is not None:
-                    micro_batches.append(chunked.batch(rows, indices))
+                    micro_batches.append(chunked.batch(rows, indices, part if step_on_policy else None))
                 elif cached is not None:
                     micro_batches.append(cached.batch(rows, indices))
                 elif routes is None:
@@ -476,7 +458,7 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
             if sum(mb.num_target_tokens for mb in micro_batches) == 0:
                 raise ValueError("an optimizer step drew no target tokens; check data.completion_only_loss and the data")
             stats = as_floats(policy.forward_backward(micro_batches, loss))
-            per_teacher = {} if routes is None else per_teacher_metrics(
+            per_teacher = {} if routes is None or chunked is not None else per_teacher_metrics(
                 policy, loss, cfg, micro_batches, [[routes[i] for i in indices] for indices in draws])
             update = as_floats(policy.optim_step())
             elapsed = time.perf_counter() - started

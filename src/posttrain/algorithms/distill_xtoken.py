@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from posttrain.algorithms.common import chunks
 from posttrain.config.losses import DistillationLossConfig
-from posttrain.config.schema import DataConfig, TeacherSection, TrainerConfig
+from posttrain.config.schema import DataConfig, DistillConfig, TeacherSection, TrainerConfig
 from posttrain.data import load_sft_examples
 from posttrain.data.alignment import Chunk, TokenSurfaces, align_tokens, exact_projection
 from posttrain.data.collate import collate
@@ -76,10 +76,28 @@ class CrossTokenizerData:
     fallback_rows: int
 
 
+def align_example(student_example: TokenizedExample, teacher_example: TokenizedExample,
+                  student_surfaces: TokenSurfaces, teacher_surfaces: TokenSurfaces,
+                  projection: Sequence[int]) -> tuple[ExampleChunks, bool]:
+    """One row's counted chunks (those whose tokens are all completion targets on both sides, each marked exact
+    when it is one token a side and the projection maps the teacher's onto the student's), and whether the offsets
+    were exact (False: the sequence-alignment fallback)."""
+    alignment = align_tokens(student_example.input_ids, teacher_example.input_ids, student_surfaces,
+                             teacher_surfaces)
+    kept = [chunk for chunk in alignment.chunks
+            if all(student_example.loss_mask[chunk.student_start:chunk.student_end])
+            and all(teacher_example.loss_mask[chunk.teacher_start:chunk.teacher_end])]
+    exact = tuple(chunk.one_to_one and projection[teacher_example.input_ids[chunk.teacher_start]]
+                  == student_example.input_ids[chunk.student_start] for chunk in kept)
+    return ExampleChunks(teacher_example, tuple(kept), exact), alignment.exact
+
+
 def align_training_data(student_tokenizer, teacher_tokenizer, teacher_name: str, student_examples:
-                        Sequence[TokenizedExample], data: DataConfig, train_files: Sequence[str]) -> CrossTokenizerData:
-    """The training data tokenized by the teacher too, aligned and checked (see the module docstring). RunError
-    when the teacher cannot serve the student."""
+                        Sequence[TokenizedExample], data: DataConfig, train_files: Sequence[str],
+                        serves: Sequence[bool] | None = None) -> CrossTokenizerData:
+    """The training data tokenized by the teacher too, aligned and checked (see the module docstring). serves: which
+    examples this teacher scores (several teachers routed by teacher_column); None: all. Examples it does not serve
+    keep the teacher's tokenization but no chunks. RunError when the teacher cannot serve the student."""
     try:
         teacher_examples, _ = load_sft_examples(train_files, teacher_tokenizer, data)
     except ValueError as error:  # the tokenizer cannot render the rows (no chat template, a non-incremental one)
@@ -90,24 +108,22 @@ def align_training_data(student_tokenizer, teacher_tokenizer, teacher_name: str,
     projection = exact_projection(teacher_surfaces, student_surfaces)
     aligned, covered, targets, fallback, worst = [], 0, 0, 0, None
     empty = TokenizedExample((), (), "")
-    for example in student_examples:
+    for index, example in enumerate(student_examples):
+        teacher_example = by_source.get(example.source, empty)  # empty: dropped on its side (overlong, on_error)
+        if serves is not None and not serves[index]:
+            aligned.append(ExampleChunks(teacher_example, (), ()))
+            continue
         targets += example.num_targets
-        teacher_example = by_source.get(example.source)
-        if teacher_example is None:  # the teacher's tokenization of this row was dropped (overlong, on_error)
+        if not teacher_example.input_ids:
             aligned.append(ExampleChunks(empty, (), ()))
             continue
-        alignment = align_tokens(example.input_ids, teacher_example.input_ids, student_surfaces, teacher_surfaces)
-        fallback += not alignment.exact
-        kept = [chunk for chunk in alignment.chunks
-                if all(example.loss_mask[chunk.student_start:chunk.student_end])
-                and all(teacher_example.loss_mask[chunk.teacher_start:chunk.teacher_end])]
-        exact = tuple(chunk.one_to_one and projection[teacher_example.input_ids[chunk.teacher_start]]
-                      == example.input_ids[chunk.student_start] for chunk in kept)
-        row_covered = sum(chunk.student_end - chunk.student_start for chunk in kept)
+        row, exact_offsets = align_example(example, teacher_example, student_surfaces, teacher_surfaces, projection)
+        fallback += not exact_offsets
+        row_covered = sum(chunk.student_end - chunk.student_start for chunk in row.chunks)
         covered += row_covered
         if row_covered < example.num_targets and worst is None:
             worst = (example, teacher_example)
-        aligned.append(ExampleChunks(teacher_example, tuple(kept), exact))
+        aligned.append(row)
     if targets and covered < MIN_ALIGNED_FRACTION * targets:
         detail = ""
         if worst is not None:
@@ -123,10 +139,32 @@ def align_training_data(student_tokenizer, teacher_tokenizer, teacher_name: str,
     return CrossTokenizerData(tuple(aligned), torch.tensor(projection, dtype=torch.long), covered, targets, fallback)
 
 
-def stored_projection(output_dir: Path, teacher_name: str, projection: torch.Tensor, run_log) -> torch.Tensor:
-    """The projection as stored with the run in OUTPUT/teacher_projection/: written (file, then a manifest with its
-    SHA-256) unless an identical one whose checksum holds is there already."""
-    folder = output_dir / PROJECTION_DIR
+def sampled_teacher_example(row: ExampleChunks, sampled: TokenizedExample, student_tokenizer,
+                            teacher_tokenizer) -> TokenizedExample:
+    """The teacher's tokenization of a row whose completion the student sampled (mode=on_policy): the teacher's own
+    tokens of the row's prompt (its tokenization's tokens before the first target, so a chat template renders the
+    prompt as the teacher's), then the text of the student's sampled tokens encoded by the teacher's tokenizer; an
+    end-of-sequence token the student sampled becomes the teacher's. Empty when the teacher has no tokenization of
+    the row. The sampled text is encoded once, whole, as the data's completions are."""
+    teacher_row = row.teacher_example
+    if 1 not in teacher_row.loss_mask:
+        return TokenizedExample((), (), sampled.source)
+    prompt = teacher_row.input_ids[:teacher_row.loss_mask.index(1)]
+    completion = [token for token, target in zip(sampled.input_ids, sampled.loss_mask, strict=True) if target]
+    ended = bool(completion) and completion[-1] == student_tokenizer.eos_token_id
+    if ended:
+        completion = completion[:-1]
+    text = student_tokenizer.decode(completion, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    ids = list(teacher_tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+    if ended and teacher_tokenizer.eos_token_id is not None:
+        ids.append(teacher_tokenizer.eos_token_id)
+    return TokenizedExample((*prompt, *ids), (0,) * len(prompt) + (1,) * len(ids), sampled.source)
+
+
+def stored_projection(folder: Path, teacher_name: str, projection: torch.Tensor, run_log) -> torch.Tensor:
+    """The projection as stored with the run in `folder` (OUTPUT/teacher_projection/, with several teachers
+    OUTPUT/teacher_projection/<name>/): written (file, then a manifest with its SHA-256) unless an identical one
+    whose checksum holds is there already."""
     path, manifest_path = folder / "projection.safetensors", folder / "manifest.json"
     settings = {"teacher": teacher_name, "kind": "exact", "teacher_vocabulary": len(projection),
                 "matched": int((projection >= 0).sum())}
@@ -165,11 +203,15 @@ class ChunkTargets:
     topk_ids: torch.Tensor
     offsets: torch.Tensor
 
-    def batch(self, rows: SFTBatch, example_indices: Sequence[int]) -> CrossTokenizerBatch:
-        """`rows` (collated from the examples `example_indices`, one per row) with their chunks."""
+    def batch(self, rows: SFTBatch, example_indices: Sequence[int],
+              batch_rows: Sequence[int] | None = None) -> CrossTokenizerBatch:
+        """`rows` (collated from the examples `example_indices`, one per row) with their chunks. batch_rows: the row
+        of `rows` holding each of example_indices (default: 0, 1, ...), when this teacher scores only some rows."""
+        batch_rows = range(len(example_indices)) if batch_rows is None else batch_rows
         picks = [torch.arange(int(self.offsets[i]), int(self.offsets[i + 1])) for i in example_indices]
-        row = torch.cat([torch.full((len(p),), r, dtype=torch.long) for r, p in enumerate(picks)])
-        index = torch.cat(picks)
+        row = torch.cat([torch.full((len(p),), r, dtype=torch.long) for r, p in zip(batch_rows, picks, strict=True)]
+                        + [torch.zeros(0, dtype=torch.long)])
+        index = torch.cat([*picks, torch.zeros(0, dtype=torch.long)])
         return CrossTokenizerBatch(rows, row, self.start[index], self.end[index], self.teacher_logprobs[index],
                                    self.exact[index], self.topk_logprobs[index], self.topk_ids[index])
 
@@ -242,28 +284,40 @@ class LiveChunkTeacher:
                  teacher_pad_token_id: int):
         self.teacher, self.data, self.loss, self.pad = teacher, data, loss, teacher_pad_token_id
 
-    def batch(self, rows: SFTBatch, example_indices: Sequence[int]) -> CrossTokenizerBatch:
-        aligned = [self.data.examples[i] for i in example_indices]
+    def batch(self, rows: SFTBatch, example_indices: Sequence[int],
+              batch_rows: Sequence[int] | None = None) -> CrossTokenizerBatch:
+        return self.score(rows, [self.data.examples[i] for i in example_indices], batch_rows)
+
+    def score(self, rows: SFTBatch, aligned: Sequence[ExampleChunks],
+              batch_rows: Sequence[int] | None = None) -> CrossTokenizerBatch:
+        """`rows` with the chunks of `aligned` (one per row of batch_rows, default 0, 1, ...) scored now."""
         scored = score_chunks(self.teacher, aligned, self.data.projection, self.loss, self.pad)
-        return scored.batch(rows, range(len(aligned)))
+        return scored.batch(rows, range(len(aligned)), batch_rows)
 
 
 def chunk_teacher(output_dir: Path, teacher_cfg: TeacherSection, loss: DistillationLossConfig,
                   data: CrossTokenizerData, teacher_tokenizer, data_sha256: tuple[str, str],
-                  trainer: TrainerConfig, device: torch.device, run_log) -> ChunkTargets | LiveChunkTeacher:
-    """What gives each micro-batch its chunks, once the projection is stored with the run (stored_projection):
+                  trainer: TrainerConfig, device: torch.device, run_log, subfolder: str = "",
+                  store_projection: bool = True) -> ChunkTargets | LiveChunkTeacher:
+    """What gives each micro-batch its chunks, once the projection is stored with the run (stored_projection, unless
+    store_projection is False: a teacher sharing the student's tokenizer, whose projection is the identity):
     with teacher.precompute, every example's chunks scored once (or reused from OUTPUT/teacher_topk/chunks.safetensors
     when its settings and checksum match) and the teacher freed; else the teacher loaded and scoring as training goes.
-    data_sha256: the fingerprints of the student's and the teacher's tokenizations of the training data."""
-    data = replace(data, projection=stored_projection(output_dir, teacher_cfg.name_or_path, data.projection, run_log))
-    run_log.message(f"cross-tokenizer teacher: aligned chunks cover {data.covered_targets} of {data.targets} "
+    data_sha256: the fingerprints of the student's and the teacher's tokenizations of the training data. subfolder:
+    the teacher's name with several teachers (their files go to OUTPUT/teacher_projection/<name>/ and
+    OUTPUT/teacher_topk/<name>/)."""
+    label = f"teacher {subfolder}" if subfolder else "teacher"
+    if store_projection:
+        data = replace(data, projection=stored_projection(output_dir / PROJECTION_DIR / subfolder,
+                                                          teacher_cfg.name_or_path, data.projection, run_log))
+    run_log.message(f"cross-tokenizer {label}: aligned chunks cover {data.covered_targets} of {data.targets} "
                     f"completion targets; {data.fallback_rows} rows aligned by the sequence-alignment fallback")
     teacher_pad_token_id = next(i for i in (teacher_tokenizer.pad_token_id, teacher_tokenizer.eos_token_id, 0)
                                 if i is not None)
     if not teacher_cfg.precompute:
-        return LiveChunkTeacher(build_scorer(teacher_cfg.as_model(), trainer, device, role="teacher"), data, loss,
-                                teacher_pad_token_id)
-    folder = output_dir / "teacher_topk"
+        return LiveChunkTeacher(build_scorer(teacher_cfg.as_model(), trainer, device, role="teacher",
+                                             offload=teacher_cfg.offload), data, loss, teacher_pad_token_id)
+    folder = output_dir / "teacher_topk" / subfolder
     path, manifest_path = folder / "chunks.safetensors", folder / "chunks_manifest.json"
     settings = {"teacher": teacher_cfg.name_or_path, "dtype": teacher_cfg.dtype, "topk": loss.topk,
                 "temperature": loss.temperature, "examples": len(data.examples), "data_sha256": data_sha256[0],
@@ -293,3 +347,110 @@ def chunk_teacher(output_dir: Path, teacher_cfg: TeacherSection, loss: Distillat
 
 def _tensor_sha(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.numpy().tobytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class AlignedTeacher:
+    """One teacher on the cross-tokenizer path: its tokenizer, its alignment of the training data, and what scores
+    its chunks (precomputed ChunkTargets or a resident LiveChunkTeacher)."""
+
+    name: str
+    tokenizer: object
+    surfaces: TokenSurfaces
+    data: CrossTokenizerData
+    source: ChunkTargets | LiveChunkTeacher
+
+
+class CrossTokenizerTeachers:
+    """Every teacher of a run on the cross-tokenizer path, and which rows each scores: with `routes` (kd_loss_mode=
+    select and teacher_column) a row's chunks come from its own teacher only; without, every teacher scores every
+    row, and each chunk's terms weigh `weight` (1 for kd_loss_mode=sum, 1/n for average). A micro-batch's chunks
+    are the teachers' chunks one after the other, each marked with its teacher (chunk_teacher) when there are
+    several."""
+
+    def __init__(self, teachers: Sequence[AlignedTeacher], routes: Sequence[int] | None, weight: float,
+                 student_tokenizer):
+        self.teachers, self.routes, self.weight = list(teachers), routes, weight
+        self.student_tokenizer = student_tokenizer
+        self.student_surfaces = TokenSurfaces(student_tokenizer)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The teachers' names for per-teacher metrics; empty with one teacher."""
+        return tuple(t.name for t in self.teachers) if len(self.teachers) > 1 else ()
+
+    def batch(self, rows: SFTBatch, example_indices: Sequence[int],
+              sampled: Sequence[TokenizedExample] | None = None) -> CrossTokenizerBatch:
+        """`rows` (collated from the training examples `example_indices`, or on an on-policy step from `sampled`,
+        the same rows with the student's samples as their completions) with every serving teacher's chunks."""
+        parts = []
+        for index, teacher in enumerate(self.teachers):
+            members = [r for r, i in enumerate(example_indices) if self.routes is None or self.routes[i] == index]
+            if not members:
+                continue
+            if sampled is None:
+                part = teacher.source.batch(rows, [example_indices[r] for r in members], members)
+            else:  # the student's own samples: aligned now, scored by the resident teacher
+                aligned = [self.aligned_sample(teacher, example_indices[r], sampled[r]) for r in members]
+                part = teacher.source.score(rows, aligned, members)
+            parts.append((index, part))
+        return self._joined(rows, parts)
+
+    def aligned_sample(self, teacher: AlignedTeacher, example_index: int, sampled: TokenizedExample) -> ExampleChunks:
+        """The chunks of a row whose completion the student sampled, for `teacher`."""
+        teacher_example = sampled_teacher_example(teacher.data.examples[example_index], sampled,
+                                                  self.student_tokenizer, teacher.tokenizer)
+        if not teacher_example.input_ids:
+            return ExampleChunks(teacher_example, (), ())
+        row, _ = align_example(sampled, teacher_example, self.student_surfaces, teacher.surfaces,
+                               teacher.data.projection.tolist())
+        return row
+
+    def _joined(self, rows: SFTBatch, parts: Sequence[tuple[int, CrossTokenizerBatch]]) -> CrossTokenizerBatch:
+        if len(self.teachers) == 1:
+            return parts[0][1]
+        fields = ("chunk_row", "chunk_start", "chunk_end", "chunk_teacher_logprobs", "chunk_exact",
+                  "teacher_topk_logprobs", "teacher_topk_ids")
+        joined = {name: torch.cat([getattr(part, name) for _, part in parts]) for name in fields}
+        teacher = torch.cat([torch.full((len(part.chunk_row),), index, dtype=torch.long) for index, part in parts])
+        return CrossTokenizerBatch(rows, **joined, chunk_teacher=teacher,
+                                   chunk_weight=torch.full((len(teacher),), self.weight, dtype=torch.float32))
+
+
+def align_teachers(cfg: DistillConfig, student_tokenizer, teacher_tokenizers: Sequence,
+                   train_examples: Sequence[TokenizedExample], routes: Sequence[int] | None) -> list[CrossTokenizerData]:
+    """Each teacher of `cfg` aligned to the training data (on the rows `routes` sends it, or all), before any model
+    is loaded: a teacher that cannot serve the student is refused here (RunError)."""
+    return [align_training_data(student_tokenizer, teacher_tokenizer, teacher_cfg.name_or_path, train_examples,
+                                cfg.data, cfg.data.train_files,
+                                None if routes is None else [route == index for route in routes])
+            for index, (teacher_cfg, teacher_tokenizer) in enumerate(zip(cfg.teachers, teacher_tokenizers,
+                                                                         strict=True))]
+
+
+def cross_tokenizer_teachers(cfg: DistillConfig, output_dir: Path, student_tokenizer, teacher_tokenizers: Sequence,
+                             train_examples: Sequence[TokenizedExample], aligned: Sequence[CrossTokenizerData],
+                             routes: Sequence[int] | None, device: torch.device, run_log) -> CrossTokenizerTeachers:
+    """The teachers of `cfg` with their alignments (align_teachers): each one's projection stored with the run when
+    its tokenizer differs from the student's, and its chunks precomputed or scored live (chunk_teacher); with
+    several teachers each one's files go to a folder of its name."""
+    several = len(cfg.teachers) > 1
+    student_fingerprint = data_fingerprint(train_examples)
+    teachers = []
+    for teacher_cfg, teacher_tokenizer, data in zip(cfg.teachers, teacher_tokenizers, aligned, strict=True):
+        source = chunk_teacher(output_dir, teacher_cfg, cfg.loss, data, teacher_tokenizer,
+                               (student_fingerprint, data_fingerprint([a.teacher_example for a in data.examples])),
+                               cfg.trainer, device, run_log, subfolder=teacher_cfg.name if several else "",
+                               store_projection=tokenizers_differ(student_tokenizer, teacher_tokenizer))
+        teachers.append(AlignedTeacher(teacher_cfg.name or teacher_cfg.name_or_path, teacher_tokenizer,
+                                       TokenSurfaces(teacher_tokenizer), data, source))
+    weight = 1.0 / len(cfg.teachers) if cfg.kd_loss_mode == "average" else 1.0
+    return CrossTokenizerTeachers(teachers, routes, weight, student_tokenizer)
+
+
+def data_fingerprint(examples: Sequence[TokenizedExample]) -> str:
+    """SHA-256 of the examples' tokens and masks: a precomputed top-k belongs to exactly this data."""
+    digest = hashlib.sha256()
+    for example in examples:
+        digest.update(json.dumps([example.input_ids, example.loss_mask]).encode())
+    return digest.hexdigest()

@@ -454,6 +454,13 @@ class DistillConfig(RecipeConfig):
     """Several teachers: the training data's column whose value sends each row to the one teacher whose `route`
     lists it (a row without the column, or with a value no teacher serves, is refused naming it)."""
 
+    kd_loss_mode: Literal["select", "sum", "average"] = "select"
+    """How several teachers combine. select: each row is distilled from the one teacher its teacher_column value
+    routes it to (MOPD). sum / average: every teacher scores every row and the teachers' losses are added (or added
+    and divided by the number of teachers); these go through the cross-tokenizer aligner for every teacher (each
+    with its own projection onto the student's vocabulary; a teacher sharing the student's tokenizer gives the plain
+    top-k loss there), take no teacher_column, and need a name per teacher (its metrics: distill/<name>/...)."""
+
     loss: DistillationLossConfig = Field(default_factory=DistillationLossConfig)
     """The distillation loss."""
 
@@ -488,10 +495,14 @@ class DistillConfig(RecipeConfig):
         teacher's)."""
         if not self.teachers:
             raise ValueError("teachers: give at least one teacher ({name_or_path: ...})")
+        if self.kd_loss_mode != "select":
+            self._check_combined_teachers()
+            return
         if self.teacher_column is None:
             if len(self.teachers) > 1:
                 raise ValueError(f"teachers: {len(self.teachers)} teachers need teacher_column, the data column "
-                                 "whose value routes each row to one teacher (each teacher's route lists its values)")
+                                 "whose value routes each row to one teacher (each teacher's route lists its values), "
+                                 "or kd_loss_mode=sum or average (every teacher scores every row)")
             if self.teachers[0].route:
                 raise ValueError("teachers[0].route applies with teacher_column (the column it routes by); set "
                                  "teacher_column or remove route")
@@ -516,6 +527,28 @@ class DistillConfig(RecipeConfig):
                     raise ValueError(f"teachers[{i}].route: the {self.teacher_column!r} value {value!r} is also "
                                      f"served by teachers[{served[value]}]; each value belongs to one teacher")
                 served[value] = i
+
+    def _check_combined_teachers(self) -> None:
+        """kd_loss_mode=sum or average: several named teachers, each scoring every row (no routing)."""
+        mode = self.kd_loss_mode
+        if len(self.teachers) < 2:
+            raise ValueError(f"kd_loss_mode={mode} combines several teachers' losses, and teachers has one; remove "
+                             "kd_loss_mode (select) or add teachers")
+        if self.teacher_column is not None:
+            raise ValueError(f"teacher_column={self.teacher_column!r} with kd_loss_mode={mode}: every teacher scores "
+                             "every row, so nothing is routed; remove teacher_column, or set kd_loss_mode=select")
+        names: dict[str, int] = {}
+        for i, teacher in enumerate(self.teachers):
+            if teacher.name is None or not re.fullmatch(r"[A-Za-z0-9_-]+", teacher.name):
+                raise ValueError(f"teachers[{i}].name: with kd_loss_mode={mode} every teacher needs a name of "
+                                 f"letters, digits, '_' and '-' (its metrics are distill/<name>/...); got "
+                                 f"{teacher.name!r}")
+            if teacher.name in names:
+                raise ValueError(f"teachers[{i}].name={teacher.name!r} is also teachers[{names[teacher.name]}]'s")
+            names[teacher.name] = i
+            if teacher.route:
+                raise ValueError(f"teachers[{i}].route applies with kd_loss_mode=select and teacher_column; with "
+                                 f"kd_loss_mode={mode} every teacher scores every row; remove route")
 
     def _check_on_policy(self) -> None:
         """The keys of mode=on_policy: lmbda and rollout only with it; no precompute, no NLL term, no whole-text

@@ -239,6 +239,10 @@ class CrossTokenizerBatch:
     teacher_topk_logprobs: [C, k] float32, the teacher's top-k log-probabilities at the chunk's first position.
     teacher_topk_ids: [C, k] long, for exact chunks the student ids of those tokens through the projection (−1: the
         teacher token has no student match); −1 for the other chunks.
+    chunk_teacher: [C] long, which teacher scored chunk c (an index into the run's teachers; several teachers may
+        score the same student tokens); None: all one teacher's.
+    chunk_weight: [C] float32, the weight of chunk c's terms in the loss (kd_loss_mode=average: 1/n for n teachers);
+        None: 1 each.
     """
 
     rows: SFTBatch
@@ -249,6 +253,8 @@ class CrossTokenizerBatch:
     chunk_exact: torch.Tensor
     teacher_topk_logprobs: torch.Tensor
     teacher_topk_ids: torch.Tensor
+    chunk_teacher: torch.Tensor | None = None
+    chunk_weight: torch.Tensor | None = None
 
     @property
     def num_target_tokens(self) -> int:

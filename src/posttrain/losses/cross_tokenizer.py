@@ -65,6 +65,7 @@ def cross_tokenizer_loss(
     teacher_topk_ids: torch.Tensor,
     config: DistillationLossConfig,
     normalizer: float,
+    chunk_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This micro-batch's share of the step's cross-tokenizer distillation loss (see the module docstring).
 
@@ -75,9 +76,13 @@ def cross_tokenizer_loss(
     chunk_exact: [C] bool, one student token exactly matched by one teacher token.
     teacher_topk_logprobs: [C, k] the teacher's top-k log-probabilities (τ) at the chunk's first position.
     teacher_topk_ids: [C, k] for exact chunks the student ids they project onto (−1: no match); else ignored.
-    Returns (loss, metrics): sums over the micro-batch (0-dim, detached) — divergence_sum (exact chunks),
-    chunk_divergence_sum (other chunks, unweighted), uld_sum, logprob_gap_sum (|ℓ_S − ℓ_T| over other chunks),
-    nll_sum, exact_chunks, other_chunks, target_tokens.
+    chunk_weight: [C] the weight of each chunk's terms (several teachers: 1 each with kd_loss_mode=sum, 1/n with
+        average); None: 1 for every chunk. The NLL term is not weighted.
+    Returns (loss, metrics): sums over the micro-batch (0-dim, detached, unweighted) — divergence_sum (exact
+    chunks), chunk_divergence_sum (other chunks), uld_sum, logprob_gap_sum (|ℓ_S − ℓ_T| over other chunks),
+    nll_sum, exact_chunks, other_chunks, target_tokens — and each chunk's own terms ([C], detached, 0 where a term
+    does not apply): chunk_divergence (the exact chunks' top-k divergence or the others' two-outcome one),
+    chunk_uld, chunk_logprob_gap.
     """
     tau = config.temperature
     # Student log-probabilities at τ of every position's next token; position s predicts token s + 1.
@@ -86,6 +91,11 @@ def cross_tokenizer_loss(
     before = chunk_start - 1  # the position predicting the chunk's first token
     exact = chunk_exact.bool()
     zero = student_logits.new_zeros((), dtype=torch.float32)
+    weight = (torch.ones(len(chunk_start), device=student_logits.device) if chunk_weight is None
+              else chunk_weight.float())
+    # Each chunk's terms, [C]; a term that does not apply to a chunk stays 0.
+    per_divergence = weight.new_zeros(len(chunk_start))
+    per_uld, per_gap = per_divergence.clone(), per_divergence.clone()
 
     divergence = zero
     if exact.any():
@@ -94,23 +104,27 @@ def cross_tokenizer_loss(
         student_logq = logq_full[chunk_row[exact], before[exact]].gather(-1, ids.clamp(min=0))
         student_logq = torch.where(matched, student_logq, MASKED_LOGPROB)
         teacher_logp = torch.where(matched, teacher_topk_logprobs[exact].float(), MASKED_LOGPROB)
-        divergence = topk_divergence(teacher_logp, student_logq, config, logq_full[chunk_row[exact], before[exact]])
-        divergence = divergence.sum()
+        values = topk_divergence(teacher_logp, student_logq, config, logq_full[chunk_row[exact], before[exact]])
+        per_divergence = per_divergence.masked_scatter(exact, values.detach())
+        divergence = (weight[exact] * values).sum()
 
     other = ~exact
-    chunk_divergence = uld = gap = zero
+    chunk_divergence = uld = zero
     if other.any():
         rows = chunk_row[other]
         student_ll = chunk_sums(token_logq, rows, chunk_start[other], chunk_end[other])
         teacher_ll = chunk_teacher_logprobs[other].float()
         two_outcome = config.model_copy(update={"outside_topk": "tail"})
         per_chunk = topk_divergence(teacher_ll[:, None], student_ll[:, None], two_outcome)
-        chunk_divergence = per_chunk.sum()
-        gap = (student_ll - teacher_ll).abs().detach().sum()
+        per_divergence = per_divergence.masked_scatter(other, per_chunk.detach())
+        per_gap = per_gap.masked_scatter(other, (student_ll - teacher_ll).abs().detach())
+        chunk_divergence = (weight[other] * per_chunk).sum()
         if config.cross_tokenizer.unmatched == "uld":
             teacher_p = teacher_topk_logprobs[other].float().exp().sort(-1, descending=True).values
             student_q = logq_full[rows, before[other]].exp().topk(teacher_p.shape[-1], -1).values
-            uld = (teacher_p - student_q).abs().sum()
+            chunk_uld = (teacher_p - student_q).abs().sum(-1)
+            per_uld = per_uld.masked_scatter(other, chunk_uld.detach())
+            uld = (weight[other] * chunk_uld).sum()
 
     nll = zero
     if config.nll_weight:
@@ -119,14 +133,17 @@ def cross_tokenizer_loss(
     loss = (divergence + config.cross_tokenizer.chunk_weight * chunk_divergence
             + config.cross_tokenizer.uld_weight * uld + config.nll_weight * nll) / normalizer
     metrics = {
-        "divergence_sum": divergence.detach(),
-        "chunk_divergence_sum": chunk_divergence.detach(),
-        "uld_sum": uld.detach(),
-        "logprob_gap_sum": gap,
+        "divergence_sum": per_divergence[exact].sum(),
+        "chunk_divergence_sum": per_divergence[other].sum(),
+        "uld_sum": per_uld.sum(),
+        "logprob_gap_sum": per_gap.sum(),
         "nll_sum": nll.detach(),
         "exact_chunks": exact.sum().float(),
         "other_chunks": other.sum().float(),
         "target_tokens": (loss_mask[:, 1:] > 0).sum().float(),
+        "chunk_divergence": per_divergence,
+        "chunk_uld": per_uld,
+        "chunk_logprob_gap": per_gap,
     }
     return loss, metrics
 

@@ -117,13 +117,18 @@ class CrossTokenizerObjective:
     """Distillation from a teacher with another tokenizer (losses/cross_tokenizer.py) of a `CrossTokenizerBatch`:
     per aligned chunk, the top-k divergence through the exact projection (one-token chunks so matched) or the
     divergence of the chunk's likelihood (the others), plus ULD there when config.cross_tokenizer.unmatched=uld,
-    summed over the micro-batch and divided by the step's student target count. Metrics: divergence (mean over
-    exact chunks), chunk_divergence, uld and logprob_gap (|ℓ_S − ℓ_T|; means over the other chunks), nll (mean per
-    target), exact_chunk_fraction (exact chunks among all), target_tokens (a sum)."""
+    each chunk weighted by the batch's chunk_weight, summed over the micro-batch and divided by the step's student
+    target count. Metrics: divergence (mean over exact chunks), chunk_divergence, uld and logprob_gap
+    (|ℓ_S − ℓ_T|; means over the other chunks), nll (mean per target), exact_chunk_fraction (exact chunks among
+    all), target_tokens (a sum), aligned_target_fraction (the student targets the chunks cover, per target; one
+    teacher). With teacher_names (several teachers; the batch's chunk_teacher indexes them), also
+    <name>/divergence, <name>/chunk_divergence, <name>/logprob_gap, <name>/exact_chunk_fraction over that teacher's
+    chunks, and the sums <name>/chunks and <name>/aligned_targets (the student targets its chunks cover)."""
 
     config: DistillationLossConfig
     outputs: Outputs = "logits"
     temperature: float = 1.0
+    teacher_names: tuple[str, ...] = ()
 
     def normalizer(self, micro_batches: Sequence[CrossTokenizerBatch]) -> float:
         return sum(batch.num_target_tokens for batch in micro_batches)
@@ -134,12 +139,14 @@ class CrossTokenizerObjective:
         if normalizer is None:
             normalizer = max(rows.num_target_tokens, 1)
         device = logits.device
+        weight = None if batch.chunk_weight is None else batch.chunk_weight.to(device)
         loss, sums = cross_tokenizer_loss(
             logits, rows.input_ids, rows.loss_mask, batch.chunk_row.to(device), batch.chunk_start.to(device),
             batch.chunk_end.to(device), batch.chunk_teacher_logprobs.to(device), batch.chunk_exact.to(device),
-            batch.teacher_topk_logprobs.to(device), batch.teacher_topk_ids.to(device), self.config, normalizer)
+            batch.teacher_topk_logprobs.to(device), batch.teacher_topk_ids.to(device), self.config, normalizer,
+            weight)
         tokens, exact, other = sums["target_tokens"], sums["exact_chunks"], sums["other_chunks"]
-        return loss, {
+        metrics = {
             "target_tokens": Metric.sum(tokens),
             "divergence": Metric.mean(sums["divergence_sum"] / exact.clamp(min=1), exact),
             "chunk_divergence": Metric.mean(sums["chunk_divergence_sum"] / other.clamp(min=1), other),
@@ -148,6 +155,35 @@ class CrossTokenizerObjective:
             "nll": Metric.mean(sums["nll_sum"] / tokens.clamp(min=1), tokens),
             "exact_chunk_fraction": Metric.mean(exact / (exact + other).clamp(min=1), exact + other),
         }
+        if self.teacher_names:
+            metrics |= per_teacher_chunk_metrics(self.teacher_names, batch, sums)
+        else:
+            covered = (batch.chunk_end - batch.chunk_start).sum().float()
+            metrics["aligned_target_fraction"] = Metric.mean(covered / tokens.clamp(min=1), tokens)
+        return loss, metrics
+
+
+def per_teacher_chunk_metrics(names: Sequence[str], batch: CrossTokenizerBatch,
+                              sums: dict[str, torch.Tensor]) -> MetricDict:
+    """<name>/... metrics of each teacher's chunks (chunk_teacher == its index) from the per-chunk terms."""
+    exact = batch.chunk_exact.bool().to(sums["chunk_divergence"].device)
+    teacher = batch.chunk_teacher.to(exact.device)
+    covered = (batch.chunk_end - batch.chunk_start).to(exact.device).float()
+    metrics: MetricDict = {}
+    for index, name in enumerate(names):
+        mine = teacher == index
+        n_exact, n_other = (mine & exact).sum().float(), (mine & ~exact).sum().float()
+        metrics |= {
+            f"{name}/divergence": Metric.mean(sums["chunk_divergence"][mine & exact].sum() / n_exact.clamp(min=1),
+                                              n_exact),
+            f"{name}/chunk_divergence": Metric.mean(
+                sums["chunk_divergence"][mine & ~exact].sum() / n_other.clamp(min=1), n_other),
+            f"{name}/logprob_gap": Metric.mean(sums["chunk_logprob_gap"][mine].sum() / n_other.clamp(min=1), n_other),
+            f"{name}/exact_chunk_fraction": Metric.mean(n_exact / (n_exact + n_other).clamp(min=1), n_exact + n_other),
+            f"{name}/chunks": Metric.sum(n_exact + n_other),
+            f"{name}/aligned_targets": Metric.sum(covered[mine].sum()),
+        }
+    return metrics
 
 
 # ---- pairs ------------------------------------------------------------------------------------------------
