@@ -123,6 +123,10 @@ PRESETS: dict[str, Preset] = {
         at_least("gap_closed", 0.5, "closes at least half the held-out exact-match gap between the untrained student "
                  "and its teacher with another tokenizer, posttrain/tiny-bpe-arithmetic-sft"),),
         teacher="posttrain/tiny-bpe-arithmetic-sft"),
+    "distill_xtoken_onpolicy_arithmetic": Preset("distill", "sft_arithmetic_small", (
+        at_least("gap_closed", 0.5, "closes at least half the held-out exact-match gap from its starting student "
+                 "(sft_arithmetic_small) to its teacher with another tokenizer, posttrain/tiny-bpe-arithmetic-sft"),),
+        teacher="posttrain/tiny-bpe-arithmetic-sft"),
     "dpo_arithmetic": Preset("dpo", "sft_arithmetic", (
         at_least("eval_reward_accuracy", 0.90, ">= 0.90 held-out reward accuracy"),
         Claim("exact_match_gain", "does not lower held-out exact match", lambda v: v >= 0),
