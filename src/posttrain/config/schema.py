@@ -564,10 +564,11 @@ class DistillConfig(RecipeConfig):
             return
         if self.on_policy_fraction == 0:
             return
-        if self.teacher.precompute:
-            raise ValueError(f"teachers[0].precompute=true cannot serve mode=on_policy with lmbda="
-                             f"{self.on_policy_fraction:g}: on-policy steps score the student's new samples each "
-                             "step; set teachers[0].precompute=false (or lmbda=0)")
+        for i, teacher in enumerate(self.teachers):
+            if teacher.precompute:
+                raise ValueError(f"teachers[{i}].precompute=true cannot serve mode=on_policy with lmbda="
+                                 f"{self.on_policy_fraction:g}: on-policy steps score the student's new samples each "
+                                 f"step; set teachers[{i}].precompute=false (or lmbda=0)")
         if self.loss.nll_weight > 0:
             raise ValueError("loss.nll_weight > 0 with mode=on_policy and lmbda > 0: on an on-policy step the NLL "
                              "term would train the student on its own samples; set loss.nll_weight=0")
