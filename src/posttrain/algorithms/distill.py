@@ -22,10 +22,11 @@ teacher scores its rows of every micro-batch, and per-teacher metrics come from 
 
 A teacher whose tokenizer differs from the student's goes through the aligner instead (algorithms/distill_xtoken.py):
 the data is tokenized by both, cut into aligned chunks, and each micro-batch is a CrossTokenizerBatch trained with
-`CrossTokenizerObjective`; the teacher is refused before training when its tokenizer cannot serve the student.
+`CrossTokenizerObjective`; the teacher is refused before training when its tokenizer cannot serve the student. On an
+on-policy step the student's samples are aligned there too (their text in each teacher's tokens). kd_loss_mode=sum or
+average sends every teacher through the aligner, each scoring every row, their chunks weighted 1 or 1/n.
 
-Not built here yet (docs/distillation.md): cross-tokenizer distillation with several teachers or on-policy, packed
-rows, precompute with several teachers.
+Not built here yet (docs/distillation.md): packed rows, precompute with several teachers on the plain path.
 """
 
 from __future__ import annotations

@@ -15,6 +15,19 @@ that happens once for every example, into OUTPUT/teacher_topk/chunks.safetensors
 temperature, both tokenizations' SHA-256 and the projection's; reused when they and the file's checksum match), and
 the teacher is freed; otherwise per micro-batch. Either way `.batch(rows, indices)` gives the CrossTokenizerBatch the
 student trains on (losses/cross_tokenizer.py, through CrossTokenizerObjective).
+
+On the student's own samples (mode=on_policy): a sampled completion is handed to the teacher as text, decoded from
+the student's tokens and encoded once by the teacher's tokenizer after the teacher's own tokens of the row's prompt
+(an end-of-sequence token the student sampled becomes the teacher's); the two are aligned as the data's rows are and
+scored by the resident teacher. A sampled byte that is not valid UTF-8 on its own (a lone piece of a multi-byte
+character) has no text to hand over: the decoded replacement character differs from the student's bytes, so that
+stretch is in no chunk (the fallback alignment) and its targets carry no divergence.
+
+Several teachers (CrossTokenizerTeachers): each is aligned on its own rows (kd_loss_mode=select with teacher_column)
+or on all of them (sum, average), with its own projection (stored only when its tokenizer differs from the
+student's, in OUTPUT/teacher_projection/<name>/) and its own chunk file when precomputed
+(OUTPUT/teacher_topk/<name>/); a micro-batch holds every serving teacher's chunks, each marked with its teacher and
+weighted 1 (sum) or 1/n (average).
 """
 
 from __future__ import annotations

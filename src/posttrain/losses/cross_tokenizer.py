@@ -28,7 +28,9 @@ Each chunk contributes one term:
     Logit Distillation Loss"). Here over the k largest probabilities of each side (the teacher's top-k at τ and the
     student's own top-k), not the full padded vocabularies.
 
-Plus nll_weight × the data's NLL (τ = 1) at every student target, as the plain loss. The sum over the micro-batch
+Each chunk's terms are multiplied by its weight (several teachers scoring the same text: 1 each for
+kd_loss_mode=sum, 1/n for average; 1 otherwise). Plus nll_weight × the data's NLL (τ = 1) at every student target,
+as the plain loss. The sum over the micro-batch
 is divided by `normalizer`, the student's target count of the whole optimizer step, so micro-batching and ranks
 leave the update unchanged. Student targets in chunks that are not counted (straddling the prompt, text the two
 tokenizations do not share) carry no divergence but stay in the normalizer.
