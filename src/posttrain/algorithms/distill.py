@@ -3,7 +3,8 @@ completions (off-policy KD) or, with mode=on_policy, on completions it samples i
 
 The loop, top to bottom: load the data (prompt/completion or messages rows, tokenized as for SFT) and check the
 teacher's tokenizer is the student's; with teacher.precompute, score every training example's top-k once into
-OUTPUT/teacher_topk/ (reused when its checksum and settings match, as on resume) and free the teacher, else load
+OUTPUT/teacher_topk/ (reused when its checksum and settings match, as on resume) and free the teacher (several
+teachers: each its routed examples, into OUTPUT/teacher_topk/<name>/, one teacher loaded at a time), else load
 each teacher frozen (with offload, its weights on the CPU between scoring calls); with mode=on_policy and
 lmbda > 0, build the student's generator (rollout:). Then for each optimizer step draw micro_batch_size x
 gradient_accumulation_steps rows; with probability lmbda (a draw seeded by the run's seed and the step) the step is
@@ -18,7 +19,8 @@ by a global generator, so a resumed run repeats an uninterrupted one; sampling a
 temperatures (rollout.temperature, loss.temperature); no seq_kd (teacher-sampled completions).
 
 Several teachers (MOPD): teacher_column routes each row to the one teacher whose route lists its value; each
-teacher scores its rows of every micro-batch, and per-teacher metrics come from one more graph-free forward pass.
+teacher scores its rows of every micro-batch (or, precomputed, only its rows of the training set once), and
+per-teacher metrics come from one more graph-free forward pass.
 
 A teacher whose tokenizer differs from the student's goes through the aligner instead (algorithms/distill_xtoken.py):
 the data is tokenized by both, cut into aligned chunks, and each micro-batch is a CrossTokenizerBatch trained with
@@ -26,7 +28,7 @@ the data is tokenized by both, cut into aligned chunks, and each micro-batch is 
 on-policy step the student's samples are aligned there too (their text in each teacher's tokens). kd_loss_mode=sum or
 average sends every teacher through the aligner, each scoring every row, their chunks weighted 1 or 1/n.
 
-Not built here yet (docs/distillation.md): packed rows, precompute with several teachers on the plain path.
+Not built here yet (docs/distillation.md): packed rows.
 """
 
 from __future__ import annotations
@@ -113,11 +115,31 @@ class TeacherTopk:
     ids: torch.Tensor
     offsets: torch.Tensor
 
+    def example(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Example i's top-k: ([targets, k] log-probabilities, [targets, k] ids)."""
+        return self.logprobs[self.offsets[i]:self.offsets[i + 1]], self.ids[self.offsets[i]:self.offsets[i + 1]]
+
     def batch(self, rows: SFTBatch, example_indices: Sequence[int]) -> DistillBatch:
         """`rows` (collated padded from the examples `example_indices`, one per row) with their top-k placed at the
         positions that predict each target."""
-        return _place_topk(rows, [(self.logprobs[self.offsets[i]:self.offsets[i + 1]],
-                                   self.ids[self.offsets[i]:self.offsets[i + 1]]) for i in example_indices])
+        return _place_topk(rows, [self.example(i) for i in example_indices])
+
+
+@dataclass(frozen=True)
+class RoutedTeacherTopk:
+    """Several teachers' precomputed top-k: each teacher's TeacherTopk holds only the training examples routed to
+    it, in example order.
+
+    parts: one TeacherTopk per teacher of cfg.teachers (None for a teacher no example is routed to); where:
+    training example i -> (its teacher's index, its position in that teacher's TeacherTopk)."""
+
+    parts: list[TeacherTopk | None]
+    where: list[tuple[int, int]]
+
+    def batch(self, rows: SFTBatch, example_indices: Sequence[int]) -> DistillBatch:
+        """As TeacherTopk.batch, each row's top-k taken from its own teacher's part."""
+        return _place_topk(rows, [self.parts[t].example(position)
+                                  for t, position in (self.where[i] for i in example_indices)])
 
 
 def _place_topk(rows: SFTBatch, per_row: list[tuple[torch.Tensor, torch.Tensor]]) -> DistillBatch:
@@ -158,10 +180,48 @@ def precomputed_topk(output_dir: Path, teacher_cfg: TeacherSection, loss: Distil
     """OUTPUT/teacher_topk/'s top-k when it was computed from this teacher, k, temperature and data and its
     checksum holds (a resumed run); else the teacher is loaded, scores every example once, the file is written
     (topk.safetensors, then manifest.json with its SHA-256, each renamed into place) and the teacher is freed."""
-    folder = output_dir / TEACHER_TOPK_DIR
-    path, manifest_path = folder / "topk.safetensors", folder / "manifest.json"
     settings = {"teacher": teacher_cfg.name_or_path, "dtype": teacher_cfg.dtype, "topk": loss.topk,
                 "temperature": loss.temperature, "examples": len(examples), "data_sha256": data_fingerprint(examples)}
+    return topk_file(output_dir / TEACHER_TOPK_DIR, settings, teacher_cfg, loss, examples, pad_token_id, trainer,
+                     device, run_log)
+
+
+def routed_precomputed_topk(output_dir: Path, cfg: DistillConfig, examples: Sequence[TokenizedExample],
+                            routes: Sequence[int], pad_token_id: int, device: torch.device,
+                            run_log) -> RoutedTeacherTopk:
+    """Several teachers with precompute: each teacher's top-k at only the examples routed to it, in
+    OUTPUT/teacher_topk/<name>/ (topk.safetensors and manifest.json, as one teacher's, with teacher_column, the
+    route and a SHA-256 of the routed examples' indices in its settings and data_sha256 of those examples). One
+    teacher after the other: a file whose settings and checksum hold is reused, else that teacher is loaded, scores
+    its examples and is freed before the next one loads; a teacher no example is routed to is not loaded."""
+    parts: list[TeacherTopk | None] = []
+    where: list[tuple[int, int]] = [(-1, -1)] * len(examples)
+    for index, teacher_cfg in enumerate(cfg.teachers):
+        members = [i for i, route in enumerate(routes) if route == index]
+        for position, i in enumerate(members):
+            where[i] = (index, position)
+        if not members:
+            run_log.message(f"teacher top-k: no training example is routed to teacher {teacher_cfg.name} "
+                            f"({cfg.teacher_column} in {teacher_cfg.route}); not loaded")
+            parts.append(None)
+            continue
+        routed = [examples[i] for i in members]
+        settings = {"teacher": teacher_cfg.name_or_path, "dtype": teacher_cfg.dtype, "topk": cfg.loss.topk,
+                    "temperature": cfg.loss.temperature, "teacher_column": cfg.teacher_column,
+                    "route": teacher_cfg.route, "examples": len(routed), "data_sha256": data_fingerprint(routed),
+                    "example_indices_sha256": hashlib.sha256(json.dumps(members).encode()).hexdigest()}
+        parts.append(topk_file(output_dir / TEACHER_TOPK_DIR / teacher_cfg.name, settings, teacher_cfg, cfg.loss,
+                               routed, pad_token_id, cfg.trainer, device, run_log))
+    return RoutedTeacherTopk(parts, where)
+
+
+def topk_file(folder: Path, settings: dict, teacher_cfg: TeacherSection, loss: DistillationLossConfig,
+              examples: Sequence[TokenizedExample], pad_token_id: int, trainer: TrainerConfig,
+              device: torch.device, run_log) -> TeacherTopk:
+    """folder/topk.safetensors when folder/manifest.json records these settings and the file's SHA-256 holds; else
+    the teacher is loaded, scores `examples` once, the file is written (topk.safetensors, then manifest.json with
+    the settings and its SHA-256, each renamed into place) and the teacher is freed."""
+    path, manifest_path = folder / "topk.safetensors", folder / "manifest.json"
     if manifest_path.exists() and path.exists():
         manifest = json.loads(manifest_path.read_text())
         if manifest["settings"] == settings and manifest["sha256"] == sha256_all([path])[0]:
@@ -173,7 +233,7 @@ def precomputed_topk(output_dir: Path, teacher_cfg: TeacherSection, loss: Distil
     started = time.perf_counter()
     teacher = build_scorer(teacher_cfg.as_model(), trainer, device, role="teacher")
     topk = examples_topk(teacher, examples, loss, pad_token_id, trainer.eval_batch_size)
-    del teacher  # the student trains without the teacher resident
+    del teacher  # the student (and the next teacher) loads without this teacher resident
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -411,6 +471,8 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
         if aligned is not None:  # the teachers' scores per aligned chunk
             chunked = cross_tokenizer_teachers(cfg, output_dir, tokenizer, teacher_tokenizers, train_examples, aligned,
                                                routes, device, run_log)
+        elif teacher_cfg.precompute and len(cfg.teachers) > 1:  # each teacher its routed examples, one at a time
+            cached = routed_precomputed_topk(output_dir, cfg, train_examples, routes, pad, device, run_log)
         elif teacher_cfg.precompute:
             cached = precomputed_topk(output_dir, teacher_cfg, cfg.loss, train_examples, pad,
                                       trainer, device, run_log)

@@ -65,7 +65,9 @@ class TeacherSection(Section):
 
     precompute: bool = False
     """distill only: score every training example's top-k once before training, into OUTPUT/teacher_topk/ (with
-    a checksum; a resumed run reuses it), and free the teacher, so it is not resident while the student trains."""
+    a checksum; a resumed run reuses it), and free the teacher, so it is not resident while the student trains.
+    Several teachers: all or none; each scores only the rows routed to it, into OUTPUT/teacher_topk/<name>/, one
+    teacher loaded at a time."""
 
     offload: bool = False
     """Keep the teacher's weights in CPU memory and move them to the training device only while the teacher scores
@@ -519,9 +521,10 @@ class DistillConfig(RecipeConfig):
             if not teacher.route:
                 raise ValueError(f"teachers[{i}].route is empty: list the {self.teacher_column!r} values whose rows "
                                  f"teacher {teacher.name!r} scores")
-            if len(self.teachers) > 1 and teacher.precompute:
-                raise ValueError(f"teachers[{i}].precompute=true with several teachers is not built yet; set it "
-                                 "false (each teacher then scores its rows each step)")
+            if teacher.precompute != self.teachers[0].precompute:
+                raise ValueError(f"teachers[{i}].precompute={str(teacher.precompute).lower()} but teachers[0]."
+                                 f"precompute={str(self.teachers[0].precompute).lower()}: with several teachers "
+                                 "either every teacher's top-k is precomputed or none is; set them alike")
             for value in teacher.route:
                 if value in served:
                     raise ValueError(f"teachers[{i}].route: the {self.teacher_column!r} value {value!r} is also "
@@ -564,11 +567,13 @@ class DistillConfig(RecipeConfig):
             return
         if self.on_policy_fraction == 0:
             return
-        for i, teacher in enumerate(self.teachers):
-            if teacher.precompute:
-                raise ValueError(f"teachers[{i}].precompute=true cannot serve mode=on_policy with lmbda="
-                                 f"{self.on_policy_fraction:g}: on-policy steps score the student's new samples each "
-                                 f"step; set teachers[{i}].precompute=false (or lmbda=0)")
+        precomputed = [i for i, teacher in enumerate(self.teachers) if teacher.precompute]
+        if precomputed:
+            first = precomputed[0]
+            others = " (and every other teacher's)" if len(precomputed) > 1 else ""
+            raise ValueError(f"teachers[{first}].precompute=true cannot serve mode=on_policy with lmbda="
+                             f"{self.on_policy_fraction:g}: on-policy steps score the student's new samples each "
+                             f"step; set teachers[{first}].precompute=false{others} (or lmbda=0)")
         if self.loss.nll_weight > 0:
             raise ValueError("loss.nll_weight > 0 with mode=on_policy and lmbda > 0: on an on-policy step the NLL "
                              "term would train the student on its own samples; set loss.nll_weight=0")
