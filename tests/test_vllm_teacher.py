@@ -315,11 +315,22 @@ def test_grpo_config_refuses_what_a_vllm_opd_teacher_cannot_do_naming_the_keys(t
     load_config(GRPOConfig, None, [*base, "teacher={name_or_path: t}", *overrides])  # control: transformers
 
 
-def test_a_vllm_teacher_is_refused_under_torchrun(monkeypatch):
+def test_a_vllm_teacher_is_refused_under_torchrun(fake_vllm, monkeypatch):
+    builders.check_teacher_backend(TeacherSection(name_or_path="t", backend="vllm"))  # one process: passes
     monkeypatch.setattr(builders, "is_distributed", lambda: True)
     with pytest.raises(RunError, match="teacher t: backend=vllm runs in one process"):
         builders.check_teacher_backend(TeacherSection(name_or_path="t", backend="vllm"))
     builders.check_teacher_backend(TeacherSection(name_or_path="t"))  # control: transformers passes
+
+
+def test_without_vllm_installed_the_teacher_says_how_to_install_it_before_any_model_loads(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # makes `import vllm` raise ImportError
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # what the scorer sets, put back after the test
+    with pytest.raises(ImportError, match=r"teacher t with backend=vllm needs the vllm package.*posttrain\[vllm\]"):
+        builders.check_teacher_backend(TeacherSection(name_or_path="t", backend="vllm"))
+    with pytest.raises(ImportError, match=r"a teacher with backend=vllm needs the vllm package"):
+        VLLMScoringWorker("posttrain/tiny")
+    builders.check_teacher_backend(TeacherSection(name_or_path="t"))  # control: transformers needs no vllm
 
 
 # ---- the recipes ---------------------------------------------------------------------------------------------

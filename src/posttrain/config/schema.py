@@ -95,8 +95,8 @@ class TeacherSection(Section):
                              "backend=transformers")
         if self.backend == "vllm" and self.precompute:
             raise ValueError("backend=vllm with precompute=true is not built yet (the precomputed file does not "
-                             "record the backend, and the engine's GPU memory is not released before the student "
-                             "loads); set precompute=false, and the vLLM teacher scores each micro-batch")
+                             "record the backend, and freeing the engine's GPU memory before the student loads is "
+                             "not built); set precompute=false, and the vLLM teacher scores each micro-batch")
         if self.backend != "vllm" and "vllm_gpu_memory_utilization" in self.model_fields_set:
             raise ValueError("vllm_gpu_memory_utilization applies to backend=vllm; set backend=vllm or remove it")
         return self

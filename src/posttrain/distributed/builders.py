@@ -17,6 +17,7 @@ from posttrain.config.schema import LoraSection, ModelConfig, TeacherSection, Tr
 from posttrain.process_group import is_distributed, world_size
 from posttrain.errors import RunError
 from posttrain.distributed.fsdp import FSDP2ScoringWorker, FSDP2ValueWorker, build_fsdp_policy
+from posttrain.generation.vllm_backend import import_vllm
 from posttrain.generation.vllm_scorer import VLLMScoringWorker
 from posttrain.models.loading import load_causal_lm, load_trainable_model
 from posttrain.models.lora import TaskKind
@@ -75,12 +76,15 @@ def build_teacher(teacher: TeacherSection, trainer: TrainerConfig, device: torch
 
 
 def check_teacher_backend(teacher: TeacherSection) -> None:
-    """RunError for a vLLM teacher in a data-parallel run (called before any model loads): its engine runs in one
-    process on one GPU, and under torchrun every rank would start its own in a process group that vLLM's
-    in-process engine does not expect."""
-    if teacher.backend == "vllm" and is_distributed():
+    """For a vLLM teacher, before any model loads: RunError in a data-parallel run (its engine runs in one process
+    on one GPU, and under torchrun every rank would start its own in a process group that vLLM's in-process
+    engine does not expect); ImportError, saying how to install it, without the vllm package."""
+    if teacher.backend != "vllm":
+        return
+    if is_distributed():
         raise RunError(f"teacher {teacher.name_or_path}: backend=vllm runs in one process for now; run without "
                        "torchrun, or set the teacher's backend=transformers (an FSDP2 scorer under torchrun)")
+    import_vllm(f"teacher {teacher.name_or_path} with backend=vllm")
 
 
 def check_split(trainer: TrainerConfig) -> None:

@@ -188,7 +188,7 @@ class VLLMScoringWorker:
                  **engine_kwargs: Any) -> None:
         for name, value in vllm_environment(1).items():
             os.environ.setdefault(name, value)  # read when the engine starts; a value set by the user wins
-        self._vllm = import_vllm()
+        self._vllm = import_vllm(f"a {role} with backend=vllm")
         self._tokens_prompt = importlib.import_module("vllm.inputs").TokensPrompt
         self.role = role
         self.max_logprobs = max_logprobs
