@@ -138,8 +138,8 @@ def teacher_dir(tiny_model_dir, tmp_path_factory) -> Path:
 
 def padded_rows() -> SFTBatch:
     """Rows of 5, 12, 1 and 9 tokens, right-padded to 12; the last tokens of each row are targets."""
-    examples = [TokenizedExample(tuple((7 * n + 3 * i) % 250 + 3 for i in range(n)), (0,) * (n // 2) + (1,) * (n - n // 2))
-                for n in (5, 12, 1, 9)]
+    examples = [TokenizedExample(tuple((7 * n + 3 * i) % 250 + 3 for i in range(n)),
+                                 (0,) * (n // 2) + (1,) * (n - n // 2)) for n in (5, 12, 1, 9)]
     return collate(examples, pad_token_id=0, packing=False, max_length=12)
 
 
