@@ -64,7 +64,7 @@ def pickle_every_worker(monkeypatch=None, calls: list[str] | None = None) -> lis
     calls = [] if calls is None else calls
     patch = monkeypatch.setattr if monkeypatch is not None else setattr
     for module in (sft, dpo, rm, grpo, ppo, rl):
-        for builder in ("build_policy", "build_critic", "build_scorer"):
+        for builder in ("build_policy", "build_critic", "build_scorer", "build_teacher"):
             real = getattr(module, builder, None)
             if real is not None:
                 patch(module, builder, lambda *args, real=real, **kwargs: PickledCalls(real(*args, **kwargs), calls))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import posttrain.algorithms.distill as distill
+import posttrain.distributed.builders as builders
 from posttrain.algorithms.distill import is_on_policy_step, sampling_seed, train_distill
 from posttrain.config import ConfigError, DistillConfig, load_config
 from posttrain.config.losses import DistillationLossConfig
@@ -229,13 +230,13 @@ def test_an_offloaded_teacher_moves_to_its_compute_device_only_while_it_scores(t
 
 def test_teacher_offload_gives_the_resident_teachers_losses(tmp_path, teacher_dir, monkeypatch):
     built = []
-    original = distill.build_scorer
+    original = builders.build_scorer  # what build_teacher calls for the transformers backend
 
     def recording_build_scorer(*args, **kwargs):
         built.append(kwargs.get("offload", False))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(distill, "build_scorer", recording_build_scorer)
+    monkeypatch.setattr(builders, "build_scorer", recording_build_scorer)
     train_distill(config(tmp_path / "resident", teacher_dir, "mode=on_policy", "lmbda=0.5", "trainer.max_steps=3"))
     train_distill(config(tmp_path / "offload", teacher_dir, "mode=on_policy", "lmbda=0.5", "trainer.max_steps=3",
                          offload=True))

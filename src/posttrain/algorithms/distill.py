@@ -79,7 +79,8 @@ from posttrain.data.errors import DataError
 from posttrain.data.loading import iter_records
 from posttrain.data.sampler import EpochSampler, check_step_fits
 from posttrain.data.types import DistillBatch, SFTBatch, TokenizedExample
-from posttrain.distributed.builders import build_policy, build_scorer, check_split
+from posttrain.distributed.builders import (build_policy, build_scorer, build_teacher, check_split,
+                                            check_teacher_backend)
 from posttrain.errors import RunError
 from posttrain.generation.base import Generator, SamplingParams
 from posttrain.models.loading import default_device, load_tokenizer
@@ -437,6 +438,8 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
     if teacher_cfg.precompute and is_distributed():
         raise RunError("teacher.precompute=true runs in one process for now; run without torchrun, or set "
                        "teacher.precompute=false")
+    for each in cfg.teachers:
+        check_teacher_backend(each)
 
     # Data first: a malformed row should fail before minutes go into loading a model.
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
@@ -476,8 +479,8 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
         elif teacher_cfg.precompute:
             cached = precomputed_topk(output_dir, teacher_cfg, cfg.loss, train_examples, pad,
                                       trainer, device, run_log)
-        else:  # each teacher loaded once
-            teachers = [build_scorer(each.as_model(), trainer, device, role="teacher", offload=each.offload)
+        else:  # each teacher loaded once (backend: transformers, or a vLLM engine)
+            teachers = [build_teacher(each, trainer, device, max_length=cfg.data.max_length, topk=cfg.loss.topk)
                         for each in cfg.teachers]
         loss = (CrossTokenizerObjective(cfg.loss, teacher_names=chunked.names) if chunked is not None
                 else DistillationObjective(cfg.loss))

@@ -50,7 +50,7 @@ from posttrain.data import load_sft_examples
 from posttrain.data.alignment import Chunk, TokenSurfaces, align_tokens, exact_projection
 from posttrain.data.collate import collate
 from posttrain.data.types import CrossTokenizerBatch, SFTBatch, TokenizedExample
-from posttrain.distributed.builders import build_scorer
+from posttrain.distributed.builders import build_scorer, build_teacher
 from posttrain.errors import RunError
 from posttrain.rundir import sha256_all
 from posttrain.workers.base import ScoringWorker
@@ -328,8 +328,8 @@ def chunk_teacher(output_dir: Path, teacher_cfg: TeacherSection, loss: Distillat
     teacher_pad_token_id = next(i for i in (teacher_tokenizer.pad_token_id, teacher_tokenizer.eos_token_id, 0)
                                 if i is not None)
     if not teacher_cfg.precompute:
-        return LiveChunkTeacher(build_scorer(teacher_cfg.as_model(), trainer, device, role="teacher",
-                                             offload=teacher_cfg.offload), data, loss, teacher_pad_token_id)
+        return LiveChunkTeacher(build_teacher(teacher_cfg, trainer, device, topk=loss.topk), data, loss,
+                                teacher_pad_token_id)
     folder = output_dir / "teacher_topk" / subfolder
     path, manifest_path = folder / "chunks.safetensors", folder / "chunks_manifest.json"
     settings = {"teacher": teacher_cfg.name_or_path, "dtype": teacher_cfg.dtype, "topk": loss.topk,

@@ -58,7 +58,7 @@ from posttrain.algorithms.rl import (
 from posttrain.checkpoint import POLICY
 from posttrain.config.schema import GRPOConfig
 from posttrain.data.types import RolloutBatch
-from posttrain.distributed.builders import build_policy, build_scorer
+from posttrain.distributed.builders import build_policy, build_teacher, check_teacher_backend
 from posttrain.models.loading import load_tokenizer
 from posttrain.rundir import one_run_per_output_dir
 from posttrain.workers.objectives import PolicyGradientObjective
@@ -76,6 +76,8 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
                                    temperature=rollout.temperature)
 
     updates_per_step = cfg.update.ppo_epochs * cfg.update.num_minibatches
+    if cfg.teacher is not None:
+        check_teacher_backend(cfg.teacher)  # before any model loads
     policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, run.device,
                           schedule=per_update_schedule(trainer, updates_per_step), resume_dir=run.worker_dir(POLICY))
     # The reference is the starting model, also when resuming; loaded only when the KL penalty needs it. With LoRA
@@ -85,8 +87,7 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
     teacher = None
     if cfg.teacher is not None:
         check_same_tokenizer(tokenizer, load_tokenizer(cfg.teacher.as_model()), cfg.teacher.name_or_path)
-        teacher = build_scorer(cfg.teacher.as_model(), trainer, run.device, role="teacher",
-                              offload=cfg.teacher.offload)
+        teacher = build_teacher(cfg.teacher, trainer, run.device)
     generator = policy_generator(cfg, tokenizer, policy)
     source, start_step = run.rollout_source(cfg, generator, weights, dynamic_sampling=rollout.dynamic_sampling)
 

@@ -75,11 +75,32 @@ class TeacherSection(Section):
     weights over the host link per scoring call. On a CPU-only machine nothing moves. One process only (refused
     under torchrun)."""
 
+    backend: Literal["transformers", "vllm"] = "transformers"
+    """How the teacher scores: transformers (the model loaded in this process, CPU or GPU) or vllm (a vLLM engine in
+    this process on the GPU, vllm extra: the prompt log-probabilities of the rows' tokens, read into the same
+    top-k and log-probabilities). vllm scores at temperature 1 only (vLLM's prompt log-probabilities ignore the
+    temperature), one vLLM engine per run, in one process; refused with offload, precompute, a temperature other
+    than 1, a vLLM rollout generator or a second vllm teacher, and under torchrun."""
+
+    vllm_gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)
+    """backend=vllm: fraction of the GPU's memory the teacher's engine may take (weights, activations, KV cache);
+    the rest is left to the student."""
+
     @model_validator(mode="after")
     def _one_way_out_of_memory(self) -> TeacherSection:
         if self.precompute and self.offload:
             raise ValueError("teacher precompute and offload: precompute frees the teacher after scoring the data "
                              "once, so there is nothing to offload; set one of them")
+        if self.backend == "vllm" and self.offload:
+            raise ValueError("backend=vllm with offload=true: a vLLM engine keeps its weights and KV cache on the "
+                             "GPU (vllm_gpu_memory_utilization bounds them); set offload=false or "
+                             "backend=transformers")
+        if self.backend == "vllm" and self.precompute:
+            raise ValueError("backend=vllm with precompute=true is not built yet (the precomputed file does not "
+                             "record the backend, and freeing the engine's GPU memory before the student loads is "
+                             "not built); set precompute=false, and the vLLM teacher scores each micro-batch")
+        if self.backend != "vllm" and "vllm_gpu_memory_utilization" in self.model_fields_set:
+            raise ValueError("vllm_gpu_memory_utilization applies to backend=vllm; set backend=vllm or remove it")
         return self
 
     def as_model(self) -> ModelConfig:
@@ -449,8 +470,8 @@ class DistillConfig(RecipeConfig):
     teachers: list[TeacherSection] = Field(default_factory=list)
     """The teacher models, each {name_or_path, dtype (float32 or bfloat16), precompute (bool: score the training
     set's top-k once into OUTPUT/teacher_topk/ and free the teacher), offload (bool: weights on the CPU, moved to
-    the training device only while scoring), name, route}. Several teachers (MOPD) each score the rows whose
-    teacher_column value their `route` lists."""
+    the training device only while scoring), backend (transformers, or vllm: scored by a vLLM engine on the GPU),
+    name, route}. Several teachers (MOPD) each score the rows whose teacher_column value their `route` lists."""
 
     teacher_column: str | None = None
     """Several teachers: the training data's column whose value sends each row to the one teacher whose `route`
@@ -490,7 +511,28 @@ class DistillConfig(RecipeConfig):
             raise ValueError("data.packing=true is not built for distill yet (the teacher's top-k travels per "
                              "padded row); set data.packing=false")
         self._check_on_policy()
+        self._check_vllm_teacher()
         return self
+
+    def _check_vllm_teacher(self) -> None:
+        """backend=vllm: one vLLM engine per process, scoring at temperature 1."""
+        served = [i for i, teacher in enumerate(self.teachers) if teacher.backend == "vllm"]
+        if not served:
+            return
+        i = served[0]
+        if len(served) > 1:
+            raise ValueError(f"teachers[{served[1]}].backend=vllm: teachers[{i}] is served by vLLM already, and one "
+                             "vLLM engine per process is built; set backend=transformers on all teachers but one")
+        if self.loss.temperature != 1.0:
+            raise ValueError(f"teachers[{i}].backend=vllm with loss.temperature={self.loss.temperature:g}: vLLM "
+                             "computes prompt log-probabilities from the raw logits whatever the request's "
+                             "temperature, and a temperature cannot be applied to a top-k afterwards (its "
+                             f"normalizer needs every logit); set loss.temperature=1 or teachers[{i}].backend="
+                             "transformers")
+        if self.on_policy_fraction > 0 and self.rollout.backend == "vllm":
+            raise ValueError(f"teachers[{i}].backend=vllm with rollout.backend=vllm: the student's sampler and the "
+                             "teacher would be two vLLM engines in one process, which is not built; set one of "
+                             "them to transformers")
 
     def _check_teachers(self) -> None:
         """One teacher, or several each with a name and the teacher_column values it serves (each value one
@@ -1041,8 +1083,9 @@ class GRPOConfig(OnlineRLConfig):
     """Advantage estimator."""
 
     teacher: TeacherSection | None = None
-    """advantage.estimator=opd: the teacher, {name_or_path, dtype}, whose log-probabilities of the sampled tokens
-    (under rollout.temperature) make the advantages; it must use the policy's tokenizer. null otherwise."""
+    """advantage.estimator=opd: the teacher, {name_or_path, dtype, offload, backend}, whose log-probabilities of
+    the sampled tokens (under rollout.temperature) make the advantages; it must use the policy's tokenizer. null
+    otherwise."""
 
     @model_validator(mode="after")
     def _check(self) -> GRPOConfig:
@@ -1054,6 +1097,16 @@ class GRPOConfig(OnlineRLConfig):
             raise ValueError("teacher.route applies to posttrain distill with several teachers")
         if self.teacher is not None and self.teacher.precompute:
             raise ValueError("teacher.precompute applies to posttrain distill; on-policy samples are new each step")
+        if self.teacher is not None and self.teacher.backend == "vllm":
+            if self.rollout.temperature != 1.0:
+                raise ValueError(f"teacher.backend=vllm with rollout.temperature={self.rollout.temperature:g}: OPD "
+                                 "scores the samples under the rollout temperature, and vLLM computes prompt "
+                                 "log-probabilities from the raw logits whatever the request's temperature; set "
+                                 "rollout.temperature=1 or teacher.backend=transformers")
+            if self.rollout.backend == "vllm":
+                raise ValueError("teacher.backend=vllm with rollout.backend=vllm: the sampler and the teacher would "
+                                 "be two vLLM engines in one process, which is not built; set one of them to "
+                                 "transformers")
         if "opd_reward_weight" in self.advantage.model_fields_set and self.advantage.estimator != "opd":
             raise ValueError("advantage.opd_reward_weight applies only to advantage.estimator='opd'")
         if (self.advantage.estimator == "opd" and self.advantage.opd_reward_weight > 0

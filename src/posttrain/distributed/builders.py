@@ -2,8 +2,9 @@
 
 Under torchrun (or `posttrain RECIPE --nproc-per-node N`, which starts it) `build_policy`, `build_critic` and
 `build_scorer` return FSDP2 workers sharded over the ranks (distributed/fsdp.py); in a single process the local
-workers. The recipe loops call these and are otherwise unaware of the number of processes. See
-docs/distributed.md and docs/design.md (how another kind of worker plugs in here).
+workers. `build_teacher` picks a teacher's scorer by its backend: `build_scorer`'s, or a vLLM engine in this
+process (generation/vllm_scorer.py; one process only). The recipe loops call these and are otherwise unaware of
+the number of processes. See docs/distributed.md and docs/design.md (how another kind of worker plugs in here).
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from pathlib import Path
 
 import torch
 
-from posttrain.config.schema import LoraSection, ModelConfig, TrainerConfig
+from posttrain.config.schema import LoraSection, ModelConfig, TeacherSection, TrainerConfig
 from posttrain.process_group import is_distributed, world_size
 from posttrain.errors import RunError
 from posttrain.distributed.fsdp import FSDP2ScoringWorker, FSDP2ValueWorker, build_fsdp_policy
+from posttrain.generation.vllm_backend import import_vllm
+from posttrain.generation.vllm_scorer import VLLMScoringWorker
 from posttrain.models.loading import load_causal_lm, load_trainable_model
 from posttrain.models.lora import TaskKind
 from posttrain.workers import local, value
@@ -57,6 +60,31 @@ def build_scorer(model: ModelConfig, trainer: TrainerConfig, device: torch.devic
         raise RunError(f"{role} offload runs in one process for now; run without torchrun, or set offload=false "
                        "(an FSDP2 scorer holds only its shard of the weights)")
     return FSDP2ScoringWorker(load_causal_lm(model, device=device), trainer, role)
+
+
+def build_teacher(teacher: TeacherSection, trainer: TrainerConfig, device: torch.device, *,
+                  max_length: int | None = None, topk: int = 20) -> ScoringWorker:
+    """A frozen teacher by its teacher.backend: transformers, `build_scorer` (with teacher.offload); vllm, a vLLM
+    engine in this process (generation/vllm_scorer.py) taking rows of up to `max_length` tokens (None: the
+    model's own limit) and top-k requests up to `topk`. RunError under torchrun for vllm."""
+    if teacher.backend == "transformers":
+        return build_scorer(teacher.as_model(), trainer, device, role="teacher", offload=teacher.offload)
+    check_teacher_backend(teacher)
+    return VLLMScoringWorker(teacher.name_or_path, role="teacher", dtype=teacher.dtype,
+                             gpu_memory_utilization=teacher.vllm_gpu_memory_utilization,
+                             max_model_len=None if max_length is None else max_length + 1, max_logprobs=topk)
+
+
+def check_teacher_backend(teacher: TeacherSection) -> None:
+    """For a vLLM teacher, before any model loads: RunError in a data-parallel run (its engine runs in one process
+    on one GPU, and under torchrun every rank would start its own in a process group that vLLM's in-process
+    engine does not expect); ImportError, saying how to install it, without the vllm package."""
+    if teacher.backend != "vllm":
+        return
+    if is_distributed():
+        raise RunError(f"teacher {teacher.name_or_path}: backend=vllm runs in one process for now; run without "
+                       "torchrun, or set the teacher's backend=transformers (an FSDP2 scorer under torchrun)")
+    import_vllm(f"teacher {teacher.name_or_path} with backend=vllm")
 
 
 def check_split(trainer: TrainerConfig) -> None:

@@ -102,13 +102,13 @@ FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
 """vLLM's finish_reason → posttrain's. Anything else (vLLM's "abort") is an error."""
 
 
-def import_vllm() -> ModuleType:
-    """The vllm package, or an ImportError that says how to install it."""
+def import_vllm(user: str = "the vLLM generation backend") -> ModuleType:
+    """The vllm package, or an ImportError that says how to install it (`user`: what needs it, for the message)."""
     try:
         return importlib.import_module("vllm")
     except ImportError as err:
         raise ImportError(
-            f"the vLLM generation backend needs the vllm package, which is not installed ({err}). "
+            f"{user} needs the vllm package, which is not installed ({err}). "
             f"Install it with: {VLLM_INSTALL_HINT}. On a CPU-only machine use the transformers backend."
         ) from err
 
