@@ -17,15 +17,14 @@ from transformers import PreTrainedTokenizerFast
 
 from posttrain.algorithms.distill import train_distill
 from posttrain.algorithms.distill_xtoken import PROJECTION_DIR
-from posttrain.algorithms.sft import train_sft
-from posttrain.config import DistillConfig, SFTConfig, load_config
+from posttrain.config import DistillConfig, load_config
 from posttrain.config.schema import ModelConfig
 from posttrain.errors import RunError
 from posttrain.logging import read_metrics
 from posttrain.models.loading import load_causal_lm, load_tokenizer
 from posttrain.rundir import sha256_all
 
-from teachers_for_tests import ARITHMETIC_64, TINY_DISTILL, perturbed_tiny_teacher
+from teachers_for_tests import ARITHMETIC_64, TINY_DISTILL, perturbed_tiny_teacher, sft_on_64_rows
 
 TINY = [*TINY_DISTILL, ARITHMETIC_64]
 
@@ -95,13 +94,7 @@ def test_a_teacher_with_another_tokenizer_trains_and_stores_its_projection(tmp_p
 def confident_bpe_teacher(bpe_teacher_dir, tmp_path_factory) -> Path:
     """posttrain/tiny-bpe after 150 SFT steps on the 64 training rows: it has their completions nearly by heart, so
     its chunk likelihoods say something."""
-    folder = tmp_path_factory.mktemp("sft-bpe")
-    result = train_sft(load_config(SFTConfig, None, [
-        "model.name_or_path=posttrain/tiny-bpe", "data.train_files=['posttrain/arithmetic[:64]']",
-        "data.max_length=32", "trainer.micro_batch_size=16", "trainer.max_steps=150", "trainer.learning_rate=3e-3",
-        "trainer.lr_scheduler=constant", "logging.progress=none", "logging.plot=false", "logging.report=false",
-        f"output_dir={folder}"]))
-    return result.final_dir
+    return sft_on_64_rows("posttrain/tiny-bpe", tmp_path_factory.mktemp("sft-bpe"))
 
 
 def test_the_student_moves_toward_the_cross_tokenizer_teacher(tmp_path, confident_bpe_teacher):

@@ -21,15 +21,14 @@ from posttrain.algorithms.distill_xtoken import (
     ExampleChunks,
     sampled_teacher_example,
 )
-from posttrain.algorithms.sft import train_sft
-from posttrain.config import DistillConfig, SFTConfig, load_config
+from posttrain.config import DistillConfig, load_config
 from posttrain.config.schema import ModelConfig
 from posttrain.data.alignment import Chunk, TokenSurfaces, exact_projection
 from posttrain.data.types import TokenizedExample
 from posttrain.logging import read_metrics
 from posttrain.models.loading import load_tokenizer
 
-from teachers_for_tests import ARITHMETIC_64, TINY_DISTILL, perturbed_tiny_teacher
+from teachers_for_tests import ARITHMETIC_64, TINY_DISTILL, perturbed_tiny_teacher, sft_on_64_rows
 
 TINY = [*TINY_DISTILL, ARITHMETIC_64, "mode=on_policy", "rollout.max_new_tokens=6"]
 
@@ -87,13 +86,7 @@ def test_a_sample_cut_without_its_end_of_sequence_and_a_row_the_teacher_lacks(ti
 def digit_student(tiny_model_dir, tmp_path_factory) -> Path:
     """posttrain/tiny after 150 SFT steps on the 64 training rows: it samples digits and its end of sequence (an
     untrained model samples arbitrary bytes, whose text is not valid UTF-8 and so not the same on both sides)."""
-    folder = tmp_path_factory.mktemp("sft-student")
-    result = train_sft(load_config(SFTConfig, None, [
-        "model.name_or_path=posttrain/tiny", "data.train_files=['posttrain/arithmetic[:64]']",
-        "data.max_length=32", "trainer.micro_batch_size=16", "trainer.max_steps=150", "trainer.learning_rate=3e-3",
-        "trainer.lr_scheduler=constant", "logging.progress=none", "logging.plot=false", "logging.report=false",
-        f"output_dir={folder}"]))
-    return result.final_dir
+    return sft_on_64_rows("posttrain/tiny", tmp_path_factory.mktemp("sft-student"))
 
 
 def test_a_same_tokenizer_teacher_on_policy_through_the_aligner_gives_the_plain_losses(tmp_path, digit_student):
