@@ -37,6 +37,7 @@ from posttrain.config.schema import GRPOConfig, PPOConfig, Section
 from posttrain.data.errors import DataError
 from posttrain.envs.rewards import RewardError, RewardFunctionImportError
 from posttrain.errors import RunError
+from posttrain.hub import push_export
 from posttrain.models.errors import ModelNotFoundError
 from posttrain.process_group import barrier, is_main
 from posttrain.preemption import PREEMPTION_SIGNALS, Preempted
@@ -237,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Post-training for language models. Run `posttrain RECIPE --help` for a recipe's keys.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="recipes:\n" + "\n".join(f"  {r.name:<12}{r.summary}" for r in RECIPES.values())
-        + f"\n\nother commands:\n  {'report':<12}{REPORT_SUMMARY}"
+        + f"\n\nother commands:\n  {'report':<12}{REPORT_SUMMARY}\n  {'push':<12}{PUSH_SUMMARY}"
         + "\n\nkeys every training recipe has:\n" + common
         + "\n\nexample:\n  posttrain sft --config configs/sft_arithmetic.yaml trainer.max_steps=200 output_dir=runs/a",
     )
@@ -277,7 +278,31 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's output directory (OUTPUT/)")
     report.add_argument("--output", metavar="FILE.html",
                         help="where to write it (default: RUN_DIR/report.html for one run, ./report.html for several)")
+    push = subparsers.add_parser("push", help=PUSH_SUMMARY, description=_run_push.__doc__)
+    push.add_argument("run_dir", metavar="RUN_DIR", help="a finished run's output directory (OUTPUT/)")
+    push.add_argument("--repo-id", required=True, metavar="ID", help="the Hub repository, NAMESPACE/NAME")
+    push.add_argument("--private", action="store_true", help="create the repository private")
+    push.add_argument("--adapter", action="store_true", help="upload OUTPUT/adapter/ (the LoRA adapter alone) "
+                      "instead of OUTPUT/final/")
     return parser
+
+
+PUSH_SUMMARY = "upload a run's final/ (or adapter/) with its model card to the Hugging Face Hub"
+
+
+def _run_push(args: argparse.Namespace) -> int:
+    """Upload RUN_DIR/final/ (or, with --adapter, RUN_DIR/adapter/) to a Hugging Face Hub repository, creating it
+    if needed, in one commit; its README.md model card is written again first, with the repository id in its
+    loading example. The token is huggingface_hub's: HF_TOKEN, or the one `hf auth login` stored. HF_ENDPOINT
+    chooses another Hub endpoint. The same happens at the end of a run with hub.push_at_end=true."""
+    try:
+        url = push_export(args.run_dir, args.repo_id, private=args.private,
+                          folder="adapter" if args.adapter else "final")
+    except RunError as err:
+        print(f"posttrain push: {err}", file=sys.stderr)
+        return 1
+    print(f"pushed {os.path.join(args.run_dir, 'adapter' if args.adapter else 'final')} to {url}")
+    return 0
 
 
 REPORT_SUMMARY = "write a run's report.html again (curves, config, samples), or one comparing several runs"
@@ -307,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # Overrides after an option (`key=v --nproc-per-node 2 other=w`): argparse gives a positional list one run of
     # arguments, and would blame the later ones as unrecognized.
-    unknown = [item for item in extra if item.startswith("-") or "=" not in item or args.recipe in (None, "report")]
+    unknown = [item for item in extra if item.startswith("-") or "=" not in item or args.recipe in (None, "report", "push")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
@@ -317,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.recipe == "report":
         return _run_report(args)
+    if args.recipe == "push":
+        return _run_push(args)
     recipe = RECIPES[args.recipe]
     nproc = getattr(args, "nproc_per_node", None)
     if nproc is not None:

@@ -22,13 +22,14 @@ from posttrain.checkpoint import (
     restore_trainer_state,
     save_checkpoint,
 )
-from posttrain.config.schema import EvaluationSettings, TrainerConfig
+from posttrain.config.schema import EvaluationSettings, HubSection, RecipeConfig, TrainerConfig
 from posttrain.data.errors import DataError
 from posttrain.data.overlap import check_held_out
 from posttrain.data.sampler import EpochSampler
 from posttrain.process_group import broadcast_object, init_from_env, is_distributed, is_main
 from posttrain.errors import RunError
 from posttrain.generation.base import SamplingParams
+from posttrain.hub import check_push_possible, push_export, write_model_card
 from posttrain.logging import RunLogger, read_metrics
 from posttrain.logging.report import write_run_info
 from posttrain.models.lora import ADAPTER_DIR
@@ -72,6 +73,8 @@ def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, li
             check_export_dir(out / ADAPTER_DIR)
             check_checkpoint_folders(out)
             _check_metrics_file(out / "metrics.jsonl")
+            if isinstance(cfg, RecipeConfig):
+                check_push_possible(cfg.hub)
             for line in held_out_check(cfg):
                 print(line)
         except (RunError, DataError) as error:
@@ -271,13 +274,21 @@ def save_if_due(output_dir: Path, step: int, trainer: TrainerConfig, workers: Ma
             raise preempted(boundary.stop_signal, step, trainer.max_steps, checkpoint.path)
 
 
-def export_policy(output_dir: Path, policy: PolicyWorker, run_log: RunLogger) -> Path:
+def export_policy(output_dir: Path, policy: PolicyWorker, run_log: RunLogger, hub: HubSection) -> Path:
     """Every recipe's end: write OUTPUT/final/ (a Hugging Face model directory; with LoRA first the adapter alone
-    to OUTPUT/adapter/, then merged into its base for final/) and return it. The policy is finished afterwards."""
+    to OUTPUT/adapter/, then merged into its base for final/), a README.md model card in each (posttrain.hub), and
+    with hub.push_at_end upload one of them; return final/. The policy is finished afterwards."""
     exported = policy.export(output_dir)
     if exported.adapter_dir is not None:
         run_log.message(f"LoRA adapter: {exported.adapter_dir}")
     run_log.message(f"final model: {exported.final_dir}")
+    if is_main():
+        for folder in (exported.final_dir, exported.adapter_dir):
+            if folder is not None:
+                write_model_card(output_dir, folder)
+        if hub.push_at_end:
+            url = push_export(output_dir, hub.repo_id, private=hub.private, folder=hub.folder)
+            run_log.message(f"pushed {hub.folder}/ to {url}")
     return exported.final_dir
 
 

@@ -489,5 +489,5 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
             log_step(run_log, step, metrics, trainer)
             save_if_due(output_dir, step, trainer, {POLICY: policy}, sampler)
 
-        final_dir = export_policy(output_dir, policy, run_log)
+        final_dir = export_policy(output_dir, policy, run_log, cfg.hub)
     return DistillResult(output_dir, final_dir, trainer.max_steps, step_loss, eval_nll)

@@ -160,5 +160,5 @@ def train_on_pairs(run: PairRun, cfg: RecipeConfig, policy: PolicyWorker, recipe
             log_step(run_log, step, metrics, trainer)
             save_if_due(run.output_dir, step, trainer, {POLICY: policy}, sampler)
 
-        final_dir = export_policy(run.output_dir, policy, run_log)
+        final_dir = export_policy(run.output_dir, policy, run_log, cfg.hub)
     return metrics, eval_metrics, final_dir

@@ -151,5 +151,5 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
             log_step(run_log, step, metrics, trainer)
             save_if_due(output_dir, step, trainer, {POLICY: policy}, sampler)
 
-        final_dir = export_policy(output_dir, policy, run_log)
+        final_dir = export_policy(output_dir, policy, run_log, cfg.hub)
     return SFTResult(output_dir, final_dir, trainer.max_steps, loss, eval_loss)

@@ -283,6 +283,32 @@ class LoraSection(Section):
     output head."""
 
 
+class HubSection(Section):
+    """Upload the run's export to the Hugging Face Hub when it ends (`posttrain push RUN_DIR --repo-id ID` does
+    the same for a finished run). The token is huggingface_hub's (HF_TOKEN or `hf auth login`), checked before
+    training starts; it is written to no file of the run."""
+
+    push_at_end: bool = False
+    """After writing OUTPUT/final/ (and its README.md model card), create repo_id if needed and upload the folder
+    in one commit. A failed upload stops with an error naming the `posttrain push` command that retries it."""
+
+    repo_id: str | None = Field(None, pattern=r"^(?:[\w.-]+/)?[\w.-]+$")
+    """The repository, NAMESPACE/NAME (or NAME in the token owner's namespace)."""
+
+    private: bool = False
+    """Create the repository private (an existing repository keeps its visibility)."""
+
+    folder: Literal["final", "adapter"] = "final"
+    """final: the whole model (with LoRA, merged into its base); adapter: the LoRA adapter alone (OUTPUT/adapter/,
+    needs lora.enabled)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> HubSection:
+        if self.push_at_end and self.repo_id is None:
+            raise ValueError("hub.push_at_end=true needs hub.repo_id (NAMESPACE/NAME)")
+        return self
+
+
 class RecipeConfig(Section):
     """Keys every training recipe has."""
 
@@ -316,6 +342,16 @@ class RecipeConfig(Section):
 
     lora: LoraSection = Field(default_factory=LoraSection)
     """LoRA adapters instead of full fine-tuning."""
+
+    hub: HubSection = Field(default_factory=HubSection)
+    """Upload OUTPUT/final/ (or adapter/) to the Hugging Face Hub at the end of the run."""
+
+    @model_validator(mode="after")
+    def _check_hub(self) -> RecipeConfig:
+        if self.hub.folder == "adapter" and not self.lora.enabled:
+            raise ValueError("hub.folder=adapter uploads OUTPUT/adapter/, which only a LoRA run writes; set "
+                             "lora.enabled=true or hub.folder=final")
+        return self
 
 
 class SFTConfig(RecipeConfig):
