@@ -33,6 +33,7 @@ from posttrain.config import (
 )
 from posttrain.config.loader import tagged_members, type_name
 from posttrain.config.presets import quickstart_base_config
+from posttrain.config.trl import TRL_NAMES
 from posttrain.config.schema import GRPOConfig, PPOConfig, Section
 from posttrain.data.errors import DataError
 from posttrain.envs.rewards import RewardError, RewardFunctionImportError
@@ -63,7 +64,7 @@ def _finished(cfg: Any, result: Any, shown: tuple[str, ...]) -> None:
     """The closing line of a training recipe (logging.report.describe_finished_run), by rank 0."""
     from posttrain.logging.report import describe_finished_run
 
-    _done(describe_finished_run(result.output_dir, cfg.trainer.max_steps, result.final_dir, shown))
+    _done(describe_finished_run(result.output_dir, result.steps, result.final_dir, shown))
 
 
 def _run_sft(cfg: SFTConfig, args: argparse.Namespace) -> int:
@@ -243,8 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
         + "\n\nexample:\n  posttrain sft --config configs/sft_arithmetic.yaml trainer.max_steps=200 output_dir=runs/a",
     )
     subparsers = parser.add_subparsers(dest="recipe", metavar="RECIPE")
+    parser.recipe_parsers = {}
     for recipe in RECIPES.values():
-        sub = subparsers.add_parser(
+        sub = parser.recipe_parsers[recipe.name] = subparsers.add_parser(
             recipe.name, help=recipe.summary, description=recipe.schema.__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_recipe_epilog(recipe),
         )
@@ -326,9 +328,62 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def flags_as_overrides(recipe: Recipe, options: dict[str, bool], argv: list[str]) -> tuple[list[str], str | None]:
+    """`--KEY VALUE` and `--KEY=VALUE` in a recipe's arguments, where KEY (dashes read as underscores) starts with
+    one of the recipe's config keys and is no option of its own, as the override `KEY=VALUE`. A TRL argument name
+    is answered with the key=value to type instead; any other unknown option with how keys are given. Returns
+    (the arguments, with those rewritten) and the message of the first that cannot be taken, or None. `options`:
+    the recipe's own options, each with whether it takes a value (which is passed on untouched, whatever it
+    looks like: a prompt may start with dashes)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        item = argv[i]
+        i += 1
+        flag, has_value, value = item.partition("=")
+        if flag in options:
+            out.append(item)
+            if options[flag] and not has_value and i < len(argv):
+                out.append(argv[i])
+                i += 1
+            continue
+        if not item.startswith("--") or len(flag) < 3:
+            out.append(item)
+            continue
+        key = flag[2:].replace("-", "_")
+        if not has_value and i < len(argv) and not argv[i].startswith("--"):
+            value, has_value = argv[i], "="
+            i += 1
+        if key.split(".")[0] in recipe.schema.model_fields:
+            if not has_value:
+                return out, (f"{flag} needs a value; config keys are given as key=value, here {key}=VALUE "
+                             f"(posttrain {recipe.name} --help lists them)")
+            out.append(f"{key}={value}")
+            continue
+        trl = TRL_NAMES.get(key)
+        if trl is not None and trl.applies_to(recipe.name):
+            target = trl.key_for(recipe.name)
+            if target is None:
+                return out, f"{flag}: {trl.explain(key, recipe.name)}"
+            typed = target if "=" in target else f"{target}={value if has_value else 'VALUE'}"
+            return out, f"{flag}: {trl.explain(key, recipe.name)}; type {typed}"
+        return out, (f"unrecognized option {flag}: config keys are given as key=value "
+                     f"(posttrain {recipe.name} --help lists them)")
+    return out, None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in RECIPES:
+        recipe = RECIPES[argv[0]]
+        options = {flag: action.nargs != 0
+                   for flag, action in parser.recipe_parsers[recipe.name]._option_string_actions.items()}
+        rest, problem = flags_as_overrides(recipe, options, argv[1:])
+        if problem is not None:
+            print(f"posttrain {recipe.name}: {problem}", file=sys.stderr)
+            return 2
+        argv = [argv[0], *rest]
     args, extra = parser.parse_known_args(argv)
     # Overrides after an option (`key=v --nproc-per-node 2 other=w`): argparse gives a positional list one run of
     # arguments, and would blame the later ones as unrecognized.

@@ -37,7 +37,7 @@ EXPORT_FOLDERS = ("final", "adapter")
 REPO_ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
 
 HYPERPARAMETERS = (
-    "trainer.max_steps", "trainer.learning_rate", "trainer.lr_scheduler", "trainer.warmup_steps",
+    "trainer.max_steps", "trainer.num_epochs", "trainer.learning_rate", "trainer.lr_scheduler", "trainer.warmup_steps",
     "trainer.micro_batch_size", "trainer.gradient_accumulation_steps", "trainer.weight_decay",
     "trainer.max_grad_norm", "trainer.precision", "data.max_length", "data.packing", "data.completion_only_loss",
     "seed", "lora.r", "lora.alpha", "lora.target_modules", "loss.type", "loss.beta", "mode", "kd_loss_mode",

@@ -6,6 +6,7 @@ import math
 import random
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -39,6 +40,7 @@ from posttrain.rundir import check_export_dir, remove_dead_staging
 from posttrain.workers import PolicyWorker
 
 CONFIG_FILE = "config.yaml"
+R = TypeVar("R", bound=RecipeConfig)
 
 
 def evaluation_sampling(settings: EvaluationSettings, max_new_tokens: int | None = None) -> SamplingParams:
@@ -84,6 +86,8 @@ def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, li
         raise problem
     if is_main():
         resolved = cfg.model_dump(mode="json")
+        if isinstance(cfg, RecipeConfig) and cfg.trainer.num_epochs is not None:
+            del resolved["trainer"]["max_steps"]  # derived from the data at its load: num_epochs is the setting
         previous_file = out / CONFIG_FILE
         if previous_file.is_file():
             previous = yaml.safe_load(previous_file.read_text()) or {}
@@ -128,6 +132,19 @@ def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             keys.append(f"{prefix}{key}")
     return keys
+
+
+def with_epochs_as_steps(cfg: R, num_examples: int) -> R:
+    """`cfg` with trainer.max_steps derived from trainer.num_epochs over `num_examples` training examples
+    (TrainerConfig.with_epochs_as_steps); `cfg` itself without num_epochs."""
+    if cfg.trainer.num_epochs is None:
+        return cfg
+    return cfg.model_copy(update={"trainer": cfg.trainer.with_epochs_as_steps(num_examples)})
+
+
+def epochs_note(trainer: TrainerConfig) -> str:
+    """What the run's announcement adds when trainer.num_epochs set the number of steps."""
+    return f"; trainer.num_epochs={trainer.num_epochs}: {trainer.max_steps} steps" if trainer.num_epochs else ""
 
 
 def seed_everything(seed: int) -> None:

@@ -6,6 +6,7 @@ are rejected (``extra="forbid"``) so a typo never silently falls back to a defau
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -130,6 +131,11 @@ class TrainerConfig(NumericSection):
     max_steps: int = Field(100, gt=0)
     """Number of optimizer steps."""
 
+    num_epochs: int | None = Field(None, gt=0)
+    """sft, dpo, rm and distill: train for this many passes over the training set instead of max_steps (not both):
+    max_steps becomes ceil(num_epochs × training examples / (micro_batch_size × gradient_accumulation_steps)) once
+    the data is read, and is printed. config.yaml then records num_epochs, not the derived max_steps."""
+
     learning_rate: float = Field(2e-5, gt=0)
     """Peak learning rate of AdamW."""
 
@@ -223,6 +229,21 @@ class TrainerConfig(NumericSection):
 
     max_nonfinite_skips: int = Field(5, ge=0)
     """With on_nonfinite=skip: stop after more than this many non-finite steps in a row."""
+
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> TrainerConfig:
+        if self.num_epochs is not None and "max_steps" in self.model_fields_set:
+            raise ValueError(f"trainer.num_epochs={self.num_epochs} and trainer.max_steps={self.max_steps} both say "
+                             "how long to train; give one of them")
+        return self
+
+    def with_epochs_as_steps(self, num_examples: int) -> TrainerConfig:
+        """This section with max_steps derived from num_epochs over `num_examples` training examples (at least 1
+        step); itself when num_epochs is not set."""
+        if self.num_epochs is None:
+            return self
+        per_step = self.micro_batch_size * self.gradient_accumulation_steps
+        return self.model_copy(update={"max_steps": max(1, math.ceil(self.num_epochs * num_examples / per_step))})
 
 
 class LoggingConfig(Section):
@@ -1039,8 +1060,11 @@ class OnlineRLConfig(RecipeConfig):
 
     def check_online_rl(self, recipe: str) -> None:
         """ValueError (naming the keys) for what no online RL recipe takes: compiled modules, no prompts, gradient
-        accumulation, minibatches that do not divide the rollout batch, an overlong buffer past the budget."""
+        accumulation, minibatches that do not divide the rollout batch, an overlong buffer past the budget, epochs."""
         check_evaluation_names(self.evaluation)
+        if self.trainer.num_epochs is not None:
+            raise ValueError(f"trainer.num_epochs does not apply to {recipe}: a step samples rollout.prompts_per_step "
+                             "prompts, however many the data holds; set trainer.max_steps")
         if self.trainer.compile:
             raise ValueError("trainer.compile=true is not available to the RL recipes: the rollout generator runs "
                              "the same module, whose cache shapes change every token; set trainer.compile=false")
