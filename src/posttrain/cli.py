@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -174,15 +175,21 @@ RECIPES = {
 }
 
 
-def describe_fields(schema: type[BaseModel], defaults: dict[str, Any] | None = None, prefix: str = "") -> list[str]:
-    """One entry per leaf config key: `key  type = default` and its docstring."""
+def describe_fields(schema: type[BaseModel], defaults: dict[str, Any] | None = None, prefix: str = "",
+                    variants: bool = True) -> list[str]:
+    """One entry per leaf config key: `key  type = default` and its docstring. A section whose kinds have options
+    of their own (environment) lists each kind's options, or with `variants` false only its kinds."""
     lines: list[str] = []
     defaults = defaults or {}
     for name, info in schema.model_fields.items():
         key = f"{prefix}{name}"
         annotation = info.annotation
         if isinstance(annotation, type) and issubclass(annotation, Section):
-            lines += describe_fields(annotation, defaults.get(name) or {}, prefix=f"{key}.")
+            lines += describe_fields(annotation, defaults.get(name) or {}, prefix=f"{key}.", variants=variants)
+            continue
+        if tagged_members(annotation) and not variants:
+            lines.append(f"  {key}  {type_name(annotation)}: its kind, options and other keys are those of "
+                         "`posttrain eval --help`'s environment")
             continue
         if tagged_members(annotation):
             lines += describe_variants(key, tagged_members(annotation), info.default_factory(), defaults.get(name) or {})
@@ -198,6 +205,10 @@ def describe_fields(schema: type[BaseModel], defaults: dict[str, Any] | None = N
         lines.append(f"  {key}  {type_name(annotation)} = {json.dumps(default) if default != '(required)' else default}")
         if info.description:
             lines += textwrap.wrap(info.description, width=96, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        item = typing.get_args(annotation)[0] if typing.get_origin(annotation) is list else None
+        if isinstance(item, type) and issubclass(item, Section):  # a list of sections (evaluation sets): their keys
+            lines.append(f"    each item of {key} has these keys:")
+            lines += ["  " + line for line in describe_fields(item, prefix=f"{key}[].", variants=False)]
     return lines
 
 
@@ -265,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--environment", metavar="KIND", help="shortcut for environment.kind=...; its options "
                              "as environment.options.NAME=VALUE")
             sub.add_argument("--output", metavar="FILE.jsonl", help="write every sample to this file: output=...")
+            sub.add_argument("--chat-template", action="store_true", help="send each prompt through the tokenizer's "
+                             "chat template as a user message: prompt.use_chat_template=true (default: the prompt "
+                             "text as it is, as in generate)")
         if recipe.name == "generate":
             sub.add_argument("--model", help="shortcut for model.name_or_path=...")
             sub.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt to complete (repeatable)")
@@ -273,8 +287,11 @@ def build_parser() -> argparse.ArgumentParser:
             for flag, kind in (("--temperature", float), ("--top-p", float), ("--top-k", int),
                                ("--max-new-tokens", int), ("--num-samples", int), ("--seed", int)):
                 sub.add_argument(flag, type=kind, help=f"shortcut for {flag[2:].replace('-', '_')}=...")
+            sub.add_argument("--chat-template", action="store_true", help="send each prompt through the "
+                             "tokenizer's chat template as a user message: chat_template=true (default: the prompt "
+                             "text as it is, as in eval)")
             sub.add_argument("--no-chat-template", action="store_true",
-                             help="send the prompt text as it is, not through the tokenizer's chat template")
+                             help="the prompt text as it is (the default): chat_template=false")
             sub.add_argument("--json", action="store_true", help="print one JSON object per completion")
     report = subparsers.add_parser("report", help=REPORT_SUMMARY, description=_run_report.__doc__)
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's output directory (OUTPUT/)")
@@ -460,9 +477,13 @@ def _flag_settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.recipe == "eval":
         flags |= {"environment": {"kind": args.environment}} if args.environment else {}
         flags |= {"output": args.output} if args.output else {}
+        flags |= {"prompt": {"use_chat_template": True}} if args.chat_template else {}
         return flags
     flags |= {"model": {"name_or_path": args.model}} if args.model else {}
     flags |= {"prompts": args.prompt} if args.prompt else {}
+    if args.chat_template and args.no_chat_template:
+        raise ConfigError("--chat-template and --no-chat-template: give one")
+    flags |= {"chat_template": True} if args.chat_template else {}
     flags |= {"chat_template": False} if args.no_chat_template else {}
     for name in ("temperature", "top_p", "top_k", "max_new_tokens", "num_samples", "seed"):
         if vars(args)[name] is not None:

@@ -209,12 +209,21 @@ def announce_run(run_log: RunLogger, data_summary: str, resume: Checkpoint | Non
         run_log.message(f"resuming from {resume.path} (step {resume.step})")
         if changed_keys:
             run_log.message(f"warning: config differs from the run being resumed in: {', '.join(changed_keys)}")
-    trainable = policy.num_parameters(trainable_only=True)
-    training = f"training {trainable / 1e6:.2f}M parameters on {policy.device}, {what}"
+    training = f"training {describe_parameters(policy)} on {policy.device}, {what}"
     run_log.message(training)
     if is_main():
         write_run_info(run_log.output_dir, run_log.recipe, data_summary, training,
                        resume.step if resume is not None else None)
+
+
+def describe_parameters(policy: PolicyWorker) -> str:
+    """"1.05M parameters", or where only some train (LoRA) "0.13M of 16.91M parameters (131,072 of 16,908,288:
+    0.78%)", the total counting the frozen base and the adapters alike."""
+    trainable, total = policy.num_parameters(trainable_only=True), policy.num_parameters()
+    if trainable == total:
+        return f"{trainable / 1e6:.2f}M parameters"
+    return (f"{trainable / 1e6:.2f}M of {total / 1e6:.2f}M parameters ({trainable:,} of {total:,}: "
+            f"{trainable / total:.2%})")
 
 
 class NonFiniteGuard:

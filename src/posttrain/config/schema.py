@@ -927,7 +927,9 @@ class ArithmeticEvalSection(Section):
 class EvalConfig(EvaluationSettings):
     """Evaluate a model: on prompt files scored by an environment (`--data FILES --environment KIND`: mean
     reward, accuracy, pass@k, lengths, truncation, reward errors), or on a built-in task's held-out split
-    (`--task arithmetic`, greedy exact match; the default when no data.files are given)."""
+    (`--task arithmetic`, greedy exact match; the default when no data.files are given). A prompt reaches the
+    model as its text, as in `posttrain generate`; `--chat-template` (prompt.use_chat_template=true) sends it
+    through the tokenizer's chat template as a user message (instruct models)."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The model to evaluate (model.name_or_path; `--model` is a shortcut)."""
@@ -981,8 +983,9 @@ class EvalConfig(EvaluationSettings):
 
 class GenerateConfig(Section):
     """Sample completions from a model for a quick look at a checkpoint: prompts from the command line
-    (`--prompt TEXT`, repeatable) or the `prompt` column of files (`--data FILE`), sent through the tokenizer's chat
-    template when it has one."""
+    (`--prompt TEXT`, repeatable) or the `prompt` column of files (`--data FILE`). A prompt reaches the model as
+    its text, as in `posttrain eval` and the training recipes; `--chat-template` sends it through the tokenizer's
+    chat template as a user message (instruct models)."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The model (model.name_or_path; `--model` is a shortcut)."""
@@ -996,9 +999,9 @@ class GenerateConfig(Section):
     num_examples: int | None = Field(None, gt=0)
     """Complete only the first this-many prompts of data.files (null: all)."""
 
-    chat_template: bool = True
+    chat_template: bool = False
     """Send each string prompt as a user message through the tokenizer's chat template, when the tokenizer has one
-    (`--no-chat-template`: the prompt text as it is)."""
+    (`--chat-template`). Off by default, as `posttrain eval`'s prompt.use_chat_template: the prompt text as it is."""
 
     system_prompt: str | None = None
     """A system message put before each prompt (with the chat template)."""
@@ -1228,6 +1231,8 @@ class QuickstartConfig(Section):
     of at most 1.8 points)."""
 
 
-# SFTConfig and DPOConfig, defined before the evaluation sections, name them in their annotations.
+# SFTConfig, DPOConfig and DistillConfig, defined before the evaluation sections, name them in their annotations
+# (DistillConfig validated without the rebuild, but kept the unresolved name where --help reads the field's type).
 SFTConfig.model_rebuild()
 DPOConfig.model_rebuild()
+DistillConfig.model_rebuild(force=True)
