@@ -69,7 +69,8 @@ def problems(schema, *overrides: str) -> str:
 def test_trl_names_in_a_config_name_the_posttrain_key():
     text = problems(SFTConfig, "per_device_train_batch_size=4", "save_steps=10", "num_train_epochs=3", "bf16=true",
                     "warmup_ratio=0.1", "report_to=wandb", "trainer.logging_steps=5", "max_seq_length=512")
-    assert "per_device_train_batch_size: unknown key; TRL's per_device_train_batch_size is trainer.micro_batch_size" in text
+    assert ("per_device_train_batch_size: unknown key; TRL's per_device_train_batch_size is "
+            "trainer.micro_batch_size") in text
     assert "TRL's save_steps is trainer.save_every" in text
     assert "TRL's num_train_epochs is trainer.num_epochs" in text
     assert "TRL's bf16 is trainer.precision=bf16" in text

@@ -404,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     # Overrides after an option (`key=v --nproc-per-node 2 other=w`): argparse gives a positional list one run of
     # arguments, and would blame the later ones as unrecognized.
-    unknown = [item for item in extra if item.startswith("-") or "=" not in item or args.recipe in (None, "report", "push")]
+    unknown = [item for item in extra
+               if item.startswith("-") or "=" not in item or args.recipe in (None, "report", "push")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:

@@ -55,8 +55,9 @@ _RL = ("grpo", "ppo")
 
 TRL_NAMES: dict[str, TrlName] = {
     # TrainingArguments, shared by every TRL trainer
-    "per_device_train_batch_size": _all("trainer.micro_batch_size", "examples per forward/backward pass; "
-                                        "examples per optimizer step = micro_batch_size × gradient_accumulation_steps"),
+    "per_device_train_batch_size": _all("trainer.micro_batch_size",
+                                        "examples per forward/backward pass; examples per optimizer step = "
+                                        "micro_batch_size × gradient_accumulation_steps"),
     "per_device_eval_batch_size": _all("trainer.eval_batch_size"),
     "gradient_accumulation_steps": _all("trainer.gradient_accumulation_steps"),
     "learning_rate": _all("trainer.learning_rate"),
