@@ -440,15 +440,18 @@ def test_generate_prints_the_models_completions(tiny_model_dir, capsys):
     assert [line["completion"] for line in lines] == greedy  # transformers' own greedy decoding, token for token
     assert all(line["num_tokens"] == 5 and line["finish_reason"] == "length" for line in lines)
 
-    # By default the prompt goes through the chat template; the text output shows prompt, then completion.
-    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "12+34=", "--max-new-tokens", "3",
-                 "--num-samples", "2", "--temperature", "1.0", "--seed", "7"]) == 0
+    # --chat-template sends the prompt through the chat template; the text output shows prompt, then completion.
+    sampled = ["--model", str(tiny_model_dir), "--prompt", "12+34=", "--max-new-tokens", "3", "--num-samples", "2",
+               "--temperature", "1.0", "--seed", "7"]
+    assert main(["generate", *sampled, "--chat-template"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("### prompt 1\n<|im_start|>user\n12+34=<|im_end|>\n<|im_start|>assistant\n")
-    assert "### completion 1 of 2 (3 tokens, length)" in text and "### completion 2 of 2" in text
-    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "12+34=", "--max-new-tokens", "3",
-                 "--num-samples", "2", "--temperature", "1.0", "--seed", "7"]) == 0
+    assert "### completion 1 of 2 (" in text and "### completion 2 of 2" in text
+    assert main(["generate", *sampled, "--chat-template"]) == 0
     assert capsys.readouterr().out == text  # seeded
+    # By default the prompt is sent as it is, as `posttrain eval` sends it.
+    assert main(["generate", *sampled]) == 0
+    assert capsys.readouterr().out.startswith("### prompt 1\n12+34=\n### completion 1 of 2")
 
 
 def test_generate_reads_prompts_from_a_file(tmp_path, tiny_model_dir, capsys):

@@ -35,6 +35,7 @@ RANKS: dict[str, int] = {
                           # arithmetic data comes from envs/arithmetic
     "rundir": 3,          # the run directory: its lock, staging folders, manifests, the guard on final/
     "checkpoint": 4,      # atomic save and resume (safetensors), in the run directory's formats
+    "hub": 4,             # model cards of the exports and Hub uploads (huggingface_hub), from the run's files
     "models": 5,          # HF loading, tiny models, LoRA, value heads (transformers, peft); writes adapters
     "generation": 6,      # the Generator protocol and its transformers and vLLM backends
     "workers": 7,         # the seam between models and loops: models, losses, data types, checkpoint, optim

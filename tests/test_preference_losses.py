@@ -19,6 +19,11 @@ LN2, LN3 = math.log(2.0), math.log(3.0)
 ALL_TYPES = typing.get_args(PreferenceLossType)
 
 
+def loss_config(loss_type: str, **knobs) -> PreferenceLossConfig:
+    """The config of `loss_type` with its defaults; rdpo with α = 0.1 (α = 0, plain DPO, is refused at load)."""
+    return PreferenceLossConfig(type=loss_type, **({"rdpo_alpha": 0.1} if loss_type == "rdpo" else {}), **knobs)
+
+
 def t(*values: float) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64)
 
@@ -222,8 +227,8 @@ def test_orpo_is_finite_at_probability_one_and_near_zero(dtype):
 def test_sft_term_adds_exactly_weight_times_nll(loss_type):
     batch = _random_batch()
     nll = t(0.5, 1.0, 1.5, 2.0)  # mean 1.25
-    base, _ = preference_loss(PreferenceLossConfig(type=loss_type), **batch, chosen_nll=nll)
-    with_sft, metrics = preference_loss(PreferenceLossConfig(type=loss_type, sft_weight=0.4), **batch,
+    base, _ = preference_loss(loss_config(loss_type), **batch, chosen_nll=nll)
+    with_sft, metrics = preference_loss(loss_config(loss_type, sft_weight=0.4), **batch,
                                         chosen_nll=nll)
     assert (with_sft - base).item() == pytest.approx(0.4 * 1.25, abs=1e-12)
     assert metrics["sft_nll"].item() == pytest.approx(1.25)
@@ -282,7 +287,7 @@ def test_micro_batch_split_with_step_count_equals_full_batch_mean(loss_type):
 @pytest.mark.parametrize("loss_type", ALL_TYPES)
 def test_every_variant_reports_the_common_metrics_as_detached_scalars(loss_type):
     # 0-dim tensors without a graph: read back to Python once per step, not per micro-batch.
-    _, metrics = preference_loss(PreferenceLossConfig(type=loss_type), **_random_batch())
+    _, metrics = preference_loss(loss_config(loss_type), **_random_batch())
     assert {"loss", "reward_accuracy", "chosen_reward", "rejected_reward", "margin"} <= set(metrics)
     assert all(isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad
                for value in metrics.values())
@@ -295,14 +300,14 @@ def test_every_variant_reports_the_common_metrics_as_detached_scalars(loss_type)
 def test_reference_based_loss_without_reference_names_the_loss(loss_type):
     batch = dict(_random_batch(), reference_rejected_logps=None)
     with pytest.raises(ValueError, match=f"'{loss_type}'.*reference"):
-        preference_loss(PreferenceLossConfig(type=loss_type), **batch)
+        preference_loss(loss_config(loss_type), **batch)
 
 
 @pytest.mark.parametrize("loss_type", ["rdpo", "simpo", "orpo"])
 def test_length_normalized_loss_without_lengths_names_the_loss(loss_type):
     batch = dict(_random_batch(), rejected_lengths=None)
     with pytest.raises(ValueError, match=f"'{loss_type}'.*lengths"):
-        preference_loss(PreferenceLossConfig(type=loss_type), **batch)
+        preference_loss(loss_config(loss_type), **batch)
 
 
 def test_shape_mismatch_and_missing_nll_are_errors():

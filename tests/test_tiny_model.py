@@ -99,3 +99,29 @@ def test_the_bpe_teacher_tokenizer_is_deterministic_round_trips_and_merges_digit
                                                                                build_tokenizer().chat_template)
     model = AutoModelForCausalLM.from_pretrained(folder)
     assert model.config.model_type == "llama" and model.config.vocab_size == len(reloaded) == 280
+
+
+def test_a_chat_turn_ends_at_im_end(tiny_model_dir):
+    """The embedded model's generation_config ends a completion at <|im_end|> (the end of a chat turn) as well as
+    at <|endoftext|>: a model that answers `<|im_end|>` stops there instead of running to the token budget."""
+    from posttrain.generation.base import SamplingParams
+    from posttrain.generation.transformers_backend import TransformersGenerator
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    eos = model.generation_config.eos_token_id
+    # A head whose every logit favours <|im_end|>: the greedy completion is that token, then nothing.
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    torch.nn.init.zeros_(head.weight)
+    with torch.no_grad():
+        head.bias.copy_(torch.nn.functional.one_hot(torch.tensor(im_end), model.config.vocab_size).float())
+    model.lm_head = head
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False,
+                                         add_generation_prompt=True)
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    [[completion]] = TransformersGenerator(model, tokenizer).generate(
+        [prompt], SamplingParams(max_new_tokens=8, temperature=0.0)).completions
+    assert completion.token_ids == [im_end] and completion.finish_reason != "length"
+    assert set(eos if isinstance(eos, list) else [eos]) == {tokenizer.eos_token_id, im_end}
+    assert EMBEDDED_MODELS["posttrain/tiny"].version >= 2  # the cached v1 builds lack it: a new cache entry

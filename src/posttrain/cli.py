@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,10 +34,12 @@ from posttrain.config import (
 )
 from posttrain.config.loader import tagged_members, type_name
 from posttrain.config.presets import quickstart_base_config
+from posttrain.config.trl import TRL_NAMES
 from posttrain.config.schema import GRPOConfig, PPOConfig, Section
 from posttrain.data.errors import DataError
 from posttrain.envs.rewards import RewardError, RewardFunctionImportError
 from posttrain.errors import RunError
+from posttrain.hub import push_export
 from posttrain.models.errors import ModelNotFoundError
 from posttrain.process_group import barrier, is_main
 from posttrain.preemption import PREEMPTION_SIGNALS, Preempted
@@ -62,7 +65,7 @@ def _finished(cfg: Any, result: Any, shown: tuple[str, ...]) -> None:
     """The closing line of a training recipe (logging.report.describe_finished_run), by rank 0."""
     from posttrain.logging.report import describe_finished_run
 
-    _done(describe_finished_run(result.output_dir, cfg.trainer.max_steps, result.final_dir, shown))
+    _done(describe_finished_run(result.output_dir, result.steps, result.final_dir, shown))
 
 
 def _run_sft(cfg: SFTConfig, args: argparse.Namespace) -> int:
@@ -172,15 +175,21 @@ RECIPES = {
 }
 
 
-def describe_fields(schema: type[BaseModel], defaults: dict[str, Any] | None = None, prefix: str = "") -> list[str]:
-    """One entry per leaf config key: `key  type = default` and its docstring."""
+def describe_fields(schema: type[BaseModel], defaults: dict[str, Any] | None = None, prefix: str = "",
+                    variants: bool = True) -> list[str]:
+    """One entry per leaf config key: `key  type = default` and its docstring. A section whose kinds have options
+    of their own (environment) lists each kind's options, or with `variants` false only its kinds."""
     lines: list[str] = []
     defaults = defaults or {}
     for name, info in schema.model_fields.items():
         key = f"{prefix}{name}"
         annotation = info.annotation
         if isinstance(annotation, type) and issubclass(annotation, Section):
-            lines += describe_fields(annotation, defaults.get(name) or {}, prefix=f"{key}.")
+            lines += describe_fields(annotation, defaults.get(name) or {}, prefix=f"{key}.", variants=variants)
+            continue
+        if tagged_members(annotation) and not variants:
+            lines.append(f"  {key}  {type_name(annotation)}: its kind, options and other keys are those of "
+                         "`posttrain eval --help`'s environment")
             continue
         if tagged_members(annotation):
             lines += describe_variants(key, tagged_members(annotation), info.default_factory(), defaults.get(name) or {})
@@ -196,6 +205,10 @@ def describe_fields(schema: type[BaseModel], defaults: dict[str, Any] | None = N
         lines.append(f"  {key}  {type_name(annotation)} = {json.dumps(default) if default != '(required)' else default}")
         if info.description:
             lines += textwrap.wrap(info.description, width=96, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        item = typing.get_args(annotation)[0] if typing.get_origin(annotation) is list else None
+        if isinstance(item, type) and issubclass(item, Section):  # a list of sections (evaluation sets): their keys
+            lines.append(f"    each item of {key} has these keys:")
+            lines += ["  " + line for line in describe_fields(item, prefix=f"{key}[].", variants=False)]
     return lines
 
 
@@ -237,13 +250,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Post-training for language models. Run `posttrain RECIPE --help` for a recipe's keys.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="recipes:\n" + "\n".join(f"  {r.name:<12}{r.summary}" for r in RECIPES.values())
-        + f"\n\nother commands:\n  {'report':<12}{REPORT_SUMMARY}"
+        + f"\n\nother commands:\n  {'report':<12}{REPORT_SUMMARY}\n  {'push':<12}{PUSH_SUMMARY}"
         + "\n\nkeys every training recipe has:\n" + common
         + "\n\nexample:\n  posttrain sft --config configs/sft_arithmetic.yaml trainer.max_steps=200 output_dir=runs/a",
     )
     subparsers = parser.add_subparsers(dest="recipe", metavar="RECIPE")
+    parser.recipe_parsers = {}
     for recipe in RECIPES.values():
-        sub = subparsers.add_parser(
+        sub = parser.recipe_parsers[recipe.name] = subparsers.add_parser(
             recipe.name, help=recipe.summary, description=recipe.schema.__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_recipe_epilog(recipe),
         )
@@ -262,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--environment", metavar="KIND", help="shortcut for environment.kind=...; its options "
                              "as environment.options.NAME=VALUE")
             sub.add_argument("--output", metavar="FILE.jsonl", help="write every sample to this file: output=...")
+            sub.add_argument("--chat-template", action="store_true", help="send each prompt through the tokenizer's "
+                             "chat template as a user message: prompt.use_chat_template=true (default: the prompt "
+                             "text as it is, as in generate)")
         if recipe.name == "generate":
             sub.add_argument("--model", help="shortcut for model.name_or_path=...")
             sub.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt to complete (repeatable)")
@@ -270,14 +287,41 @@ def build_parser() -> argparse.ArgumentParser:
             for flag, kind in (("--temperature", float), ("--top-p", float), ("--top-k", int),
                                ("--max-new-tokens", int), ("--num-samples", int), ("--seed", int)):
                 sub.add_argument(flag, type=kind, help=f"shortcut for {flag[2:].replace('-', '_')}=...")
+            sub.add_argument("--chat-template", action="store_true", help="send each prompt through the "
+                             "tokenizer's chat template as a user message: chat_template=true (default: the prompt "
+                             "text as it is, as in eval)")
             sub.add_argument("--no-chat-template", action="store_true",
-                             help="send the prompt text as it is, not through the tokenizer's chat template")
+                             help="the prompt text as it is (the default): chat_template=false")
             sub.add_argument("--json", action="store_true", help="print one JSON object per completion")
     report = subparsers.add_parser("report", help=REPORT_SUMMARY, description=_run_report.__doc__)
     report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="a run's output directory (OUTPUT/)")
     report.add_argument("--output", metavar="FILE.html",
                         help="where to write it (default: RUN_DIR/report.html for one run, ./report.html for several)")
+    push = subparsers.add_parser("push", help=PUSH_SUMMARY, description=_run_push.__doc__)
+    push.add_argument("run_dir", metavar="RUN_DIR", help="a finished run's output directory (OUTPUT/)")
+    push.add_argument("--repo-id", required=True, metavar="ID", help="the Hub repository, NAMESPACE/NAME")
+    push.add_argument("--private", action="store_true", help="create the repository private")
+    push.add_argument("--adapter", action="store_true", help="upload OUTPUT/adapter/ (the LoRA adapter alone) "
+                      "instead of OUTPUT/final/")
     return parser
+
+
+PUSH_SUMMARY = "upload a run's final/ (or adapter/) with its model card to the Hugging Face Hub"
+
+
+def _run_push(args: argparse.Namespace) -> int:
+    """Upload RUN_DIR/final/ (or, with --adapter, RUN_DIR/adapter/) to a Hugging Face Hub repository, creating it
+    if needed, in one commit; its README.md model card is written again first, with the repository id in its
+    loading example. The token is huggingface_hub's: HF_TOKEN, or the one `hf auth login` stored. HF_ENDPOINT
+    chooses another Hub endpoint. The same happens at the end of a run with hub.push_at_end=true."""
+    try:
+        url = push_export(args.run_dir, args.repo_id, private=args.private,
+                          folder="adapter" if args.adapter else "final")
+    except RunError as err:
+        print(f"posttrain push: {err}", file=sys.stderr)
+        return 1
+    print(f"pushed {os.path.join(args.run_dir, 'adapter' if args.adapter else 'final')} to {url}")
+    return 0
 
 
 REPORT_SUMMARY = "write a run's report.html again (curves, config, samples), or one comparing several runs"
@@ -301,13 +345,67 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def flags_as_overrides(recipe: Recipe, options: dict[str, bool], argv: list[str]) -> tuple[list[str], str | None]:
+    """`--KEY VALUE` and `--KEY=VALUE` in a recipe's arguments, where KEY (dashes read as underscores) starts with
+    one of the recipe's config keys and is no option of its own, as the override `KEY=VALUE`. A TRL argument name
+    is answered with the key=value to type instead; any other unknown option with how keys are given. Returns
+    (the arguments, with those rewritten) and the message of the first that cannot be taken, or None. `options`:
+    the recipe's own options, each with whether it takes a value (which is passed on untouched, whatever it
+    looks like: a prompt may start with dashes)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        item = argv[i]
+        i += 1
+        flag, has_value, value = item.partition("=")
+        if flag in options:
+            out.append(item)
+            if options[flag] and not has_value and i < len(argv):
+                out.append(argv[i])
+                i += 1
+            continue
+        if not item.startswith("--") or len(flag) < 3:
+            out.append(item)
+            continue
+        key = flag[2:].replace("-", "_")
+        if not has_value and i < len(argv) and not argv[i].startswith("--"):
+            value, has_value = argv[i], "="
+            i += 1
+        if key.split(".")[0] in recipe.schema.model_fields:
+            if not has_value:
+                return out, (f"{flag} needs a value; config keys are given as key=value, here {key}=VALUE "
+                             f"(posttrain {recipe.name} --help lists them)")
+            out.append(f"{key}={value}")
+            continue
+        trl = TRL_NAMES.get(key)
+        if trl is not None and trl.applies_to(recipe.name):
+            target = trl.key_for(recipe.name)
+            if target is None:
+                return out, f"{flag}: {trl.explain(key, recipe.name)}"
+            typed = target if "=" in target else f"{target}={value if has_value else 'VALUE'}"
+            return out, f"{flag}: {trl.explain(key, recipe.name)}; type {typed}"
+        return out, (f"unrecognized option {flag}: config keys are given as key=value "
+                     f"(posttrain {recipe.name} --help lists them)")
+    return out, None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in RECIPES:
+        recipe = RECIPES[argv[0]]
+        options = {flag: action.nargs != 0
+                   for flag, action in parser.recipe_parsers[recipe.name]._option_string_actions.items()}
+        rest, problem = flags_as_overrides(recipe, options, argv[1:])
+        if problem is not None:
+            print(f"posttrain {recipe.name}: {problem}", file=sys.stderr)
+            return 2
+        argv = [argv[0], *rest]
     args, extra = parser.parse_known_args(argv)
     # Overrides after an option (`key=v --nproc-per-node 2 other=w`): argparse gives a positional list one run of
     # arguments, and would blame the later ones as unrecognized.
-    unknown = [item for item in extra if item.startswith("-") or "=" not in item or args.recipe in (None, "report")]
+    unknown = [item for item in extra
+               if item.startswith("-") or "=" not in item or args.recipe in (None, "report", "push")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
@@ -317,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.recipe == "report":
         return _run_report(args)
+    if args.recipe == "push":
+        return _run_push(args)
     recipe = RECIPES[args.recipe]
     nproc = getattr(args, "nproc_per_node", None)
     if nproc is not None:
@@ -378,9 +478,13 @@ def _flag_settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.recipe == "eval":
         flags |= {"environment": {"kind": args.environment}} if args.environment else {}
         flags |= {"output": args.output} if args.output else {}
+        flags |= {"prompt": {"use_chat_template": True}} if args.chat_template else {}
         return flags
     flags |= {"model": {"name_or_path": args.model}} if args.model else {}
     flags |= {"prompts": args.prompt} if args.prompt else {}
+    if args.chat_template and args.no_chat_template:
+        raise ConfigError("--chat-template and --no-chat-template: give one")
+    flags |= {"chat_template": True} if args.chat_template else {}
     flags |= {"chat_template": False} if args.no_chat_template else {}
     for name in ("temperature", "top_p", "top_k", "max_new_tokens", "num_samples", "seed"):
         if vars(args)[name] is not None:

@@ -200,6 +200,16 @@ def write_manifest(directory: Path) -> None:
     (directory / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
 
 
+def add_to_manifest(directory: Path, names: list[str]) -> None:
+    """List the files `names` (written into `directory` after its manifest, such as a model card) in
+    DIRECTORY/manifest.json, hashing only them."""
+    files = read_manifest(directory)
+    paths = [directory / name for name in names]
+    for name, path, digest in zip(names, paths, sha256_all(paths)):
+        files[name] = {"size": path.stat().st_size, "sha256": digest}
+    (directory / MANIFEST).write_text(json.dumps({"files": dict(sorted(files.items()))}, indent=1) + "\n")
+
+
 def read_manifest(directory: Path) -> dict[str, dict[str, Any]]:
     return json.loads((directory / MANIFEST).read_text())["files"]
 

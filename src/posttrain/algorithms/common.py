@@ -6,6 +6,7 @@ import math
 import random
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -22,13 +23,14 @@ from posttrain.checkpoint import (
     restore_trainer_state,
     save_checkpoint,
 )
-from posttrain.config.schema import EvaluationSettings, TrainerConfig
+from posttrain.config.schema import EvaluationSettings, HubSection, RecipeConfig, TrainerConfig
 from posttrain.data.errors import DataError
 from posttrain.data.overlap import check_held_out
 from posttrain.data.sampler import EpochSampler
 from posttrain.process_group import broadcast_object, init_from_env, is_distributed, is_main
 from posttrain.errors import RunError
 from posttrain.generation.base import SamplingParams
+from posttrain.hub import check_push_possible, push_export, write_model_card
 from posttrain.logging import RunLogger, read_metrics
 from posttrain.logging.report import write_run_info
 from posttrain.models.lora import ADAPTER_DIR
@@ -38,6 +40,7 @@ from posttrain.rundir import check_export_dir, remove_dead_staging
 from posttrain.workers import PolicyWorker
 
 CONFIG_FILE = "config.yaml"
+R = TypeVar("R", bound=RecipeConfig)
 
 
 def evaluation_sampling(settings: EvaluationSettings, max_new_tokens: int | None = None) -> SamplingParams:
@@ -72,6 +75,8 @@ def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, li
             check_export_dir(out / ADAPTER_DIR)
             check_checkpoint_folders(out)
             _check_metrics_file(out / "metrics.jsonl")
+            if isinstance(cfg, RecipeConfig):
+                check_push_possible(cfg.hub)
             for line in held_out_check(cfg):
                 print(line)
         except (RunError, DataError) as error:
@@ -81,6 +86,8 @@ def prepare_output_dir(cfg: BaseModel, output_dir: str | Path) -> tuple[Path, li
         raise problem
     if is_main():
         resolved = cfg.model_dump(mode="json")
+        if isinstance(cfg, RecipeConfig) and cfg.trainer.num_epochs is not None:
+            del resolved["trainer"]["max_steps"]  # derived from the data at its load: num_epochs is the setting
         previous_file = out / CONFIG_FILE
         if previous_file.is_file():
             previous = yaml.safe_load(previous_file.read_text()) or {}
@@ -125,6 +132,19 @@ def _changed_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             keys.append(f"{prefix}{key}")
     return keys
+
+
+def with_epochs_as_steps(cfg: R, num_examples: int) -> R:
+    """`cfg` with trainer.max_steps derived from trainer.num_epochs over `num_examples` training examples
+    (TrainerConfig.with_epochs_as_steps); `cfg` itself without num_epochs."""
+    if cfg.trainer.num_epochs is None:
+        return cfg
+    return cfg.model_copy(update={"trainer": cfg.trainer.with_epochs_as_steps(num_examples)})
+
+
+def epochs_note(trainer: TrainerConfig) -> str:
+    """What the run's announcement adds when trainer.num_epochs set the number of steps."""
+    return f"; trainer.num_epochs={trainer.num_epochs}: {trainer.max_steps} steps" if trainer.num_epochs else ""
 
 
 def seed_everything(seed: int) -> None:
@@ -189,12 +209,21 @@ def announce_run(run_log: RunLogger, data_summary: str, resume: Checkpoint | Non
         run_log.message(f"resuming from {resume.path} (step {resume.step})")
         if changed_keys:
             run_log.message(f"warning: config differs from the run being resumed in: {', '.join(changed_keys)}")
-    trainable = policy.num_parameters(trainable_only=True)
-    training = f"training {trainable / 1e6:.2f}M parameters on {policy.device}, {what}"
+    training = f"training {describe_parameters(policy)} on {policy.device}, {what}"
     run_log.message(training)
     if is_main():
         write_run_info(run_log.output_dir, run_log.recipe, data_summary, training,
                        resume.step if resume is not None else None)
+
+
+def describe_parameters(policy: PolicyWorker) -> str:
+    """"1.05M parameters", or where only some train (LoRA) "0.13M of 16.91M parameters (131,072 of 16,908,288:
+    0.78%)", the total counting the frozen base and the adapters alike."""
+    trainable, total = policy.num_parameters(trainable_only=True), policy.num_parameters()
+    if trainable == total:
+        return f"{trainable / 1e6:.2f}M parameters"
+    return (f"{trainable / 1e6:.2f}M of {total / 1e6:.2f}M parameters ({trainable:,} of {total:,}: "
+            f"{trainable / total:.2%})")
 
 
 class NonFiniteGuard:
@@ -271,13 +300,21 @@ def save_if_due(output_dir: Path, step: int, trainer: TrainerConfig, workers: Ma
             raise preempted(boundary.stop_signal, step, trainer.max_steps, checkpoint.path)
 
 
-def export_policy(output_dir: Path, policy: PolicyWorker, run_log: RunLogger) -> Path:
+def export_policy(output_dir: Path, policy: PolicyWorker, run_log: RunLogger, hub: HubSection) -> Path:
     """Every recipe's end: write OUTPUT/final/ (a Hugging Face model directory; with LoRA first the adapter alone
-    to OUTPUT/adapter/, then merged into its base for final/) and return it. The policy is finished afterwards."""
+    to OUTPUT/adapter/, then merged into its base for final/), a README.md model card in each (posttrain.hub), and
+    with hub.push_at_end upload one of them; return final/. The policy is finished afterwards."""
     exported = policy.export(output_dir)
     if exported.adapter_dir is not None:
         run_log.message(f"LoRA adapter: {exported.adapter_dir}")
     run_log.message(f"final model: {exported.final_dir}")
+    if is_main():
+        for folder in (exported.final_dir, exported.adapter_dir):
+            if folder is not None:
+                write_model_card(output_dir, folder)
+        if hub.push_at_end:
+            url = push_export(output_dir, hub.repo_id, private=hub.private, folder=hub.folder)
+            run_log.message(f"pushed {hub.folder}/ to {url}")
     return exported.final_dir
 
 

@@ -50,10 +50,12 @@ from safetensors.torch import load_file, save_file
 from posttrain.algorithms.common import (
     NonFiniteGuard,
     announce_run,
+    epochs_note,
     check_same_tokenizer,
     chunks,
     configure_torch,
     export_policy,
+    with_epochs_as_steps,
     is_eval_step,
     log_step,
     prepare_output_dir,
@@ -451,6 +453,8 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
         for each, other in zip(cfg.teachers, teacher_tokenizers, strict=True):
             check_same_tokenizer(tokenizer, other, each.name_or_path)
     train_examples, train_stats = load_sft_examples(cfg.data.train_files, tokenizer, cfg.data)
+    cfg = with_epochs_as_steps(cfg, len(train_examples))
+    trainer = cfg.trainer
     routes = teacher_routes(cfg, train_examples)  # with teacher_column: each example's teacher
     aligned = align_teachers(cfg, tokenizer, teacher_tokenizers, train_examples, routes) if cross_tokenizer else None
     eval_examples: list[TokenizedExample] = []
@@ -489,7 +493,8 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
         # mode=on_policy: the student's sampler (None when no step samples).
         on_policy = build_on_policy_sampling(cfg, tokenizer, policy)
         announce_run(run_log, train_stats.summary(), resume, changed_keys, policy,
-                     f"{examples_per_step} examples per step ({len(train_examples)} in the training set), "
+                     f"{examples_per_step} examples per step ({len(train_examples)} in the training set"
+                     f"{epochs_note(trainer)}), "
                      f"{describe_teachers(cfg, routes)} (top-{cfg.loss.topk}, {cfg.loss.divergence}, "
                      f"{cfg.loss.outside_topk}), {describe_mode(cfg)}")
 
@@ -554,5 +559,5 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
             log_step(run_log, step, metrics, trainer)
             save_if_due(output_dir, step, trainer, {POLICY: policy}, sampler)
 
-        final_dir = export_policy(output_dir, policy, run_log)
+        final_dir = export_policy(output_dir, policy, run_log, cfg.hub)
     return DistillResult(output_dir, final_dir, trainer.max_steps, step_loss, eval_nll)

@@ -162,6 +162,7 @@ def refuse_reinterpolating(cfg: DPOConfig) -> None:
 def train_dpo(cfg: DPOConfig) -> DPOResult:
     refuse_reinterpolating(cfg)
     run = start_pair_run(cfg)
+    cfg = run.cfg
     if cfg.loss.truncate_rejected:
         run = replace(run, train_examples=[rejected_through_first_difference(pair) for pair in run.train_examples])
     # After start_pair_run: rank 0 has built an embedded model there before any rank reads its config.

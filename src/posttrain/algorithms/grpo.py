@@ -161,7 +161,7 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
             log_step(run_log, step, metrics, trainer)
             save_if_due(run.output_dir, step, trainer, {POLICY: policy}, source.sampler, run.trainer_state(source))
 
-        final_dir = export_policy(run.output_dir, policy, run_log)
+        final_dir = export_policy(run.output_dir, policy, run_log, cfg.hub)
     return RLResult(run.output_dir, final_dir, trainer.max_steps, metrics)
 
 

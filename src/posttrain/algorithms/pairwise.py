@@ -21,8 +21,10 @@ import torch
 from posttrain.algorithms.common import (
     NonFiniteGuard,
     announce_run,
+    epochs_note,
     configure_torch,
     export_policy,
+    with_epochs_as_steps,
     is_eval_step,
     log_step,
     prepare_output_dir,
@@ -69,6 +71,8 @@ class PairRun:
     train_stats: DataStats
     eval_examples: list[PreferenceExample]
     resume: Checkpoint | None
+    cfg: RecipeConfig
+    """The recipe's config, trainer.max_steps derived from trainer.num_epochs when that is set."""
 
 
 def start_pair_run(cfg: RecipeConfig) -> PairRun:
@@ -85,7 +89,7 @@ def start_pair_run(cfg: RecipeConfig) -> PairRun:
         eval_examples, _ = load_preference_examples(cfg.data.eval_files, tokenizer, cfg.data)
         eval_examples = eval_examples[: cfg.data.max_eval_examples]
     return PairRun(output_dir, changed_keys, default_device(), tokenizer, train_examples, train_stats, eval_examples,
-                   checkpoint_to_resume(output_dir))
+                   checkpoint_to_resume(output_dir), with_epochs_as_steps(cfg, len(train_examples)))
 
 
 def plain_pairs(rows: PairRows, indices: Sequence[int]) -> PairBatch:
@@ -126,7 +130,8 @@ def train_on_pairs(run: PairRun, cfg: RecipeConfig, policy: PolicyWorker, recipe
     with run_logger(run.output_dir, cfg.logging, recipe=recipe, total_steps=trainer.max_steps, start_step=start_step,
                    run_config=cfg.model_dump(mode="json")) as run_log:
         announce_run(run_log, run.train_stats.summary(), run.resume, run.changed_keys, policy,
-                     f"{what}, {pairs_per_step} pairs per step ({len(run.train_examples)} in the training set)")
+                     f"{what}, {pairs_per_step} pairs per step ({len(run.train_examples)} in the training set"
+                     f"{epochs_note(trainer)})")
 
         metrics: dict[str, float] = {}
         eval_metrics: dict[str, float] = {}
@@ -160,5 +165,5 @@ def train_on_pairs(run: PairRun, cfg: RecipeConfig, policy: PolicyWorker, recipe
             log_step(run_log, step, metrics, trainer)
             save_if_due(run.output_dir, step, trainer, {POLICY: policy}, sampler)
 
-        final_dir = export_policy(run.output_dir, policy, run_log)
+        final_dir = export_policy(run.output_dir, policy, run_log, cfg.hub)
     return metrics, eval_metrics, final_dir

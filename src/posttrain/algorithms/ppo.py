@@ -147,7 +147,7 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
             save_if_due(run.output_dir, step, trainer, {POLICY: policy, CRITIC: critic}, source.sampler,
                         run.trainer_state(source))
 
-        final_dir = export_policy(run.output_dir, policy, run_log)
+        final_dir = export_policy(run.output_dir, policy, run_log, cfg.hub)
     return RLResult(run.output_dir, final_dir, trainer.max_steps, metrics)
 
 

@@ -71,6 +71,7 @@ def margin_inputs(examples: Sequence[PreferenceExample]) -> PairInputs:
 @one_run_per_output_dir
 def train_rm(cfg: RMConfig) -> RMResult:
     run = start_pair_run(cfg)
+    cfg = run.cfg
     if cfg.loss.use_margin:
         check_margins(run.train_examples)
         check_margins(run.eval_examples)

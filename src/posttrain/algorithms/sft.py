@@ -24,9 +24,11 @@ import torch
 from posttrain.algorithms.common import (
     NonFiniteGuard,
     announce_run,
+    epochs_note,
     chunks,
     configure_torch,
     export_policy,
+    with_epochs_as_steps,
     is_eval_step,
     log_step,
     prepare_output_dir,
@@ -99,6 +101,8 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
     # Data first: a malformed row should fail before minutes go into loading a large model.
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
     train_examples, train_stats = load_sft_examples(cfg.data.train_files, tokenizer, cfg.data)
+    cfg = with_epochs_as_steps(cfg, len(train_examples))
+    trainer = cfg.trainer
     eval_examples: list[TokenizedExample] = []
     if cfg.data.eval_files:
         eval_examples, _ = load_sft_examples(cfg.data.eval_files, tokenizer, cfg.data)
@@ -117,7 +121,8 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
     with run_logger(output_dir, cfg.logging, recipe="sft", total_steps=trainer.max_steps, start_step=start_step,
                    run_config=cfg.model_dump(mode="json")) as run_log, contextlib.closing(evaluation):
         announce_run(run_log, train_stats.summary(), resume, changed_keys, policy,
-                     f"{examples_per_step} examples per step ({len(train_examples)} in the training set)")
+                     f"{examples_per_step} examples per step ({len(train_examples)} in the training set"
+                     f"{epochs_note(trainer)})")
 
         loss, eval_loss = None, None
         guard = NonFiniteGuard(trainer, output_dir)
@@ -151,5 +156,5 @@ def train_sft(cfg: SFTConfig) -> SFTResult:
             log_step(run_log, step, metrics, trainer)
             save_if_due(output_dir, step, trainer, {POLICY: policy}, sampler)
 
-        final_dir = export_policy(output_dir, policy, run_log)
+        final_dir = export_policy(output_dir, policy, run_log, cfg.hub)
     return SFTResult(output_dir, final_dir, trainer.max_steps, loss, eval_loss)

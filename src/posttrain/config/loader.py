@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, Tag, ValidationError
 
 from posttrain.config.environments import EnvironmentOptions
+from posttrain.config.trl import TRL_NAMES
 
 C = TypeVar("C", bound=BaseModel)
 
@@ -162,6 +163,9 @@ def _describe(schema: type[BaseModel], error: dict[str, Any]) -> str:
             return (f"{key}: the {options_of} environment has no option {name!r}{hint}; its options are "
                     f"{', '.join(known) or 'none'}")
         message = f"{key}: unknown key"
+        recipe = RECIPE_OF_SCHEMA.get(schema.__name__, "")
+        if name in TRL_NAMES and TRL_NAMES[name].applies_to(recipe):  # a TRL habit: where it goes, not a spelling
+            return f"{message}; {TRL_NAMES[name].explain(name, recipe)}"
         if parent is not None:
             prefix = ".".join(shown[:-1] + [close[0]]) if close else None
             message += f"; did you mean {prefix}?" if close else f"; known keys here: {', '.join(known)}"
@@ -191,6 +195,10 @@ def _describe(schema: type[BaseModel], error: dict[str, Any]) -> str:
         return f"{key}: the {options_of} environment expects {expected}, got {got!r} ({type(got).__name__})"
     return f"{key}: expected {expected}, got {got!r} ({type(got).__name__}): {error['msg']}"
 
+
+RECIPE_OF_SCHEMA = {"SFTConfig": "sft", "DPOConfig": "dpo", "RMConfig": "rm", "GRPOConfig": "grpo",
+                    "PPOConfig": "ppo", "DistillConfig": "distill", "EvalConfig": "eval", "GenerateConfig": "generate"}
+"""The recipe a schema is the config of, for the TRL names whose posttrain key depends on it."""
 
 _BOUND_ERRORS = frozenset({"greater_than", "greater_than_equal", "less_than", "less_than_equal", "multiple_of",
                            "too_short", "too_long", "finite_number"})

@@ -154,7 +154,8 @@ class PreferenceLossConfig(LossConfig):
     """dpop: weight λ of max(0, ref_c − π_c), the penalty for lowering the chosen log-probability."""
 
     rdpo_alpha: float = 0.0
-    """rdpo: per-token weight α of the length difference |y_w| − |y_l| inside the sigmoid."""
+    """rdpo: per-token weight α of the length difference |y_w| − |y_l| inside the sigmoid; rdpo needs it nonzero
+    (α = 0 is plain dpo)."""
 
     simpo_gamma: float = 0.5
     """simpo: the target reward margin γ itself (not γ/β)."""
@@ -178,6 +179,9 @@ class PreferenceLossConfig(LossConfig):
 
     @model_validator(mode="after")
     def _compatible_knobs(self) -> PreferenceLossConfig:
+        if self.type == "rdpo" and self.rdpo_alpha == 0:
+            raise ValueError("loss.type='rdpo' with loss.rdpo_alpha=0 is plain DPO (α weighs the length difference "
+                             "of the pair): set loss.rdpo_alpha, for example 0.01, or loss.type=dpo")
         if self.average_logprobs and self.reference_free:
             raise ValueError(
                 f"loss.average_logprobs=true does not apply to loss.type={self.type!r}: it normalizes by length "

@@ -6,6 +6,7 @@ are rejected (``extra="forbid"``) so a typo never silently falls back to a defau
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Literal
 
@@ -153,6 +154,11 @@ class TrainerConfig(NumericSection):
     max_steps: int = Field(100, gt=0)
     """Number of optimizer steps."""
 
+    num_epochs: int | None = Field(None, gt=0)
+    """sft, dpo, rm and distill: train for this many passes over the training set instead of max_steps (not both):
+    max_steps becomes ceil(num_epochs × training examples / (micro_batch_size × gradient_accumulation_steps)) once
+    the data is read, and is printed. config.yaml then records num_epochs, not the derived max_steps."""
+
     learning_rate: float = Field(2e-5, gt=0)
     """Peak learning rate of AdamW."""
 
@@ -247,6 +253,21 @@ class TrainerConfig(NumericSection):
     max_nonfinite_skips: int = Field(5, ge=0)
     """With on_nonfinite=skip: stop after more than this many non-finite steps in a row."""
 
+    @model_validator(mode="after")
+    def _steps_or_epochs(self) -> TrainerConfig:
+        if self.num_epochs is not None and "max_steps" in self.model_fields_set:
+            raise ValueError(f"trainer.num_epochs={self.num_epochs} and trainer.max_steps={self.max_steps} both say "
+                             "how long to train; give one of them")
+        return self
+
+    def with_epochs_as_steps(self, num_examples: int) -> TrainerConfig:
+        """This section with max_steps derived from num_epochs over `num_examples` training examples (at least 1
+        step); itself when num_epochs is not set."""
+        if self.num_epochs is None:
+            return self
+        per_step = self.micro_batch_size * self.gradient_accumulation_steps
+        return self.model_copy(update={"max_steps": max(1, math.ceil(self.num_epochs * num_examples / per_step))})
+
 
 class LoggingConfig(Section):
     progress: Literal["auto", "rich", "plain", "none"] = "auto"
@@ -306,6 +327,32 @@ class LoraSection(Section):
     output head."""
 
 
+class HubSection(Section):
+    """Upload the run's export to the Hugging Face Hub when it ends (`posttrain push RUN_DIR --repo-id ID` does
+    the same for a finished run). The token is huggingface_hub's (HF_TOKEN or `hf auth login`), checked before
+    training starts; it is written to no file of the run."""
+
+    push_at_end: bool = False
+    """After writing OUTPUT/final/ (and its README.md model card), create repo_id if needed and upload the folder
+    in one commit. A failed upload stops with an error naming the `posttrain push` command that retries it."""
+
+    repo_id: str | None = Field(None, pattern=r"^(?:[\w.-]+/)?[\w.-]+$")
+    """The repository, NAMESPACE/NAME (or NAME in the token owner's namespace)."""
+
+    private: bool = False
+    """Create the repository private (an existing repository keeps its visibility)."""
+
+    folder: Literal["final", "adapter"] = "final"
+    """final: the whole model (with LoRA, merged into its base); adapter: the LoRA adapter alone (OUTPUT/adapter/,
+    needs lora.enabled)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> HubSection:
+        if self.push_at_end and self.repo_id is None:
+            raise ValueError("hub.push_at_end=true needs hub.repo_id (NAMESPACE/NAME)")
+        return self
+
+
 class RecipeConfig(Section):
     """Keys every training recipe has."""
 
@@ -339,6 +386,16 @@ class RecipeConfig(Section):
 
     lora: LoraSection = Field(default_factory=LoraSection)
     """LoRA adapters instead of full fine-tuning."""
+
+    hub: HubSection = Field(default_factory=HubSection)
+    """Upload OUTPUT/final/ (or adapter/) to the Hugging Face Hub at the end of the run."""
+
+    @model_validator(mode="after")
+    def _check_hub(self) -> RecipeConfig:
+        if self.hub.folder == "adapter" and not self.lora.enabled:
+            raise ValueError("hub.folder=adapter uploads OUTPUT/adapter/, which only a LoRA run writes; set "
+                             "lora.enabled=true or hub.folder=final")
+        return self
 
 
 class SFTConfig(RecipeConfig):
@@ -917,7 +974,9 @@ class ArithmeticEvalSection(Section):
 class EvalConfig(EvaluationSettings):
     """Evaluate a model: on prompt files scored by an environment (`--data FILES --environment KIND`: mean
     reward, accuracy, pass@k, lengths, truncation, reward errors), or on a built-in task's held-out split
-    (`--task arithmetic`, greedy exact match; the default when no data.files are given)."""
+    (`--task arithmetic`, greedy exact match; the default when no data.files are given). A prompt reaches the
+    model as its text, as in `posttrain generate`; `--chat-template` (prompt.use_chat_template=true) sends it
+    through the tokenizer's chat template as a user message (instruct models)."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The model to evaluate (model.name_or_path; `--model` is a shortcut)."""
@@ -971,8 +1030,9 @@ class EvalConfig(EvaluationSettings):
 
 class GenerateConfig(Section):
     """Sample completions from a model for a quick look at a checkpoint: prompts from the command line
-    (`--prompt TEXT`, repeatable) or the `prompt` column of files (`--data FILE`), sent through the tokenizer's chat
-    template when it has one."""
+    (`--prompt TEXT`, repeatable) or the `prompt` column of files (`--data FILE`). A prompt reaches the model as
+    its text, as in `posttrain eval` and the training recipes; `--chat-template` sends it through the tokenizer's
+    chat template as a user message (instruct models)."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The model (model.name_or_path; `--model` is a shortcut)."""
@@ -986,9 +1046,9 @@ class GenerateConfig(Section):
     num_examples: int | None = Field(None, gt=0)
     """Complete only the first this-many prompts of data.files (null: all)."""
 
-    chat_template: bool = True
+    chat_template: bool = False
     """Send each string prompt as a user message through the tokenizer's chat template, when the tokenizer has one
-    (`--no-chat-template`: the prompt text as it is)."""
+    (`--chat-template`). Off by default, as `posttrain eval`'s prompt.use_chat_template: the prompt text as it is."""
 
     system_prompt: str | None = None
     """A system message put before each prompt (with the chat template)."""
@@ -1050,8 +1110,11 @@ class OnlineRLConfig(RecipeConfig):
 
     def check_online_rl(self, recipe: str) -> None:
         """ValueError (naming the keys) for what no online RL recipe takes: compiled modules, no prompts, gradient
-        accumulation, minibatches that do not divide the rollout batch, an overlong buffer past the budget."""
+        accumulation, minibatches that do not divide the rollout batch, an overlong buffer past the budget, epochs."""
         check_evaluation_names(self.evaluation)
+        if self.trainer.num_epochs is not None:
+            raise ValueError(f"trainer.num_epochs does not apply to {recipe}: a step samples rollout.prompts_per_step "
+                             "prompts, however many the data holds; set trainer.max_steps")
         if self.trainer.compile:
             raise ValueError("trainer.compile=true is not available to the RL recipes: the rollout generator runs "
                              "the same module, whose cache shapes change every token; set trainer.compile=false")
@@ -1226,6 +1289,8 @@ class QuickstartConfig(Section):
     of at most 1.8 points)."""
 
 
-# SFTConfig and DPOConfig, defined before the evaluation sections, name them in their annotations.
+# SFTConfig, DPOConfig and DistillConfig, defined before the evaluation sections, name them in their annotations
+# (DistillConfig validated without the rebuild, but kept the unresolved name where --help reads the field's type).
 SFTConfig.model_rebuild()
 DPOConfig.model_rebuild()
+DistillConfig.model_rebuild(force=True)

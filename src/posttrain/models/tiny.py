@@ -60,7 +60,8 @@ class TinySpec:
     num_attention_heads: int
     max_position_embeddings: int = 512
     seed: int = 0
-    version: int = 1
+    version: int = 2
+    """2: generation_config.json ends a completion on <|im_end|> too (the end of a chat turn)."""
     num_key_value_heads: int | None = None
     """Grouped KV heads; None: as many as attention heads."""
     vocab_size: int | None = None
@@ -174,7 +175,9 @@ def build_model(spec: TinySpec, tokenizer: PreTrainedTokenizerFast) -> LlamaForC
         torch.manual_seed(spec.seed)
         model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    # A completion ends at <|endoftext|> (plain text) or at <|im_end|>, where a chat-trained model ends its turn;
+    # with <|endoftext|> alone every chat sample would run on to the token budget.
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(IM_END)]
     model.generation_config.bos_token_id = None
     return model
 

@@ -44,11 +44,13 @@ class TrainedSpec:
 
 
 TRAINED_MODELS: dict[str, TrainedSpec] = {
-    "posttrain/tiny-arithmetic-sft": TrainedSpec(sft_preset="sft_arithmetic.yaml", version=2),
-    "posttrain/tiny-arithmetic-sft-small": TrainedSpec(sft_preset="sft_arithmetic_small.yaml", version=3),
-    "posttrain/tiny-subtraction-sft": TrainedSpec(sft_preset="sft_subtraction.yaml"),
-    "posttrain/tiny-arithmetic-judge": TrainedSpec(sft_preset="sft_judge_arithmetic.yaml", version=2),
-    "posttrain/tiny-bpe-arithmetic-sft": TrainedSpec(sft_preset="sft_bpe_arithmetic.yaml"),
+    # Versions bumped together when the embedded base models' generation_config.json gained <|im_end|> (their
+    # exports carry it).
+    "posttrain/tiny-arithmetic-sft": TrainedSpec(sft_preset="sft_arithmetic.yaml", version=3),
+    "posttrain/tiny-arithmetic-sft-small": TrainedSpec(sft_preset="sft_arithmetic_small.yaml", version=4),
+    "posttrain/tiny-subtraction-sft": TrainedSpec(sft_preset="sft_subtraction.yaml", version=2),
+    "posttrain/tiny-arithmetic-judge": TrainedSpec(sft_preset="sft_judge_arithmetic.yaml", version=3),
+    "posttrain/tiny-bpe-arithmetic-sft": TrainedSpec(sft_preset="sft_bpe_arithmetic.yaml", version=2),
 }
 
 
