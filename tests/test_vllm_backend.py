@@ -11,7 +11,6 @@ import importlib
 import os
 import sys
 import types
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -27,37 +26,13 @@ from posttrain.generation.vllm_backend import (
     vllm_sampling_kwargs,
 )
 
+from vllm_outputs import CompletionOutput, Logprob, RequestOutput
+
 # Fields of vllm.SamplingParams (vllm/sampling_params.py) that the backend may set.
 VLLM_SAMPLING_FIELDS = {
     "n", "temperature", "top_p", "top_k", "max_tokens", "logprobs", "seed", "stop", "stop_token_ids",
     "include_stop_str_in_output", "detokenize", "skip_special_tokens",
 }
-
-
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None
-    cumulative_logprob: float | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    request_id: str = "0"
-    finished: bool = True
 
 
 def sample(index: int, token_ids: list[int], logprobs: list[float], finish_reason: str = "length", text: str = "") -> CompletionOutput:

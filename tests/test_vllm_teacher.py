@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import sys
 import types
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -42,31 +41,9 @@ from posttrain.workers.local import LocalScoringWorker
 
 from rl_configs import DIGITS, TINY_RL
 from teachers_for_tests import ARITHMETIC_64, TINY_DISTILL, perturbed_tiny_teacher
+from vllm_outputs import CompletionOutput, Logprob, RequestOutput
 
 # ---- a stand-in vllm module ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None
-
-
-@dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
-    prompt_logprobs: list[dict[int, Logprob] | None] | None
-    outputs: list[CompletionOutput]
 
 
 def vllm_position(logprobs: torch.Tensor, actual: int, k: int) -> dict[int, Logprob]:
@@ -105,7 +82,8 @@ class FakeLLM:
             sampled = int(logprobs[-1].argmax())
             sample = None if request["logprobs"] is None else [vllm_position(logprobs[-1], sampled,
                                                                              request["logprobs"])]
-            outputs.append(RequestOutput(list(ids), steps, [CompletionOutput(0, "", [sampled], sample, "length")]))
+            outputs.append(RequestOutput(list(ids), [CompletionOutput(0, "", [sampled], sample, "length")],
+                                         prompt_logprobs=steps))
         return outputs
 
 
@@ -250,17 +228,17 @@ def test_layouts_it_cannot_score_are_refused(fake_vllm, teacher_dir):
 
 def test_malformed_outputs_are_errors():
     rows = [[3, 4, 5], [6, 7]]
-    good = [RequestOutput([3, 4, 5], [None, {4: Logprob(-1.0, 1)}, {5: Logprob(-2.0, 1)}], []),
-            RequestOutput([6, 7], [None, {7: Logprob(-0.5, 1)}], [])]
+    good = [RequestOutput([3, 4, 5], [], [None, {4: Logprob(-1.0, 1)}, {5: Logprob(-2.0, 1)}]),
+            RequestOutput([6, 7], [], [None, {7: Logprob(-0.5, 1)}])]
     assert token_logprobs_from_outputs(rows, good, (2, 3)).tolist() == [[0.0, -1.0, -2.0], [0.0, -0.5, 0.0]]
     with pytest.raises(RuntimeError, match="out of order"):
         token_logprobs_from_outputs(rows, good[::-1], (2, 3))
     with pytest.raises(RuntimeError, match="1 results for 2 prompts"):
         token_logprobs_from_outputs(rows, good[:1], (2, 3))
-    missing = [good[0], RequestOutput([6, 7], [None, {8: Logprob(-0.5, 1)}], [])]
+    missing = [good[0], RequestOutput([6, 7], [], [None, {8: Logprob(-0.5, 1)}])]
     with pytest.raises(RuntimeError, match="row 1, position 1: .* lack the prompt's own token 7"):
         token_logprobs_from_outputs(rows, missing, (2, 3))
-    short = [good[0], RequestOutput([6, 7], [None], [])]
+    short = [good[0], RequestOutput([6, 7], [], [None])]
     with pytest.raises(RuntimeError, match="row 1: vLLM returned 1 prompt log-probability entries for 2"):
         token_logprobs_from_outputs(rows, short, (2, 3))
     with pytest.raises(RuntimeError, match="row 0: vLLM returned no log-probabilities for the token after"):
