@@ -17,10 +17,11 @@ What is compared
     instead). On the same job:
     - the same student and teacher directories, resolved once here (an embedded model's one-time build happens
       before any worker starts and is not measured), loaded in float32 with SDPA attention by both. tiny: the
-      untrained posttrain/tiny learns from posttrain/tiny-arithmetic-sft (the distill_kd_arithmetic preset's pair,
-      vocabulary 260). vocab152k: posttrain/bench-vocab152k (89M parameters, 151,936-token tied LM head, random
-      weights) is both student and teacher (two copies of the same weights, so the divergence starts at 0: this
-      shape measures the work of a step, not learning);
+      untrained posttrain/tiny learns from posttrain/tiny-arithmetic-sft (a teacher of the student's own shape,
+      vocabulary 260; the distill_kd_arithmetic preset's teacher is the larger posttrain/tiny-2m-arithmetic-sft).
+      vocab152k: posttrain/bench-vocab152k (89M parameters, 151,936-token tied LM head, random weights) is both
+      student and teacher (two copies of the same weights, so the divergence starts at 0: this shape measures the
+      work of a step, not learning);
     - the same rows in the same order: prompt/completion rows of posttrain/arithmetic:train (tiny) or
       posttrain/bench-lengths:train (vocab152k, prompts and completions of 16-1,024 tokens each, log-normal; only
       rows of at most --max-length tokens are used, so neither framework truncates), shuffled once here (seeded)

@@ -101,9 +101,11 @@ GRPO_CLAIMS = (Claim("exact_match_gain", "raises held-out exact match over its s
 PRESETS: dict[str, Preset] = {
     "sft_arithmetic": Preset("sft", claims=(at_least("exact_match", 0.90, ">= 90% held-out exact match"),)),
     "sft_arithmetic_small": Preset("sft"),
+    "sft_arithmetic_large": Preset("sft", claims=(at_least("exact_match", 0.99, ">= 99% held-out exact match"),)),
     "distill_kd_arithmetic": Preset("distill", claims=(
-        at_least("exact_match", 0.5, ">= 50% held-out exact match: half the gap from the untrained student (0%) to "
-                 "its teacher posttrain/tiny-arithmetic-sft (100%)"),)),
+        at_least("gap_closed", 0.5, "closes at least half the held-out exact-match gap between the untrained student "
+                 "and its larger teacher, posttrain/tiny-2m-arithmetic-sft"),),
+        teacher="posttrain/tiny-2m-arithmetic-sft"),
     "distill_mopd_arithmetic": Preset("distill", claims=(
         at_least("exact_match", 0.5, ">= 50% held-out exact match on addition: half the gap from the untrained "
                  "student (0%) to its addition teacher posttrain/tiny-arithmetic-sft (100%)"),

@@ -55,3 +55,11 @@ def test_gap_closed_and_the_distillation_presets_claim_it(seeds):
         assert [c.metric for c in preset.claims] == ["gap_closed"]
         assert (SCRIPT.parent.parent / "configs" / f"{name}.yaml").is_file()
         assert not preset.claims[0].holds(0.49) and preset.claims[0].holds(0.5)
+    # Presets that start from the untrained student: the gap is from posttrain/tiny to the teacher, each scored on
+    # the run's own code path.
+    for name, teacher in (("distill_kd_arithmetic", "posttrain/tiny-2m-arithmetic-sft"),
+                          ("distill_xtoken_arithmetic", "posttrain/tiny-bpe-arithmetic-sft")):
+        preset = seeds.PRESETS[name]
+        assert (preset.teacher, preset.start, preset.untrained) == (teacher, None, "posttrain/tiny")
+        assert [c.metric for c in preset.claims] == ["gap_closed"]
+        assert not preset.claims[0].holds(0.49) and preset.claims[0].holds(0.5)
