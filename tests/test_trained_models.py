@@ -60,10 +60,11 @@ def test_a_trained_model_is_built_once_on_first_use(tmp_path: Path, monkeypatch:
 
     monkeypatch.setattr(trained, "_builder", fake_sft_run)
     first = ensure_trained_model("posttrain/tiny-2m-arithmetic-sft")
-    assert first == cache_dir() / "models" / "posttrain--tiny-2m-arithmetic-sft-v1"
+    version = trained.TRAINED_MODELS["posttrain/tiny-2m-arithmetic-sft"].version
+    assert first == cache_dir() / "models" / f"posttrain--tiny-2m-arithmetic-sft-v{version}"
     assert [preset for preset, _ in calls] == ["sft_arithmetic_large.yaml"]
     assert json.loads((first / "posttrain_embedded.json").read_text()) == {
-        "name": "posttrain/tiny-2m-arithmetic-sft", "version": 1, "sft_preset": "sft_arithmetic_large.yaml"}
+        "name": "posttrain/tiny-2m-arithmetic-sft", "version": version, "sft_preset": "sft_arithmetic_large.yaml"}
     assert ensure_trained_model("posttrain/tiny-2m-arithmetic-sft") == first and len(calls) == 1  # cached
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # the staging folder is gone
 
