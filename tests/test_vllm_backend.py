@@ -26,7 +26,7 @@ from posttrain.generation.vllm_backend import (
     vllm_sampling_kwargs,
 )
 
-from vllm_outputs import CompletionOutput, Logprob, RequestOutput
+from vllm_outputs import CompletionOutput, Logprob, RequestOutput, install_fake_vllm
 
 # Fields of vllm.SamplingParams (vllm/sampling_params.py) that the backend may set.
 VLLM_SAMPLING_FIELDS = {
@@ -262,14 +262,7 @@ class FakeLLM:
 @pytest.fixture
 def fake_vllm(monkeypatch, vllm_environment_restored, tmp_path):
     (tmp_path / "config.json").write_text("{}")  # tmp_path stands for a model directory; the fake engine reads none
-    vllm = types.ModuleType("vllm")
-    vllm.LLM = FakeLLM
-    vllm.SamplingParams = lambda **kwargs: types.SimpleNamespace(kwargs=kwargs)
-    inputs = types.ModuleType("vllm.inputs")
-    inputs.TokensPrompt = dict
-    vllm.inputs = inputs
-    monkeypatch.setitem(sys.modules, "vllm", vllm)
-    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    vllm = install_fake_vllm(monkeypatch, FakeLLM)
     return vllm
 
 

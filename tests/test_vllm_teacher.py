@@ -41,7 +41,7 @@ from posttrain.workers.local import LocalScoringWorker
 
 from rl_configs import DIGITS, TINY_RL
 from teachers_for_tests import ARITHMETIC_64, TINY_DISTILL, perturbed_tiny_teacher
-from vllm_outputs import CompletionOutput, Logprob, RequestOutput
+from vllm_outputs import CompletionOutput, Logprob, RequestOutput, install_fake_vllm
 
 # ---- a stand-in vllm module ---------------------------------------------------------------------------------
 
@@ -92,14 +92,7 @@ def fake_vllm(monkeypatch):
     """`vllm` (and vllm.inputs) replaced by the stand-in; vLLM's environment variables put back afterwards."""
     names = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_ALLOW_INSECURE_SERIALIZATION")
     saved = {name: os.environ.pop(name, None) for name in names}
-    vllm = types.ModuleType("vllm")
-    vllm.LLM = FakeLLM
-    vllm.SamplingParams = lambda **kwargs: types.SimpleNamespace(kwargs=kwargs)
-    inputs = types.ModuleType("vllm.inputs")
-    inputs.TokensPrompt = dict
-    vllm.inputs = inputs
-    monkeypatch.setitem(sys.modules, "vllm", vllm)
-    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    vllm = install_fake_vllm(monkeypatch, FakeLLM)
     FakeLLM.built = []
     yield vllm
     for name, value in saved.items():

@@ -31,3 +31,19 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     request_id: str = "0"
     finished: bool = True
+
+
+def install_fake_vllm(monkeypatch, llm_class):
+    """Put a stand-in `vllm` module (and `vllm.inputs`) whose LLM is `llm_class` into sys.modules for one test."""
+    import sys
+    import types
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = llm_class
+    vllm.SamplingParams = lambda **kwargs: types.SimpleNamespace(kwargs=kwargs)
+    inputs = types.ModuleType("vllm.inputs")
+    inputs.TokensPrompt = dict
+    vllm.inputs = inputs
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.inputs", inputs)
+    return vllm
