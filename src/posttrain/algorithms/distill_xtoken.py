@@ -38,6 +38,7 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -373,6 +374,11 @@ class AlignedTeacher:
     data: CrossTokenizerData
     source: ChunkTargets | LiveChunkTeacher
 
+    @cached_property
+    def projection_ids(self) -> list[int]:
+        """The projection as a list (teacher id -> student id), read per aligned sample."""
+        return self.data.projection.tolist()
+
 
 class CrossTokenizerTeachers:
     """Every teacher of a run on the cross-tokenizer path, and which rows each scores: with `routes` (kd_loss_mode=
@@ -416,7 +422,7 @@ class CrossTokenizerTeachers:
         if not teacher_example.input_ids:
             return ExampleChunks(teacher_example, (), ())
         row, _ = align_example(sampled, teacher_example, self.student_surfaces, teacher.surfaces,
-                               teacher.data.projection.tolist())
+                               teacher.projection_ids)
         return row
 
     def _joined(self, rows: SFTBatch, parts: Sequence[tuple[int, CrossTokenizerBatch]]) -> CrossTokenizerBatch:
