@@ -205,19 +205,19 @@ def _sources_as_names(value: Any, label: str, rows: dict[str, Any]) -> Any:
     of names, datasets and row lists is several. What is neither is left for the schema to reject by key."""
     if isinstance(value, (str, os.PathLike)):
         return [os.fspath(value)]
-    if _is_rows(value):
+    if _is_rows(value, label):
         return [_register(value, label, rows)]
     if isinstance(value, (list, tuple)):
         return [os.fspath(item) if isinstance(item, os.PathLike)
-                else _register(item, f"{label}[{index}]", rows) if _is_rows(item) else item
+                else _register(item, f"{label}[{index}]", rows) if _is_rows(item, f"{label}[{index}]") else item
                 for index, item in enumerate(value)]
     return value
 
 
-def _is_rows(value: Any) -> bool:
+def _is_rows(value: Any, label: str) -> bool:
     if isinstance(value, datasets.DatasetDict | datasets.IterableDatasetDict):
-        raise ConfigError(f"a DatasetDict with splits {', '.join(value)} was given as data; give one split, "
-                          "e.g. dataset['train']")
+        raise ConfigError(f"{label}: a DatasetDict (splits {', '.join(value)}); give one split of it, e.g. "
+                          f"dataset[{next(iter(value), 'train')!r}]")
     if isinstance(value, datasets.Dataset | datasets.IterableDataset):
         return True
     return isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], Mapping)
