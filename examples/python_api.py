@@ -13,6 +13,7 @@ import posttrain  # instant: torch loads on the first posttrain.train(...)
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--steps", type=int, default=400)
+parser.add_argument("--held-out", type=int, default=200, help="held-out problems to score")
 parser.add_argument("--output-dir", default="runs/python_api")
 args = parser.parse_args()
 
@@ -21,7 +22,7 @@ rng = random.Random(0)
 problems = [(a, b) for a in range(10, 100) for b in range(10, 100)]
 rng.shuffle(problems)
 rows = [{"prompt": f"{a}+{b}=", "completion": str(a + b), "answer": str(a + b)} for a, b in problems]
-train_rows, held_out = rows[:6000], rows[6000:6200]
+train_rows, held_out = rows[:6000], rows[6000:6000 + args.held_out]
 
 # --- Train: the config as a dict (a YAML file, YAML text or an SFTConfig work too), overrides as dotted keys ----
 config = {

@@ -246,9 +246,10 @@ def test_a_run_shows_one_bar_and_no_library_bars(tmp_path, tiny_model_dir, capfd
 
 def test_the_example_script_runs_end_to_end(tmp_path, tiny_model_dir, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", ["python_api.py", "--steps", "3", "--output-dir", "runs/example"])
+    monkeypatch.setattr(sys, "argv", ["python_api.py", "--steps", "3", "--held-out", "20", "--output-dir",
+                                             "runs/example"])
     runpy.run_path(str(REPO / "examples" / "python_api.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert re.search(r"trained 3 steps: loss \d+\.\d+, held-out loss \d+\.\d+", out), out
-    assert "12+30=" in out and re.search(r"held-out accuracy \d+\.\d% on 200 problems", out), out
+    assert "12+30=" in out and re.search(r"held-out accuracy \d+\.\d% on 20 problems", out), out
     assert len(read_metrics(tmp_path / "runs" / "example" / "metrics.jsonl")) == 3
