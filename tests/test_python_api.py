@@ -203,6 +203,31 @@ def test_a_run_from_python_with_rows_in_memory_equals_the_cli_run_on_files(tmp_p
     assert result.final_dir == tmp_path / "api" / "final" and (result.final_dir / "config.json").is_file()
 
 
+PROMPTS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 20) for b in range(10, 20)]
+PAIRS = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
+         for a in range(10, 20) for b in range(10, 20)]
+TINY_RL = {"model.name_or_path": "posttrain/tiny", "data.max_length": 32, "rollout.prompts_per_step": 4,
+           "rollout.num_generations_per_prompt": 2, "rollout.max_new_tokens": 4, "trainer.micro_batch_size": 8}
+
+
+@pytest.mark.parametrize("recipe, rows, overrides", [
+    ("dpo", PAIRS, {"model.name_or_path": "posttrain/tiny", "data.max_length": 32, "trainer.micro_batch_size": 4}),
+    ("rm", PAIRS, {"model.name_or_path": "posttrain/tiny", "data.max_length": 32, "trainer.micro_batch_size": 4}),
+    ("grpo", PROMPTS, TINY_RL),
+])
+def test_other_recipes_train_on_rows_in_memory(recipe, rows, overrides, tmp_path, tiny_model_dir):
+    common = {"trainer.max_steps": 2, "trainer.save_every": 0, "logging.progress": "none", "logging.plot": False,
+              "logging.report": False}
+    result = posttrain.train(recipe, None, train_data=rows,
+                             overrides={**overrides, **common, "output_dir": tmp_path / "run"})
+    assert result.steps == 2 and (result.final_dir / "config.json").is_file()
+    assert [record["step"] for record in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2]
+    bad = [*rows[:3], {**rows[3], "prompt": None}]
+    with pytest.raises(DataError, match=r"^train_data\[3\]: field 'prompt'"):
+        posttrain.train(recipe, None, train_data=bad, overrides={**overrides, **common,
+                                                                 "output_dir": tmp_path / "bad"})
+
+
 # ---- progress: one bar, the libraries' bars off -----------------------------------------------------------------
 
 
@@ -219,6 +244,16 @@ def test_auto_progress_is_tqdm_in_a_notebook_and_rich_on_a_terminal(monkeypatch)
     forced = create_progress("rich", recipe="sft", total_steps=3)
     forced.close()
     assert isinstance(forced, RichProgress)
+
+
+def test_the_tqdm_bar_counts_steps_from_a_resumed_step_and_shows_the_key_metrics(capfd):
+    bar = TqdmProgress(recipe="dpo", total_steps=10, start_step=4)
+    bar.update(5, {"loss": 0.693, "step_seconds": 2.0})
+    bar.message("checkpoint saved")
+    bar.close()
+    out, err = capfd.readouterr()
+    assert "dpo:  50%" in err and "5/10" in err and "loss 0.693" in err and "step_seconds" not in err
+    assert out == "checkpoint saved\n"  # messages go to stdout, as the other displays print them
 
 
 BAR_FRAME = re.compile(r"(?:^|[\r\n])([^\r\n:|]+): +\d+%\|")

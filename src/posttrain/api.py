@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar, Union
@@ -66,7 +66,7 @@ ConfigSource = Union[str, os.PathLike, Mapping[str, Any], BaseModel, None]
 """A YAML file (a path), YAML text (a string holding a newline or a `key: value`), a dict tree, or a config object
 (SFTConfig, ...); None: the recipe's defaults."""
 
-DataSource = Union[str, os.PathLike, Iterable[Mapping[str, Any]], datasets.Dataset, list]
+DataSource = Union[str, os.PathLike, list, tuple, datasets.Dataset, datasets.IterableDataset]
 """A file or dataset name (as in a config), rows in memory (a list of dicts, a datasets.Dataset or
 IterableDataset), or a list of those."""
 
