@@ -1,6 +1,6 @@
 """posttrain from Python, as in a notebook: rows built in memory, a short SFT run, then a look at the model.
 
-    python examples/python_api.py                      # 400 steps, about a minute on two CPU cores
+    python examples/python_api.py                      # 400 steps (configs/sft_arithmetic.yaml takes 2000)
     python examples/python_api.py --steps 5            # a smoke run (tests/test_python_api.py runs this)
 
 Each block below is a notebook cell. Everything runs offline on the embedded tiny model (posttrain/tiny).
