@@ -123,6 +123,8 @@ def test_bad_arguments_are_config_errors_naming_what(tmp_path):
         posttrain.train("sft", load_config(RECIPES["dpo"].schema, None, ["data.train_files=[a.jsonl]"]))
     with pytest.raises(ConfigError, match="data.train_files is set twice, by overrides and by the train_data"):
         posttrain.train("sft", None, overrides={"data.train_files": ["a.jsonl"]}, train_data=["b.jsonl"])
+    with pytest.raises(ConfigError, match=r"data.train_files: expected list\[str\], got 'a.jsonl'"):
+        posttrain.train("sft", {"data": {"train_files": "a.jsonl"}})  # as the command line refuses it
     with pytest.raises(ConfigError, match="bad override key 'trainer..max_steps'"):
         posttrain.train("sft", None, overrides={"trainer..max_steps": 3})
     with pytest.raises(ConfigError, match=r"^train_data: a DatasetDict \(splits train\); give one split of it, e.g. dataset\['train'\]$"):

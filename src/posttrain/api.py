@@ -154,6 +154,7 @@ def resolve_config(schema: type[C], config: ConfigSource, overrides: Mapping[str
     tree = _rows_to_names(tree, "", rows)
     for key, value in given.items():
         label = data[key][0]
+        value = [os.fspath(value)] if isinstance(value, (str, os.PathLike)) else value  # one file, as a list
         tree = deep_merge(tree, overrides_tree({key: _sources_as_names(value, label, rows)}))
     return validate(schema, tree, source=source), rows
 
@@ -202,9 +203,8 @@ def _sources_as_names(value: Any, label: str, rows: dict[str, Any]) -> Any:
     """A data source list with each in-memory source replaced by its registered name.
 
     A list of dicts (or a list whose first item is a dict) is one source of rows; a Dataset is one source; a list
-    of names, datasets and row lists is several. What is neither is left for the schema to reject by key."""
-    if isinstance(value, (str, os.PathLike)):
-        return [os.fspath(value)]
+    of names, datasets and row lists is several. What is neither is left for the schema to reject by key (a lone
+    file name, as on the command line)."""
     if _is_rows(value, label):
         return [_register(value, label, rows)]
     if isinstance(value, (list, tuple)):
