@@ -272,8 +272,9 @@ class TrainerConfig(NumericSection):
 
 
 class LoggingConfig(Section):
-    progress: Literal["auto", "rich", "plain", "none"] = "auto"
-    """Console progress: auto (a rich bar on a terminal, plain lines otherwise), rich, plain or none."""
+    progress: Literal["auto", "rich", "tqdm", "plain", "none"] = "auto"
+    """Console progress: auto (a tqdm widget in a Jupyter notebook, a rich bar on a terminal, plain lines
+    otherwise), rich, tqdm (tqdm.auto: a widget in a notebook, a text bar elsewhere), plain or none."""
 
     tensorboard: bool = False
     """Write TensorBoard event files to OUTPUT/tensorboard (needs the tensorboard package)."""
