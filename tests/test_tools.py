@@ -104,7 +104,8 @@ def test_mistral_round_trip_through_a_mistral_v3_style_template():
 
 @pytest.mark.parametrize("template, model_type, expected", [
     (QWEN25, None, "hermes"), (LLAMA31, None, "llama3_json"), (MISTRAL_V3, None, "mistral"),
-    (None, "qwen2", "hermes"), (None, "llama", "llama3_json"), (None, "mistral", "mistral"), (None, None, "hermes")])
+    (None, "qwen2", "hermes"), (None, "llama", "llama3_json"), (None, "mistral", "mistral"), (None, None, "hermes"),
+    ("{{ '<|im_start|>' + message['content'] }}", "llama", "hermes")])
 def test_format_detected_from_the_chat_template_then_the_model_type(template, model_type, expected):
     assert detect_tool_call_format(template, model_type)[0] == expected
 

@@ -5,6 +5,7 @@ environment, resume; `RLRun.rollout_source`: the rollout source and the resumed 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -92,15 +93,24 @@ def offer_tools(prompts: list[PromptRow], tokenizer, environment: Environment, m
     if tool_use is None:
         return prompts
     check_prefix_preserving(tokenizer, tool_use.tools)
+    if prompts and tokenize_prompt(_as_messages(prompts[0].prompt), tokenizer) == \
+            tokenize_prompt(_as_messages(prompts[0].prompt), tokenizer, tool_use.tools):
+        warnings.warn(f"the chat template of tokenizer {tokenizer.name_or_path!r} does not render tools (it ignores "
+                      "apply_chat_template's tools=), so the model is not shown the tools' descriptions; put them "
+                      "in prompt.system_prompt, or use a template with a tool section", RuntimeWarning, stacklevel=2)
     offered = []
     for index, row in enumerate(prompts):
-        messages = [{"role": "user", "content": row.prompt}] if isinstance(row.prompt, str) else row.prompt
+        messages = _as_messages(row.prompt)
         prompt_ids = tokenize_prompt(messages, tokenizer, tool_use.tools)
         if len(prompt_ids) > max_length:
             raise RunError(f"prompt {index} has {len(prompt_ids)} tokens with the tools' descriptions rendered by the "
                            f"chat template, more than data.max_length={max_length}; raise data.max_length")
         offered.append(PromptRow(messages, prompt_ids, row.metadata))
     return offered
+
+
+def _as_messages(prompt: str | list[dict]) -> list[dict]:
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
 
 
 def check_needed_columns(row: PromptOnlyRow, kind: str, location: str) -> None:

@@ -108,6 +108,11 @@ class ToolEnvironment:
                     self._remove_workdir(rows[i])
         return EnvStep(rewards=rewards, done=done, observations=observations, errors=errors, metadata=rows)
 
+    @property
+    def reward_weights(self) -> dict[str, float]:
+        """The task's named reward components' weights (a python task with several functions), as the task says."""
+        return dict(getattr(self.task, "reward_weights", {}))
+
     def close(self) -> None:
         """Remove every episode's work directory and close the task environment."""
         shutil.rmtree(self._workdir_root, ignore_errors=True)

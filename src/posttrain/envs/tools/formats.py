@@ -205,8 +205,8 @@ def parser_of(name: str) -> ToolCallFormat:
 
 def detect_tool_call_format(chat_template: str | None, model_type: str | None = None) -> tuple[ToolCallFormatName, str]:
     """The tool-call format of a model, and why: from the markers its chat template writes for tool calls
-    (``<tool_call>``, ``[TOOL_CALLS]``, Llama 3's ``ipython`` role or ``"parameters": ``), else from its model
-    type, else hermes (the most widely used)."""
+    (``<tool_call>``, ``[TOOL_CALLS]``, Llama 3's ``ipython`` role), else hermes for a ChatML template (such as the
+    embedded models'), else from its model type, else hermes (the most widely used)."""
     template = chat_template or ""
     if "[TOOL_CALLS]" in template:
         return "mistral", "the chat template writes [TOOL_CALLS]"
@@ -214,6 +214,8 @@ def detect_tool_call_format(chat_template: str | None, model_type: str | None = 
         return "hermes", "the chat template writes <tool_call>"
     if "ipython" in template or "<|python_tag|>" in template:
         return "llama3_json", "the chat template has Llama 3's ipython role"
+    if "<|im_start|>" in template:
+        return "hermes", "the chat template is ChatML, as Hermes-format models' are"
     if model_type in _MODEL_TYPES:
         return _MODEL_TYPES[model_type], f"the model type is {model_type}"  # type: ignore[return-value]
     return "hermes", "neither the chat template nor the model type names a format (the default)"
