@@ -218,6 +218,8 @@ def test_tools_config_is_checked_at_load_and_at_build():
     with pytest.raises(Exception, match="the math task: options.timeout_s"):
         environment_section({"kind": "tools", "options": {"tools": ["calculator"],
                                                           "task": {"kind": "math", "options": {"timeout_s": "x"}}}})
+    with pytest.raises(Exception, match=r"tools\[0\].timeout_s: expected a positive number of seconds, got True"):
+        environment_section({"kind": "tools", "options": {"tools": [{"name": "python", "timeout_s": True}]}})
     with pytest.raises(Exception, match="give at least one tool"):
         environment_section({"kind": "tools", "options": {"tools": []}})
     with pytest.raises(EnvironmentOptionError, match=r"tools\[1\]: 'calculater' is neither a built-in tool"):

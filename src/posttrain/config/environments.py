@@ -275,8 +275,6 @@ class ToolsOptions(EnvironmentOptions):
     """tools: the model calls tools between turns (rollout.max_turns bounds the turns); a task environment scores
     its final answer, the reply that calls no tool (see docs/agents.md)."""
 
-    model_config = ConfigDict(strict=False)  # task and tools are mappings in YAML; each is checked itself
-
     kind: ClassVar[str] = "tools"
 
     task: ToolTask = Field(default_factory=ToolTask)
@@ -323,6 +321,9 @@ class ToolsOptions(EnvironmentOptions):
                 if unknown or ("name" in entry) == ("function" in entry):
                     raise ValueError(f"tools[{index}]: a mapping is {{name: BUILTIN}} or {{function: PATH, schema?}}, "
                                      f"with an optional timeout_s; got keys {sorted(entry)}")
+                timeout = entry.get("timeout_s", 1.0)
+                if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+                    raise ValueError(f"tools[{index}].timeout_s: expected a positive number of seconds, got {timeout!r}")
         return tools
 
     @property
