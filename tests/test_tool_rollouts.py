@@ -63,7 +63,8 @@ CALL = HERMES.render([ToolCall("calculator", {"expression": "123456 + 654321"})]
 PAD = TOKENIZER.pad_token_id
 TURN_1 = ids(CALL[:12]) + [PAD] + ids(CALL[12:]) + [IM_END]
 TURN_2 = ids("777777") + [IM_END]
-OBSERVATION = ids("<|im_start|>user\n<tool_response>\n777777\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+# The newline ChatML writes after <|im_end|> was never sampled: it opens the appended tokens.
+OBSERVATION = ids("\n<|im_start|>user\n<tool_response>\n777777\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
 
 def calculator_episode(max_episode_tokens=None, max_turns=3):
@@ -91,6 +92,8 @@ def test_episode_ids_are_what_the_model_sampled_and_the_environment_appended():
     # Re-rendering the history and tokenizing it again would have given other ids.
     rendered = TOKENIZER.apply_chat_template(episode.messages, tokenize=False, tools=[CALCULATOR.schema])
     assert ids(rendered) != episode.token_ids
+    # ... which differ from the episode's only where the model sampled what its text does not show (the pad token)
+    assert [t for t in episode.token_ids if t != PAD] == ids(rendered.rstrip())
 
 
 def test_per_turn_metrics_count_turns_tool_calls_and_tokens_by_role():

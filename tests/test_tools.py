@@ -335,7 +335,7 @@ def test_tool_results_of_one_turn_are_appended_together():
     history = [QUESTION, {"role": "assistant", "content": parser_of("hermes").render(CALLS)}]
     results = [{"role": "tool", "content": "777777"}, {"role": "tool", "content": "86400"}]
     ids = tokenize_next_turn(history, results, tokenizer, [CALCULATOR.schema])
-    assert tokenizer.decode(ids) == ("<|im_start|>user\n<tool_response>\n777777\n</tool_response>\n<tool_response>\n"
+    assert tokenizer.decode(ids) == ("\n<|im_start|>user\n<tool_response>\n777777\n</tool_response>\n<tool_response>\n"
                                      "86400\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
     assert tokenize_prompt([QUESTION], tokenizer, [CALCULATOR.schema])[:3] == tokenizer("<|im_start|>system")[
         "input_ids"][:3]

@@ -169,11 +169,14 @@ def tokenize_next_turn(history: Messages, observation: Message | Messages, token
     """Tokens that follow a finished assistant turn to open the next one: the chat template's rendering of
     `observation` (a user or tool message, or several appended together, such as one turn's tool results) and the
     generation prompt, as the difference between the rendering of history + observation (with generation prompt)
-    and of history, both with `tools`. The episode's earlier tokens are never re-tokenized: these are appended.
+    and of history (less the whitespace the template writes after the last turn's end, which the model did not
+    sample), both with `tools`. The episode's earlier tokens are never re-tokenized: these are appended.
     Raises ValueError naming the template when the longer rendering does not begin with the shorter one (a template
     that rewrites history)."""
     observations = [observation] if isinstance(observation, Mapping) else list(observation)
-    before = _render(tokenizer, history, tools=tools)
+    # The model's turn ended with its end-of-turn token; whitespace the template writes after that token (ChatML's
+    # newline) was never sampled, so it opens the appended tokens, and the episode reads as the template renders it.
+    before = _render(tokenizer, history, tools=tools).rstrip()
     after = _render(tokenizer, [*history, *observations], add_generation_prompt=True, tools=tools)
     if not after.startswith(before):
         raise ValueError(f"the chat template of tokenizer {_tokenizer_name(tokenizer)} does not render "
