@@ -322,6 +322,12 @@ def test_a_template_that_rewrites_history_is_refused_by_name():
     check_prefix_preserving(tokenizer_with(MISTRAL_V3), [CALCULATOR.schema])
     with pytest.raises(ValueError, match="not prefix-preserving"):
         check_prefix_preserving(tokenizer_with(MISTRAL_V3), [CALCULATOR.schema], user_follow_up=True)
+    # a template without tool messages is refused by name too, not with the template's own exception
+    plain = "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('Only user and assistant roles are " \
+            "supported!') }}{% endif %}{{ m.content }}{% endfor %}"
+    with pytest.raises(ValueError, match="'local/old' cannot render a tool-using conversation \\(message 3, tool\\): "
+                                         "Only user and assistant"):
+        check_prefix_preserving(tokenizer_with(plain, "local/old"), [CALCULATOR.schema])
     # and when an episode would append such a message, the next turn's tokens are refused, naming the template
     history = [QUESTION, {"role": "assistant", "content": "<think>\nhmm\n</think>\n\n777777"}]
     with pytest.raises(ValueError, match="'Qwen/Qwen3-8B' does not render conversations incrementally"):

@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 
+from jinja2.exceptions import TemplateError
+
 from posttrain.data.errors import DataError
 from posttrain.data.formats import Message, Messages, MessagesRow, PromptCompletionRow, TextRow
 from posttrain.data.types import TokenizedExample
@@ -213,8 +215,12 @@ def check_prefix_preserving(tokenizer: PreTrainedTokenizerBase, tools: Sequence[
     tools = list(tools) if tools else [PROBE_TOOL]
     previous = ""
     for end in range(1, len(probe) + 1):
-        text = _render(tokenizer, probe[:end], add_generation_prompt=probe[end - 1]["role"] != "assistant",
-                       tools=tools)
+        try:
+            text = _render(tokenizer, probe[:end], add_generation_prompt=probe[end - 1]["role"] != "assistant",
+                           tools=tools)
+        except TemplateError as error:  # the template's raise_exception: a role or a shape it does not take
+            raise ValueError(f"the chat template of tokenizer {_tokenizer_name(tokenizer)} cannot render a tool-using "
+                             f"conversation (message {end}, {probe[end - 1]['role']}): {error}") from error
         if not text.startswith(previous):
             raise ValueError(
                 f"the chat template of tokenizer {_tokenizer_name(tokenizer)} is not prefix-preserving: adding "

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+from transformers.utils import get_json_schema
+from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
 
 DEFAULT_TOOL_TIMEOUT_S = 10.0
 """How long one tool call may run unless its tool says otherwise."""
@@ -91,10 +93,6 @@ def tool_from_function(function: Callable[..., Any], *, timeout_s: float = DEFAU
     """A tool from a Python function with type hints and a Google-style docstring (a description, then an Args:
     section naming every parameter), as transformers' `get_json_schema` reads them. The function is called with the
     arguments as keywords; what it returns is shown to the model as text (str() of it)."""
-    # transformers takes seconds to import; only tools declared as functions need it.
-    from transformers.utils import get_json_schema
-    from transformers.utils.chat_template_utils import DocstringParsingException, TypeHintParsingException
-
     try:
         schema = get_json_schema(function)["function"]
     except (DocstringParsingException, TypeHintParsingException) as error:
