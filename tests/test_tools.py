@@ -158,12 +158,10 @@ def test_counters_add_up_over_turns_and_the_final_answer_is_scored_by_the_task()
     assert (metadata["tool_calls"], metadata["tool_errors"]) == (3, 1)
     observations, metadata, _ = tool_step(environment, "<tool_call>{oops}</tool_call>", metadata)
     assert (metadata["tool_calls"], metadata["tool_errors"], metadata["tool_error_kinds"]["malformed"]) == (4, 2, 1)
-    workdir = Path(metadata["tool_workdir"])
-    assert workdir.is_dir()
+    assert "tool_workdir" not in metadata  # only the file tools need a work directory
     _, final, result = tool_step(environment, "777777", metadata)
     assert result.rewards == [1.0] and result.done == [True] and final["correct"] is True
     assert (final["tool_calls"], final["tool_errors"]) == (4, 2)  # carried through the task's scoring
-    assert not workdir.exists()  # removed when the episode ended
     environment.close()
 
 
@@ -272,8 +270,12 @@ def test_each_episode_has_its_own_work_directory():
     result = environment.step([[QUESTION, {"role": "assistant", "content": write}]] * 2, [{"answer": "1"}] * 2)
     first, second = (Path(m["tool_workdir"]) for m in result.metadata)
     assert first != second and (first / "a.txt").read_text() == "mine" and (second / "a.txt").is_file()
+    answer = [QUESTION, {"role": "assistant", "content": write}, *result.observations[0],
+              {"role": "assistant", "content": "1"}]
+    assert environment.step([answer], [result.metadata[0]]).rewards == [1.0]
+    assert not first.exists() and second.is_dir()  # removed when its episode ended with an answer
     environment.close()
-    assert not first.exists() and not second.exists()
+    assert not second.exists()  # the others when the environment closes
 
 
 def test_search_ranks_the_bundled_corpus_with_bm25(tmp_path):

@@ -181,15 +181,16 @@ def file_tools(timeout_s: float) -> list[Tool]:
     return [
         Tool("read_file", "Read a text file from the work directory.",
              {"type": "object", "properties": {"path": _path_property("The file")}, "required": ["path"],
-              "additionalProperties": False}, _read_file, timeout_s),
+              "additionalProperties": False}, _read_file, timeout_s, uses_workdir=True),
         Tool("write_file", "Write a text file in the work directory (created or replaced).",
              {"type": "object", "properties": {"path": _path_property("The file"),
                                                "content": {"type": "string", "description": "The file's text."}},
-              "required": ["path", "content"], "additionalProperties": False}, _write_file, timeout_s),
+              "required": ["path", "content"], "additionalProperties": False}, _write_file, timeout_s,
+             uses_workdir=True),
         Tool("list_files", "List the files below a directory of the work directory.",
              {"type": "object", "properties": {"path": _path_property("The directory (default: the whole work "
                                                                       "directory)")},
-              "additionalProperties": False}, _list_files, timeout_s),
+              "additionalProperties": False}, _list_files, timeout_s, uses_workdir=True),
     ]
 
 

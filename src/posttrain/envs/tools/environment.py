@@ -19,8 +19,8 @@ outside; the python tool's programs are stopped by the sandbox at the same limit
 run concurrently: the rollout calls `step` for each episode from its own thread.
 
 Metadata out, per episode, added up over its turns: tool_calls, tool_errors and tool_error_kinds ({kind: count}),
-and tool_workdir, the episode's work directory (created at its first tool call, removed when the episode ends with a
-final answer or, for episodes cut off earlier, when the environment closes).
+and tool_workdir, the episode's work directory (created when it first calls a file tool, removed when the episode
+ends with a final answer or, for episodes cut off earlier, when the environment closes).
 """
 
 from __future__ import annotations
@@ -125,8 +125,9 @@ class ToolEnvironment:
         """The tool messages answering one reply's calls (in order; malformed ones after the readable ones), and
         the row with its counters and work directory updated."""
         kinds = dict(row["tool_error_kinds"])
-        row = {**row, "tool_workdir": row.get("tool_workdir") or self._new_workdir()}
-        context = ToolContext(workdir=Path(row["tool_workdir"]))
+        if not row.get("tool_workdir") and any(self.tools[c.name].uses_workdir for c in calls if c.name in self.tools):
+            row = {**row, "tool_workdir": self._new_workdir()}
+        context = ToolContext(workdir=Path(row["tool_workdir"]) if row.get("tool_workdir") else None)
         messages = []
         for index, call in enumerate(calls):
             call_id = _call_id(call, turn, index)

@@ -42,9 +42,9 @@ class ToolInfrastructureError(RuntimeError):
 class ToolContext:
     """What a tool call may use besides its arguments: the episode's own work directory."""
 
-    workdir: Path
-    """A directory of this episode alone, created empty when its first tool call runs and removed when it ends;
-    the file tools read and write only below it."""
+    workdir: Path | None
+    """A directory of this episode alone, created empty when it first calls a tool that `uses_workdir` and removed
+    when it ends; the file tools read and write only below it. None for calls of other tools before that."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,9 @@ class Tool:
     """Runs one call with checked arguments; returns the text the model reads (raises on failure)."""
     timeout_s: float = DEFAULT_TOOL_TIMEOUT_S
     """How long one call may run; a call still running then is answered with a timeout error."""
+    uses_workdir: bool = False
+    """Whether `run` reads `context.workdir` (the file tools): an episode's work directory is created only when it
+    first calls such a tool."""
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
