@@ -72,8 +72,8 @@ def test_grpo_with_the_calculator_tool_runs_with_masks_and_metrics(tmp_path, tin
     policy_generator, rollout_batch = grpo_module.policy_generator, grpo_module.rollout_batch
     monkeypatch.setattr(grpo_module, "policy_generator", forced_generator)
     monkeypatch.setattr(grpo_module, "rollout_batch", recorded_batch)
-    cfg = load_config(GRPOConfig, None, [*TINY_RL, *TOOLS, f"output_dir={tmp_path}", "trainer.max_steps=2", "trainer.save_every=0",
-                                         "trainer.micro_batch_size=8",
+    cfg = load_config(GRPOConfig, None, [*TINY_RL, *TOOLS, f"output_dir={tmp_path}", "trainer.max_steps=1",
+                                         "trainer.save_every=0", "trainer.micro_batch_size=8",
                                          "rollout.max_turns=2", "rollout.max_new_tokens=8", "data.max_length=128",
                                          "rollout.prompts_per_step=4", "rollout.num_generations_per_prompt=2"])
     with warnings.catch_warnings(record=True) as caught:
@@ -81,7 +81,7 @@ def test_grpo_with_the_calculator_tool_runs_with_masks_and_metrics(tmp_path, tin
         train_grpo(cfg)
     assert any("does not render tools" in str(w.message) for w in caught)  # the embedded ChatML template
     records = read_metrics(tmp_path / "metrics.jsonl")
-    assert len(records) == 2 and generators[0].forced == 16
+    assert len(records) == 1 and generators[0].forced == 8
     for record in records:
         assert record["turns/mean"] == 2.0 and record["tools/calls_mean"] == 1.0
         assert record["tools/errors_mean"] == 0.0 and record["tools/calls_per_turn"] == 0.5
