@@ -19,7 +19,16 @@ import math
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, ValidationError, field_validator, model_validator
+from pydantic import (
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from posttrain.config.sections import Section
 
@@ -323,7 +332,8 @@ class ToolsOptions(EnvironmentOptions):
                                      f"with an optional timeout_s; got keys {sorted(entry)}")
                 timeout = entry.get("timeout_s", 1.0)
                 if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
-                    raise ValueError(f"tools[{index}].timeout_s: expected a positive number of seconds, got {timeout!r}")
+                    raise ValueError(f"tools[{index}].timeout_s: expected a positive number of seconds, "
+                                     f"got {timeout!r}")
         return tools
 
     @property
