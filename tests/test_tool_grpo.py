@@ -1,4 +1,4 @@
-"""GRPO and `posttrain eval` with the tools environment on the embedded model: a smoke test that the loop, the
+"""GRPO, PPO and `posttrain eval` with the tools environment on the embedded model: a smoke test that the loop, the
 masks and the metrics work with tool calls (learning to call tools is not tested here).
 
 The embedded model has never seen a tool call, so the first turn of every episode is replaced by a calculator call
@@ -15,10 +15,12 @@ import pytest
 
 from posttrain.algorithms import evaluate as evaluate_module
 from posttrain.algorithms import grpo as grpo_module
+from posttrain.algorithms import ppo as ppo_module
 from posttrain.algorithms.evaluate import evaluate_files
 from posttrain.algorithms.grpo import train_grpo
+from posttrain.algorithms.ppo import train_ppo
 from posttrain.config import ConfigError, load_config
-from posttrain.config.schema import EvalConfig, GRPOConfig
+from posttrain.config.schema import EvalConfig, GRPOConfig, PPOConfig
 from posttrain.envs.tools import ToolCall, parser_of
 from posttrain.generation.base import Completion, GenerationOutput
 from posttrain.logging import read_metrics
@@ -94,6 +96,22 @@ def test_grpo_with_the_calculator_tool_runs_with_masks_and_metrics(tmp_path, tin
             everything = tokenizer.decode(row[batch.attention_mask[0].new_ones(len(row)).bool()])
             result = everything.split("<|im_start|>tool\n")[1].split("<|im_end|>")[0]
             assert result.isdigit() and "<|im_start|>tool" not in trained  # ... its result does not
+
+
+def test_ppo_with_the_calculator_tool_runs(tmp_path, tiny_model_dir, monkeypatch):
+    """PPO's critic and GAE over episodes whose responses hold tool results (masked tokens inside the response)."""
+    policy_generator = ppo_module.policy_generator
+    monkeypatch.setattr(ppo_module, "policy_generator", lambda cfg, tokenizer, policy: FirstTurnCallsTheCalculator(
+        policy_generator(cfg, tokenizer, policy), tokenizer))
+    cfg = load_config(PPOConfig, None, [*TINY_RL, *TOOLS, f"output_dir={tmp_path}", "trainer.max_steps=1",
+                                        "trainer.save_every=0", "critic.learning_rate=1e-3", "critic.warmup_steps=0",
+                                        "rollout.max_turns=2", "rollout.max_new_tokens=8", "data.max_length=128",
+                                        "rollout.prompts_per_step=4", "rollout.num_generations_per_prompt=2"])
+    with pytest.warns(RuntimeWarning, match="does not render tools"):
+        train_ppo(cfg)
+    record = read_metrics(tmp_path / "metrics.jsonl")[0]
+    assert record["tools/calls_mean"] == 1.0 and record["turns/mean"] == 2.0
+    assert math.isfinite(record["loss"]) and math.isfinite(record["value/loss"])
 
 
 def test_eval_with_tools_reports_tool_metrics(tmp_path, tiny_model_dir, monkeypatch):
