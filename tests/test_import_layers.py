@@ -62,6 +62,7 @@ HEAVY_OPTIONAL: dict[str, str] = {
     "datasets": "hub datasets only (local files are read without it); importing it costs about 0.7 s",
     "pyarrow": "parquet files only",
     "math_verify": "the math environment's scorer processes only; importing it costs about 0.4 s",
+    "rank_bm25": "the agents extra: the tools environment's search tool only",
 }
 """Modules that may be imported inside a function, and why: optional extras, or costly imports that only some
 runs need."""

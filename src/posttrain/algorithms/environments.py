@@ -7,14 +7,23 @@ builds the environment around them. A mixture's components get theirs under thei
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from posttrain.config.environments import JudgeOptions, MixtureOptions, RewardModelOptions, environment_section
+from posttrain.config.environments import (
+    JudgeOptions,
+    MixtureOptions,
+    RewardModelOptions,
+    ToolsOptions,
+    environment_section,
+)
 from posttrain.config.schema import ModelConfig
 from posttrain.data.tokenize import tokenize_prompt
 from posttrain.envs.base import Environment, Message
 from posttrain.envs.registry import build_environment
+from posttrain.envs.tools import detect_tool_call_format
 from posttrain.generation.base import SamplingParams
 from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer
@@ -73,10 +82,26 @@ def environment_models(options: Any) -> dict[str, Any]:
     return {where: model for where, model in models.items() if model is not None}
 
 
-def build_recipe_environment(section: Any) -> Environment:
+def build_recipe_environment(section: Any, tokenizer: Any = None) -> Environment:
     """The environment of a recipe config's `environment` section (or of its YAML mapping, {kind, options, ...}),
-    with the models it scores with built and handed in."""
+    with the models it scores with built and handed in. `tokenizer`: the policy's, from whose chat template (and
+    model type) a tools environment with tool_call_format auto learns how the model writes tool calls."""
     if isinstance(section, Mapping):
         section = environment_section(section)
+    call_format = None
+    if isinstance(section.options, ToolsOptions) and tokenizer is not None:
+        call_format, _ = detect_tool_call_format(tokenizer.chat_template, _model_type(tokenizer.name_or_path))
     return build_environment(section.options, worker_memory_mb=section.worker_memory_mb,
-                             models=environment_models(section.options))
+                             models=environment_models(section.options.task.typed_options
+                                                       if isinstance(section.options, ToolsOptions)
+                                                       else section.options),
+                             tool_call_format=call_format)
+
+
+def _model_type(name_or_path: str) -> str | None:
+    """The model_type of a local model directory's config.json (None for a hub id or a directory without one):
+    what picks the tool-call format when the chat template does not show it."""
+    config = Path(name_or_path) / "config.json" if name_or_path else None
+    if config is None or not config.is_file():
+        return None
+    return json.loads(config.read_text(encoding="utf-8")).get("model_type")

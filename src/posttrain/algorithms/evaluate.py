@@ -29,7 +29,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from posttrain.algorithms.common import chunks, evaluation_sampling
-from posttrain.algorithms.rl import build_generator, load_prompts
+from posttrain.algorithms.rl import build_generator, load_prompts, offer_tools
 from posttrain.algorithms.rollout import Episode, PromptRow, rollout_metrics, run_episodes, scalar_reward
 from posttrain.config.schema import EvalConfig, EvaluationSet, ModelConfig
 from posttrain.envs import arithmetic
@@ -223,8 +223,9 @@ def evaluate_files(cfg: EvalConfig) -> EvalReport:
     tokenizer = load_tokenizer(cfg.model)
     prompts, summary = load_prompts(cfg.data.files, cfg.data.data_config(), cfg.prompt, cfg.environment.kind,
                                     tokenizer, limit=cfg.num_examples)
-    environment = build_recipe_environment(cfg.environment)
+    environment = build_recipe_environment(cfg.environment, tokenizer)
     try:
+        prompts = offer_tools(prompts, tokenizer, environment, cfg.data.data_config().max_length)
         generator = build_generator(cfg.model, cfg.backend, tokenizer, batch_size=cfg.batch_size, seed=cfg.seed,
                                     vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization)
         report = evaluate_prompts(prompts, generator, environment, tokenizer,
@@ -305,7 +306,9 @@ class TrainingEvaluation:
                                              tokenizer, limit=s.num_examples)[0] for s in sets}
         self.environments: dict[str, Environment] = {}
         for s in sets:
-            self.environments[s.name] = build_recipe_environment(s.environment)
+            self.environments[s.name] = build_recipe_environment(s.environment, tokenizer)
+            self.prompts[s.name] = offer_tools(self.prompts[s.name], tokenizer, self.environments[s.name],
+                                               s.data.data_config().max_length)
         self._policy_generator: Generator | None = None
 
     def is_due(self, step: int) -> bool:

@@ -5,6 +5,7 @@ environment, resume; `RLRun.rollout_source`: the rollout source and the resumed 
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -34,9 +35,9 @@ from posttrain.data.dataset import DataStats, check_not_empty, iter_rows, skip_o
 from posttrain.data.errors import DataError
 from posttrain.data.formats import PromptOnlyRow
 from posttrain.data.sampler import EpochSampler, check_draw_fits
-from posttrain.data.tokenize import tokenize_prompt
+from posttrain.data.tokenize import check_prefix_preserving, tokenize_prompt
 from posttrain.data.types import RolloutBatch
-from posttrain.envs.base import Environment
+from posttrain.envs.base import Environment, tool_use_of
 from posttrain.algorithms.environments import build_recipe_environment
 from posttrain.envs.registry import NEEDED_COLUMNS
 from posttrain.envs.rewards import RewardErrorBudget
@@ -82,6 +83,34 @@ def load_prompts(sources: list[str], data: DataConfig, prompt: PromptSection, en
     stats.examples = len(prompts)
     check_not_empty(sources, stats)
     return prompts, stats.summary()
+
+
+def offer_tools(prompts: list[PromptRow], tokenizer, environment: Environment, max_length: int) -> list[PromptRow]:
+    """The prompts re-rendered with the environment's tools (the chat template's `tools=`) when it offers tools, a
+    string prompt becoming one user message; unchanged otherwise. Refuses a chat template that rewrites history
+    (`check_prefix_preserving`) and a prompt that no longer fits data.max_length."""
+    tool_use = tool_use_of(environment)
+    if tool_use is None:
+        return prompts
+    check_prefix_preserving(tokenizer, tool_use.tools)
+    if prompts and tokenize_prompt(_as_messages(prompts[0].prompt), tokenizer) == \
+            tokenize_prompt(_as_messages(prompts[0].prompt), tokenizer, tool_use.tools):
+        warnings.warn(f"the chat template of tokenizer {tokenizer.name_or_path!r} does not render tools (it ignores "
+                      "apply_chat_template's tools=), so the model is not shown the tools' descriptions; put them "
+                      "in prompt.system_prompt, or use a template with a tool section", RuntimeWarning, stacklevel=2)
+    offered = []
+    for index, row in enumerate(prompts):
+        messages = _as_messages(row.prompt)
+        prompt_ids = tokenize_prompt(messages, tokenizer, tool_use.tools)
+        if len(prompt_ids) > max_length:
+            raise RunError(f"prompt {index} has {len(prompt_ids)} tokens with the tools' descriptions rendered by the "
+                           f"chat template, more than data.max_length={max_length}; raise data.max_length")
+        offered.append(PromptRow(messages, prompt_ids, row.metadata))
+    return offered
+
+
+def _as_messages(prompt: str | list[dict]) -> list[dict]:
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
 
 
 def check_needed_columns(row: PromptOnlyRow, kind: str, location: str) -> None:
@@ -212,8 +241,10 @@ def load_rl_data(cfg: GRPOConfig) -> RLData:
     prompts, data_summary = load_prompts(cfg.data.train_files, cfg.data, cfg.prompt, kind, tokenizer)
     eval_prompts = load_prompts(cfg.data.eval_files, cfg.data, cfg.prompt, kind, tokenizer)[0]
     check_draw_fits({"rollout.prompts_per_step": cfg.rollout.prompts_per_step}, len(prompts), "training prompts")
-    environment = build_recipe_environment(cfg.environment)
-    return RLData(tokenizer, prompts, eval_prompts[: cfg.data.max_eval_examples], data_summary, environment)
+    environment = build_recipe_environment(cfg.environment, tokenizer)
+    prompts = offer_tools(prompts, tokenizer, environment, cfg.data.max_length)
+    eval_prompts = offer_tools(eval_prompts[: cfg.data.max_eval_examples], tokenizer, environment, cfg.data.max_length)
+    return RLData(tokenizer, prompts, eval_prompts, data_summary, environment)
 
 
 def rollout_sampling(rollout: RolloutSection) -> tuple[SamplingParams, SamplingParams]:

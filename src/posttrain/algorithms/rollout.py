@@ -27,7 +27,7 @@ import torch
 from posttrain.data.formats import Message, Messages
 from posttrain.data.types import RolloutBatch
 from posttrain.data.tokenize import tokenize_next_turn
-from posttrain.envs.base import Environment, EnvStep, Reward
+from posttrain.envs.base import Environment, EnvStep, Reward, ToolUse, tool_use_of
 from posttrain.errors import RunError
 from posttrain.envs.rewards import combine_components, validate_reward
 from posttrain.generation.base import Generator, SamplingParams
@@ -64,6 +64,9 @@ class Episode:
     """The last turn ran out of max_new_tokens."""
     last_turn_length: int = 0
     num_turns: int = 0
+    budget_exhausted: bool = False
+    """The episode ended because its next observation would not fit its token budget (tools' max_episode_tokens);
+    it is marked truncated too."""
     done: bool = False
     policy_version: int = 0
     """The policy version (optimizer steps taken) whose weights the generator held when it sampled this episode."""
@@ -75,6 +78,11 @@ class Episode:
     @property
     def num_sampled_tokens(self) -> int:
         return sum(self.sampled)
+
+    @property
+    def num_observation_tokens(self) -> int:
+        """Tokens the environment appended (observations, tool results), which carry no loss."""
+        return len(self.sampled) - self.num_sampled_tokens
 
 
 @dataclass(frozen=True)
@@ -106,7 +114,12 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
     draws from a stream of its own, seeded from `group_seed`, its group id, its index in the group and the turn
     (`episode_stream_seed`), so a group samples the same episodes whichever groups share the call. Later turns
     always draw from per-episode streams (seeded from `group_seed`, else `params.seed`), since which episodes share
-    a call depends on when their environment calls return."""
+    a call depends on when their environment calls return.
+
+    An environment that offers tools (`envs.base.tool_use_of`) has its tools rendered into every observation's
+    tokens (the prompts were rendered with them when loaded), and its token budget bounds each episode: a turn
+    samples at most the tokens left, and an observation that would not fit ends the episode (truncated)."""
+    tool_use = tool_use_of(environment)
     episodes = [
         Episode(group_id=first_group_id + i, messages=_initial_messages(row.prompt), metadata=dict(row.metadata),
                 token_ids=list(row.prompt_ids), prompt_length=len(row.prompt_ids),
@@ -122,11 +135,13 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
             episode_stream_seed(group_seed, e.group_id, 0) for e in episodes[::num_samples]))
     else:
         first_params = params
+    if tool_use is not None and tool_use.max_episode_tokens is not None:
+        first_params = replace(first_params, max_new_tokens=min(params.max_new_tokens, tool_use.max_episode_tokens))
     times.sample(generator, [row.prompt_ids for row in rows], first_params, num_samples, episodes)
     if max_turns == 1:
         started = time.perf_counter()
         result = environment.step([e.messages for e in episodes], [e.metadata for e in episodes])
-        _apply_step(episodes, result, environment, tokenizer, max_turns)
+        _apply_step(episodes, result, environment, tokenizer, max_turns, tool_use)
         times.score += time.perf_counter() - started
         return episodes, times.rollout_times()
 
@@ -145,16 +160,20 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
             ready = []
             for future in finished:
                 episode = pending.pop(future)
-                _apply_step([episode], future.result(), environment, tokenizer, max_turns)
+                _apply_step([episode], future.result(), environment, tokenizer, max_turns, tool_use)
                 if not episode.done:
                     ready.append(episode)
             if not ready:
                 continue
-            turn_params = params
-            if stream_base is not None:
-                turn_params = replace(params, seed=None, seeds=tuple(
-                    episode_stream_seed(stream_base, e.group_id, e.num_turns) + sample_index[id(e)] for e in ready))
-            times.sample(generator, [e.token_ids for e in ready], turn_params, 1, ready)
+            # Episodes with less of their token budget left than max_new_tokens sample in calls of their own, capped;
+            # per-episode seed streams make that split invisible in what they sample.
+            for cap, capped in _by_token_cap(ready, params.max_new_tokens, tool_use).items():
+                turn_params = replace(params, max_new_tokens=cap)
+                if stream_base is not None:
+                    turn_params = replace(turn_params, seed=None, seeds=tuple(
+                        episode_stream_seed(stream_base, e.group_id, e.num_turns) + sample_index[id(e)]
+                        for e in capped))
+                times.sample(generator, [e.token_ids for e in capped], turn_params, 1, capped)
             pending.update({pool.submit(environment.step, [e.messages], [e.metadata]): e for e in ready})
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
@@ -191,22 +210,41 @@ class _Times:
         return RolloutTimes(self.generate, self.score, self.tokens)
 
 
-def _apply_step(episodes: list[Episode], result: EnvStep, environment: Environment, tokenizer, max_turns: int) -> None:
+def _apply_step(episodes: list[Episode], result: EnvStep, environment: Environment, tokenizer, max_turns: int,
+                tool_use: ToolUse | None = None) -> None:
     """The environment's answer for `episodes` (their last turns): rewards checked, metadata carried, and for the
-    episodes that continue the observation's chat-template tokens appended (no loss on them)."""
+    episodes that continue the observation's chat-template tokens appended (no loss on them), with the tools
+    rendered; an observation that would overrun the token budget ends its episode instead."""
     if len(result.rewards) != len(episodes):
         raise ValueError(f"the environment returned {len(result.rewards)} rewards for {len(episodes)} episodes")
+    tools = tool_use.tools if tool_use is not None else None
+    budget = tool_use.max_episode_tokens if tool_use is not None else None
     for i, episode in enumerate(episodes):
         episode.reward, episode.error = _checked_reward(result.rewards[i], result.errors[i], environment)
         episode.metadata = result.metadata[i]
         observation = result.observations[i]
         episode.done = result.done[i] or observation is None or episode.num_turns == max_turns
-        if not episode.done:
-            next_ids = tokenize_next_turn(episode.messages, observation, tokenizer)
-            episode.token_ids += next_ids
-            episode.sampled += [False] * len(next_ids)
-            episode.generator_logprobs += [0.0] * len(next_ids)
-            episode.messages.append(observation)
+        if episode.done:
+            continue
+        next_ids = tokenize_next_turn(episode.messages, observation, tokenizer, tools)
+        if budget is not None and len(episode.sampled) + len(next_ids) >= budget:
+            episode.done = episode.truncated = episode.budget_exhausted = True
+            continue
+        episode.token_ids += next_ids
+        episode.sampled += [False] * len(next_ids)
+        episode.generator_logprobs += [0.0] * len(next_ids)
+        episode.messages += [observation] if isinstance(observation, dict) else list(observation)
+
+
+def _by_token_cap(episodes: list[Episode], max_new_tokens: int, tool_use: ToolUse | None) -> dict[int, list[Episode]]:
+    """The episodes grouped by how many tokens their next turn may sample: max_new_tokens, or less where the
+    episode's token budget has less left (the observation that opened the turn left at least one)."""
+    budget = tool_use.max_episode_tokens if tool_use is not None else None
+    groups: dict[int, list[Episode]] = {}
+    for episode in episodes:
+        cap = max_new_tokens if budget is None else min(max_new_tokens, budget - len(episode.sampled))
+        groups.setdefault(cap, []).append(episode)
+    return groups
 
 
 def episode_stream_seed(group_seed: int, group_id: int, turn: int) -> int:
@@ -326,6 +364,7 @@ def rollout_metrics(episodes: list[Episode], weights: dict[str, float]) -> dict[
         "truncation_rate": sum(e.truncated for e in episodes) / len(episodes),
         "turns/mean": sum(e.num_turns for e in episodes) / len(episodes),
     }
+    metrics.update(tool_metrics(episodes))
     correct = [e.metadata["correct"] for e in episodes if e.reward is not None and "correct" in e.metadata]
     if correct:
         metrics["accuracy"] = sum(map(float, correct)) / len(correct)
@@ -333,4 +372,31 @@ def rollout_metrics(episodes: list[Episode], weights: dict[str, float]) -> dict[
     for name in components:
         values = [e.reward[name] for e in episodes if isinstance(e.reward, dict)]
         metrics[f"reward/{name}"] = sum(values) / len(values)
+    return metrics
+
+
+def tool_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """Per-episode means of what a multi-turn or tool-using step did: tokens by role (sampled by the model,
+    appended by the environment), turns (max too), and where the environment calls tools (its metadata has
+    tool_calls): tool calls, tool errors, each error kind, calls per turn, and the share of episodes stopped by
+    their token budget. Empty for single-turn steps without tools."""
+    if not any(e.num_turns > 1 or "tool_calls" in e.metadata for e in episodes):
+        return {}
+    n = len(episodes)
+    metrics = {"turns/max": max(e.num_turns for e in episodes),
+               "tokens/model_mean": sum(e.num_sampled_tokens for e in episodes) / n,
+               "tokens/observation_mean": sum(e.num_observation_tokens for e in episodes) / n}
+    with_tools = [e for e in episodes if "tool_calls" in e.metadata]
+    if with_tools:
+        calls = sum(e.metadata["tool_calls"] for e in with_tools)
+        metrics.update({
+            "tools/calls_mean": calls / len(with_tools),
+            "tools/errors_mean": sum(e.metadata["tool_errors"] for e in with_tools) / len(with_tools),
+            "tools/calls_per_turn": calls / sum(e.num_turns for e in with_tools),
+            "tools/budget_stop_rate": sum(e.budget_exhausted for e in with_tools) / len(with_tools),
+        })
+        kinds = sorted({kind for e in with_tools for kind in e.metadata.get("tool_error_kinds", {})})
+        for kind in kinds:
+            metrics[f"tools/errors/{kind}"] = sum(e.metadata["tool_error_kinds"].get(kind, 0)
+                                                  for e in with_tools) / len(with_tools)
     return metrics

@@ -19,7 +19,16 @@ import math
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator, model_validator
+from pydantic import (
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from posttrain.config.sections import Section
 
@@ -241,6 +250,97 @@ class JudgeOptions(EnvironmentOptions):
         return self.path is not None
 
 
+TOOL_TASK_OPTIONS: dict[str, type[EnvironmentOptions]] = {
+    "arithmetic": ArithmeticOptions, "math": MathOptions, "python": PythonOptions, "code": CodeOptions,
+    "reward_model": RewardModelOptions, "judge": JudgeOptions}
+"""The environments a tools environment's task may be: those that score a final answer in one turn."""
+
+
+class ToolTask(Section):
+    """What scores a tool-using episode's final answer: {kind, options}, as the environment section of that kind."""
+
+    kind: Literal["arithmetic", "math", "python", "code", "reward_model", "judge"] = "arithmetic"
+    """The task environment's kind."""
+
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Its options (those of environment.options for that kind)."""
+
+    @model_validator(mode="after")
+    def _options_of_kind(self) -> ToolTask:
+        self.typed_options  # validated when the config loads, naming the option
+        return self
+
+    @property
+    def typed_options(self) -> EnvironmentOptions:
+        """The options, validated as the kind's options class."""
+        try:
+            return TOOL_TASK_OPTIONS[self.kind].model_validate(self.options)
+        except ValidationError as error:
+            problems = "; ".join(f"options.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+            raise ValueError(f"the {self.kind} task: {problems}") from None
+
+
+class ToolsOptions(EnvironmentOptions):
+    """tools: the model calls tools between turns (rollout.max_turns bounds the turns); a task environment scores
+    its final answer, the reply that calls no tool (see docs/agents.md)."""
+
+    kind: ClassVar[str] = "tools"
+
+    task: ToolTask = Field(default_factory=ToolTask)
+    """What scores the final answer: {kind, options} (default: arithmetic)."""
+
+    tools: list[str | dict[str, Any]]
+    """The tools: built-ins by name (calculator, python, files, search), Python functions by import path
+    ("pkg.module:function" or "file.py:function"; signature and docstring become the schema), or mappings
+    {name: BUILTIN} / {function: PATH, schema: {name, description, parameters}} with an optional timeout_s."""
+
+    tool_call_format: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
+    """How the model writes tool calls; auto: from the chat template (and model type) of the model."""
+
+    timeout_s: float = Field(10.0, gt=0)
+    """How long a tool call may run unless its entry says otherwise (the python tool's programs too)."""
+
+    max_output_chars: int = Field(2000, ge=1)
+    """A tool's answer is cut to this many characters (saying how many were cut)."""
+
+    max_calls_per_turn: int = Field(4, ge=1)
+    """Calls past this in one reply are answered with an error instead of run."""
+
+    max_episode_tokens: int | None = Field(None, ge=1)
+    """Budget of tokens after the prompt per episode (sampled and tool-result tokens); null: none besides
+    rollout.max_turns x rollout.max_new_tokens."""
+
+    python_memory_limit_mb: int = Field(512, ge=1)
+    """Address-space limit of a python tool program."""
+
+    search_corpus: str | None = None
+    """The search tool's documents, a JSON-lines file of {"title", "text"} (null: the small bundled corpus)."""
+
+    allow_unisolated_fallback: bool = False
+    """Let the python tool run programs where the sandbox has no namespace isolation (trusted programs only)."""
+
+    @field_validator("tools")
+    @classmethod
+    def _some_tools(cls, tools: list[Any]) -> list[Any]:
+        if not tools:
+            raise ValueError("give at least one tool (calculator, python, files, search, or an import path)")
+        for index, entry in enumerate(tools):
+            if isinstance(entry, dict):
+                unknown = set(entry) - {"name", "function", "schema", "timeout_s"}
+                if unknown or ("name" in entry) == ("function" in entry):
+                    raise ValueError(f"tools[{index}]: a mapping is {{name: BUILTIN}} or {{function: PATH, schema?}}, "
+                                     f"with an optional timeout_s; got keys {sorted(entry)}")
+                timeout = entry.get("timeout_s", 1.0)
+                if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+                    raise ValueError(f"tools[{index}].timeout_s: expected a positive number of seconds, "
+                                     f"got {timeout!r}")
+        return tools
+
+    @property
+    def loads_model(self) -> bool:
+        return self.task.typed_options.loads_model
+
+
 class _ComponentSettings(Section):
     """Keys every mixture component has besides its kind and options."""
 
@@ -303,7 +403,9 @@ class ArithmeticEnvironment(_EnvironmentSettings):
     `answer`), code (the program run against the row's `tests` in a sandbox), python (your reward functions),
     reward_model (a trained reward model's score; options {path: runs/rm/final}), judge (an LLM's score; options
     {path: a local model} or {base_url: http://host:8000, model: NAME}), mixture (several of these, each a named,
-    weighted reward component; options {components: [{name, kind, weight, options}, ...]}); see docs/rl.md."""
+    weighted reward component; options {components: [{name, kind, weight, options}, ...]}), tools (tool calls run
+    between turns, the final answer scored by a task environment; options {tools: [calculator], task: {kind:
+    arithmetic}}, see docs/agents.md); see docs/rl.md."""
 
     options: ArithmeticOptions = Field(default_factory=ArithmeticOptions)
     """None."""
@@ -480,6 +582,20 @@ class MixtureEnvironment(_EnvironmentSettings):
         return self.options.reward_only
 
 
+class ToolsEnvironment(_EnvironmentSettings):
+    """What scores the completions: a task environment, with tool calls executed between turns."""
+
+    kind: Literal["tools"]
+    """tools."""
+
+    options: ToolsOptions
+    """The tools, the task that scores the final answer, limits."""
+
+    @property
+    def reward_only(self) -> bool:
+        return self.options.task.kind in REWARD_ONLY
+
+
 EnvironmentSection = Annotated[
     Union[
         Annotated[ArithmeticEnvironment, Tag("arithmetic")],
@@ -489,14 +605,15 @@ EnvironmentSection = Annotated[
         Annotated[RewardModelEnvironment, Tag("reward_model")],
         Annotated[JudgeEnvironment, Tag("judge")],
         Annotated[MixtureEnvironment, Tag("mixture")],
+        Annotated[ToolsEnvironment, Tag("tools")],
     ],
     Discriminator(_section_kind, custom_error_type="environment_kind", custom_error_message=(
-        "environment kind must be one of arithmetic, code, judge, math, mixture, python, reward_model")),
+        "environment kind must be one of arithmetic, code, judge, math, mixture, python, reward_model, tools")),
 ]
 """The environment section: a union discriminated on `kind` (arithmetic when left out)."""
 
 AnyEnvironmentOptions = Union[ArithmeticOptions, MathOptions, PythonOptions, CodeOptions, RewardModelOptions,
-                              JudgeOptions, MixtureOptions]
+                              JudgeOptions, MixtureOptions, ToolsOptions]
 
 _SECTION_ADAPTER: TypeAdapter = TypeAdapter(EnvironmentSection)
 

@@ -905,6 +905,7 @@ class EvaluationSettings(Section):
     def check_sampling(self) -> None:
         """ValueError (naming the keys) for pass_k above num_samples, several greedy samples, or pass_k without a
         notion of correct."""
+        check_tool_turns(self.environment.kind, self.max_turns, "max_turns")
         too_large = [k for k in self.pass_k if k > self.num_samples]
         if too_large:
             raise ValueError(f"pass_k={self.pass_k}: k={too_large[0]} is more than num_samples={self.num_samples}; "
@@ -938,6 +939,13 @@ class EvaluationSet(EvaluationSettings):
             raise ValueError(f"evaluation set {self.name!r}: data.files is empty; give the files of its prompts")
         self.check_sampling()
         return self
+
+
+def check_tool_turns(environment_kind: str, max_turns: int, key: str) -> None:
+    """ValueError for a tools environment with one turn: the model's tool calls would never get their results."""
+    if environment_kind == "tools" and max_turns < 2:
+        raise ValueError(f"environment.kind=tools with {key}={max_turns}: tool results come back in the next turn, "
+                         f"so a tool-using episode needs {key} of at least 2 (one per tool round, plus the answer)")
 
 
 def check_evaluation_sets(sets: list[EvaluationSet], trainer: TrainerConfig) -> None:
@@ -1115,6 +1123,7 @@ class OnlineRLConfig(RecipeConfig):
         """ValueError (naming the keys) for what no online RL recipe takes: compiled modules, no prompts, gradient
         accumulation, minibatches that do not divide the rollout batch, an overlong buffer past the budget, epochs."""
         check_evaluation_names(self.evaluation)
+        check_tool_turns(self.environment.kind, self.rollout.max_turns, "rollout.max_turns")
         if self.trainer.num_epochs is not None:
             raise ValueError(f"trainer.num_epochs does not apply to {recipe}: a step samples rollout.prompts_per_step "
                              "prompts, however many the data holds; set trainer.max_steps")

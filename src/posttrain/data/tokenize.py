@@ -16,8 +16,11 @@ loss_mask[t] = 1 marks input_ids[t] as a target predicted from positions < t; po
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
+
+from jinja2.exceptions import TemplateError
 
 from posttrain.data.errors import DataError
 from posttrain.data.formats import Message, Messages, MessagesRow, PromptCompletionRow, TextRow
@@ -133,35 +136,102 @@ def _assistant_span(tokenizer: PreTrainedTokenizerBase, messages: Messages, inde
     return len(before), max(len(before), len(through.rstrip()))
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+def _render(tokenizer: PreTrainedTokenizerBase, messages: Messages, add_generation_prompt: bool = False,
+            tools: Sequence[dict[str, Any]] | None = None) -> str:
+    return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         tools=list(tools) if tools else None)
 
 
 def _tokenizer_name(tokenizer: PreTrainedTokenizerBase) -> str:
     return repr(tokenizer.name_or_path) if tokenizer.name_or_path else type(tokenizer).__name__
 
 
-def tokenize_prompt(prompt: str | Messages, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def tokenize_prompt(prompt: str | Messages, tokenizer: PreTrainedTokenizerBase,
+                    tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
     """Token ids a model is asked to continue, encoded as the SFT path encodes prompts.
 
     A string gets the tokenizer's special tokens (BOS), like an SFT prompt; a conversation is rendered
-    with the chat template and its generation prompt (the assistant turn's opening).
+    with the chat template and its generation prompt (the assistant turn's opening), with `tools` (JSON schemas)
+    passed to the template as `tools=`.
     """
     if isinstance(prompt, str):
+        if tools:
+            raise ValueError("tools are rendered by the chat template, so a prompt offered tools must be a "
+                             "conversation (prompt.use_chat_template=true turns string prompts into one)")
         return list(tokenizer(prompt)["input_ids"])
     if tokenizer.chat_template is None:
         raise ValueError(f"tokenizer {_tokenizer_name(tokenizer)} has no chat template, so conversational prompts "
                          "cannot be rendered; give prompts as strings, or set tokenizer.chat_template")
-    return list(tokenizer(_render(tokenizer, prompt, add_generation_prompt=True), add_special_tokens=False)["input_ids"])
+    text = _render(tokenizer, prompt, add_generation_prompt=True, tools=tools)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def tokenize_next_turn(history: Messages, observation: Message, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def tokenize_next_turn(history: Messages, observation: Message | Messages, tokenizer: PreTrainedTokenizerBase,
+                       tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
     """Tokens that follow a finished assistant turn to open the next one: the chat template's rendering of
-    `observation` (a user or tool message) and the generation prompt, as the difference between the rendering
-    of history + [observation] (with generation prompt) and of history."""
-    before = _render(tokenizer, history)
-    after = _render(tokenizer, [*history, observation], add_generation_prompt=True)
+    `observation` (a user or tool message, or several appended together, such as one turn's tool results) and the
+    generation prompt, as the difference between the rendering of history + observation (with generation prompt)
+    and of history (less the whitespace the template writes after the last turn's end, which the model did not
+    sample), both with `tools`. The episode's earlier tokens are never re-tokenized: these are appended.
+    Raises ValueError naming the template when the longer rendering does not begin with the shorter one (a template
+    that rewrites history)."""
+    observations = [observation] if isinstance(observation, Mapping) else list(observation)
+    # The model's turn ended with its end-of-turn token; whitespace the template writes after that token (ChatML's
+    # newline) was never sampled, so it opens the appended tokens, and the episode reads as the template renders it.
+    before = _render(tokenizer, history, tools=tools).rstrip()
+    after = _render(tokenizer, [*history, *observations], add_generation_prompt=True, tools=tools)
     if not after.startswith(before):
         raise ValueError(f"the chat template of tokenizer {_tokenizer_name(tokenizer)} does not render "
-                         "conversations incrementally, so a multi-turn episode cannot be extended token by token")
+                         "conversations incrementally (it rewrites earlier messages when one is added: "
+                         f"{_first_difference(before, after)}), so a multi-turn episode cannot be extended token "
+                         "by token")
     return list(tokenizer(after[len(before):], add_special_tokens=False)["input_ids"])
+
+
+PROBE_TOOL = {"type": "function", "function": {"name": "probe_tool", "description": "A tool to probe the template.",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "x": {"type": "string", "description": "Anything."}}}}}
+
+
+def check_prefix_preserving(tokenizer: PreTrainedTokenizerBase, tools: Sequence[dict[str, Any]] | None,
+                            user_follow_up: bool = False) -> None:
+    """Refuse (ValueError naming the template and the first rewritten text) a chat template that rewrites history:
+    rendered after each message of a probe episode (a question, a reply that thinks and calls a tool, the tool's
+    result, a reply; with `user_follow_up` then a second question and reply), every rendering must begin with the
+    previous one, so that an episode's tokens can be built by appending. Qwen3's template strips the thinking of
+    replies before the latest user question: it passes episodes whose observations are tool results and fails
+    those with a follow-up question."""
+    if tokenizer.chat_template is None:
+        raise ValueError(f"tokenizer {_tokenizer_name(tokenizer)} has no chat template, so tools cannot be rendered")
+    probe = [{"role": "user", "content": "What is 2 + 3?"},
+             {"role": "assistant", "content": '<think>\nI should use the tool.\n</think>\n\n'
+                                              '<tool_call>\n{"name": "probe_tool", "arguments": {"x": "2 + 3"}}\n'
+                                              '</tool_call>'},
+             {"role": "tool", "name": "probe_tool", "content": "5", "tool_call_id": "c00010000"},
+             {"role": "assistant", "content": "<think>\nThe tool said 5.\n</think>\n\nThe answer is 5."}]
+    if user_follow_up:
+        probe += [{"role": "user", "content": "And 5 + 5?"},
+                  {"role": "assistant", "content": "<think>\nAgain.\n</think>\n\n10"}]
+    tools = list(tools) if tools else [PROBE_TOOL]
+    previous = ""
+    for end in range(1, len(probe) + 1):
+        try:
+            text = _render(tokenizer, probe[:end], add_generation_prompt=probe[end - 1]["role"] != "assistant",
+                           tools=tools)
+        except TemplateError as error:  # the template's raise_exception: a role or a shape it does not take
+            raise ValueError(f"the chat template of tokenizer {_tokenizer_name(tokenizer)} cannot render a tool-using "
+                             f"conversation (message {end}, {probe[end - 1]['role']}): {error}") from error
+        if not text.startswith(previous):
+            raise ValueError(
+                f"the chat template of tokenizer {_tokenizer_name(tokenizer)} is not prefix-preserving: adding "
+                f"message {end} ({probe[end - 1]['role']}) to a conversation rewrites what came before "
+                f"({_first_difference(previous, text)}), as templates that strip earlier thinking do (Qwen3's, "
+                "before a new user question). Episode tokens are built by appending, never by re-rendering, so "
+                "the model would be trained on contexts it never sees at inference; give the tokenizer a "
+                "prefix-preserving chat template (one that keeps every reply as written)")
+        previous = text
+
+
+def _first_difference(before: str, after: str) -> str:
+    index = next((i for i, (a, b) in enumerate(zip(before, after)) if a != b), min(len(before), len(after)))
+    return f"at character {index}, {before[index:index + 40]!r} became {after[index:index + 40]!r}"

@@ -28,8 +28,9 @@ class EnvStep:
     """[N] the reward of each rollout's last turn; None when scoring failed (masked and counted)."""
     done: list[bool]
     """[N] True when the episode ended."""
-    observations: list[Message | None]
-    """[N] the next message to append for rollouts that continue; None where done."""
+    observations: list[Message | list[Message] | None]
+    """[N] the next message (or messages, appended together: a turn's tool results) for rollouts that continue;
+    None where done."""
     errors: list[str | None]
     """[N] why scoring failed (exception, timeout, NaN, wrong count), or None."""
     metadata: list[dict[str, Any]]
@@ -41,6 +42,29 @@ class Environment(Protocol):
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:
         """Score the last assistant message of each log; say which episodes continue."""
         ...
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What an environment that offers tools asks of the rollout."""
+
+    tools: tuple[dict[str, Any], ...]
+    """The tools' JSON schemas (OpenAI function format), rendered into every prompt and turn by the chat template
+    (`apply_chat_template(..., tools=...)`)."""
+    max_episode_tokens: int | None = None
+    """The episode's budget of tokens after the prompt (sampled and observation tokens together); None: none."""
+
+
+@runtime_checkable
+class OffersTools(Protocol):
+    """An environment whose episodes call tools (posttrain.envs.tools.ToolEnvironment)."""
+
+    tool_use: ToolUse
+
+
+def tool_use_of(environment: Environment) -> ToolUse | None:
+    """The environment's tools and token budget, or None for an environment without tools."""
+    return environment.tool_use if isinstance(environment, OffersTools) else None
 
 
 def reply_of(message_log: list[Message]) -> str:

@@ -32,6 +32,7 @@ from posttrain.config.environments import (
     MixtureOptions,
     PythonOptions,
     RewardModelOptions,
+    ToolsOptions,
 )
 from posttrain.envs.arithmetic_env import ArithmeticEnvironment
 from posttrain.envs.base import Environment
@@ -41,6 +42,10 @@ from posttrain.envs.math import MathEnvironment
 from posttrain.envs.mixture import MixtureEnvironment
 from posttrain.envs.python_reward import PythonRewardEnvironment
 from posttrain.envs.reward_model_env import RewardModelEnvironment, RewardScorer
+from posttrain.envs.rewards import load_function
+from posttrain.envs.tools import ToolEnvironment, tool_from_function, tool_from_schema
+from posttrain.envs.tools.builtin import calculator_tool, file_tools, python_tool, search_tool
+from posttrain.envs.tools.schema import Tool
 from posttrain.errors import RunError
 
 __all__ = ["NEEDED_COLUMNS", "REWARD_ONLY", "EnvironmentOptionError", "build_environment"]
@@ -59,18 +64,22 @@ class EnvironmentOptionError(RunError, ValueError):
 
 
 def build_environment(options: AnyEnvironmentOptions, *, worker_memory_mb: int = DEFAULT_WORKER_MEMORY_MB,
-                      models: Mapping[str, Any] | None = None) -> Environment:
+                      models: Mapping[str, Any] | None = None, tool_call_format: str | None = None) -> Environment:
     """The environment of `options` (a `posttrain.config.environments` options object).
 
     worker_memory_mb: address-space limit of each reward worker process (python and math environments, also as
         mixture components); environment.worker_memory_mb in a recipe config.
     models: the models environments score with, built by the caller: under "" a `JudgeModel` for a judge with a
         local `path`, or a `RewardScorer` for a reward_model environment; a mixture's components' under their names.
+    tool_call_format: for a tools environment whose options say auto, the format the model writes (the recipe
+        detects it from the tokenizer: `envs.tools.detect_tool_call_format`); hermes when not given.
     Raises EnvironmentOptionError when a constructor refuses an option's value, and ValueError when a model the
     options need was not handed in."""
     models = dict(models or {})
     if isinstance(options, MixtureOptions):
         return _mixture(options, worker_memory_mb, models)
+    if isinstance(options, ToolsOptions):
+        return _tools(options, worker_memory_mb, models.get(""), tool_call_format or "hermes")
     return _build_one(options, worker_memory_mb, models.get(""))
 
 
@@ -99,6 +108,51 @@ def _mixture(options: MixtureOptions, worker_memory_mb: int, models: dict[str, A
             environment.close()
         raise
     return MixtureEnvironment(environments, {c.name: c.weight for c in options.components})
+
+
+def _tools(options: ToolsOptions, worker_memory_mb: int, model: Any, detected_format: str) -> ToolEnvironment:
+    try:
+        tools = [tool for index, entry in enumerate(options.tools) for tool in _tool_entry(options, index, entry)]
+    except (ValueError, ImportError) as error:
+        raise EnvironmentOptionError(f"environment.options.tools of the tools environment: {error}") from error
+    try:
+        task = _build_one(options.task.typed_options, worker_memory_mb, model)
+    except EnvironmentOptionError as error:
+        raise EnvironmentOptionError(f"environment.options.task: {error}") from error
+    name = detected_format if options.tool_call_format == "auto" else options.tool_call_format
+    try:
+        return ToolEnvironment(task, tools, tool_call_format=name, max_output_chars=options.max_output_chars,
+                               max_calls_per_turn=options.max_calls_per_turn,
+                               max_episode_tokens=options.max_episode_tokens)
+    except ValueError as error:
+        task.close()
+        raise EnvironmentOptionError(f"environment.options of the tools environment: {error}") from error
+
+
+def _tool_entry(options: ToolsOptions, index: int, entry: str | dict[str, Any]) -> list[Tool]:
+    """The tools of `options.tools[index]`: a built-in's (files gives three), or a Python function's."""
+    timeout = options.timeout_s
+    if isinstance(entry, dict):
+        timeout = float(entry.get("timeout_s", timeout))
+        if "function" in entry:
+            function = load_function(entry["function"])
+            if "schema" in entry:
+                return [tool_from_schema(entry["schema"], function, timeout_s=timeout)]
+            return [tool_from_function(function, timeout_s=timeout)]
+        entry = entry["name"]
+    if entry == "calculator":
+        return [calculator_tool(timeout)]
+    if entry == "python":
+        return [python_tool(timeout, options.python_memory_limit_mb, options.max_output_chars * 4,
+                            options.allow_unisolated_fallback)]
+    if entry == "files":
+        return file_tools(timeout)
+    if entry == "search":
+        return [search_tool(timeout, options.search_corpus)]
+    if ":" in entry:
+        return [tool_from_function(load_function(entry), timeout_s=timeout)]
+    raise ValueError(f"tools[{index}]: {entry!r} is neither a built-in tool (calculator, python, files, search) nor "
+                     "an import path (pkg.module:function or file.py:function)")
 
 
 def _judge(options: JudgeOptions, worker_memory_mb: int, model: JudgeModel | None) -> JudgeEnvironment:
