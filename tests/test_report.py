@@ -1,5 +1,5 @@
-"""OUTPUT/report.html: one self-contained page per run (or comparing runs), written at the end of every run and by
-`posttrain report`."""
+"""OUTPUT/report.html: one self-contained page per run (or comparing runs) to explore, written during every run (at
+each evaluation and checkpoint), on every way out of it, and by `posttrain report`."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from posttrain.logging.report import (
     ReportError,
     downsample,
     read_run_info,
+    update_run_status,
     write_report,
     write_run_info,
 )
@@ -75,22 +76,39 @@ def _write_run(run_dir: Path, records: list[dict], samples: list[dict] | None = 
 
 
 def _sample(step: int, completion: str, split: str = "train", reward: float | None = 1.0) -> dict:
-    return {"step": step, "split": split, "prompt": f"{step}+1=", "completion": completion, "reward": reward,
+    return {"step": step, "split": split, "prompt": f"{step}+1=", "reference": str(step + 1), "completion": completion,
+            "reward": reward,
             "components": {"correct": reward} if reward is not None else None,
             "correct": None if reward is None else reward > 0.5, "error": None if reward is not None else "timeout"}
 
 
+def _script(page: str, element_id: str) -> dict:
+    """The JSON in the page's <script type="application/json" id=element_id>."""
+    found = re.search(rf'<script type="application/json" id="{element_id}">(.*?)</script>', page, re.DOTALL)
+    return json.loads(found.group(1))
+
+
+def _curves(page: str) -> dict:
+    return _script(page, "curves-data")
+
+
 def _series_points(page: str) -> dict[str, list[int]]:
-    """data-label -> drawn point counts of every series in the page's charts."""
+    """label -> drawn point counts of every series in the page's charts."""
     found: dict[str, list[int]] = {}
-    for tag, attrs in _parse(page).tags:
-        if tag == "g" and attrs.get("class") == "series":
-            found.setdefault(attrs["data-label"], []).append(int(attrs["data-points"]))
+    if 'id="curves-data"' not in page:
+        return found
+    for chart in _curves(page)["charts"]:
+        for series in chart["series"]:
+            found.setdefault(series["label"], []).append(len(series["steps"]))
     return found
 
 
 def _figures(page: str) -> list[str]:
     return re.findall(r'<figure class="figure".*?</figure>', page, flags=re.DOTALL)
+
+
+def _captions(page: str) -> list[str]:
+    return [re.search(r'<span class="title">(.*?)</span>', figure).group(1) for figure in _figures(page)]
 
 
 SHORT = [{"step": s, "loss": 3.0 / s, "learning_rate": 1e-4 * s, "grad_norm": 0.5 + s, "tokens_per_second": 900.0,
@@ -114,22 +132,28 @@ def test_report_is_self_contained_and_holds_curves_config_and_samples(tmp_path: 
     assert re.search(r"<title>my_run — posttrain grpo report</title>", page)
     assert "<h1>my_run: grpo run</h1>" in page
 
-    figures = _figures(page)
-    captions = [re.search(r"<figcaption>(.*?)</figcaption>", figure).group(1) for figure in figures]
-    assert captions[:4] == ["loss / eval_loss", "learning_rate", "grad_norm", "tokens_per_second"]
-    assert {"time/generate", "time/train", "time/step"} <= set(captions)
-    for figure in figures:  # every chart is an SVG with axes, ticks and at least one drawn series
-        assert figure.count('<svg class="chart"') == 1
-        assert '<text class="xl"' in figure and '<text class="yt"' in figure
-        assert re.search(r'<polyline points="[\d.]+,[\d.]+ [\d.]+,', figure) or "<circle" in figure
+    captions = _captions(page)
+    assert captions == ["loss / eval_loss", "learning_rate", "grad_norm"]
+    # Constant over the run: a row each, not a chart.
+    constants = page.split('<div id="constants">')[1].split("</table>")[0]
+    assert re.findall(r"<tr><td>([\w/]+)</td>", constants) == ["tokens_per_second", "time/generate", "time/step",
+                                                                 "time/train"]
+    charts = _curves(page)["charts"]
+    assert [chart["title"] for chart in charts] == captions  # one chart of data per figure, in order
+    for figure, chart in zip(_figures(page), charts):  # every chart has its box, its log switch and data
+        assert figure.count('<div class="plot"></div>') == 1 and 'class="c-log"' in figure
+        assert chart["series"] and all(len(s["steps"]) == len(s["values"]) >= 1 for s in chart["series"])
     assert _series_points(page)["loss"] == [3] and _series_points(page)["eval_loss"] == [1]
+    loss = _curves(page)["charts"][0]["series"][0]
+    assert (loss["steps"], loss["values"]) == ([1, 2, 3], [3.0, 1.5, 1.0])
 
     assert "learning_rate: 0.000123" in page  # the config, verbatim
     assert "3 skipped as malformed" in page  # the data summary from run_info.json
     assert "the answer is 42" in page and "eval/math" in page  # a sample, also on the page without the script
     assert re.search(r"<td>time/generate</td><td class=\"num\">0\.2 s <span class=\"at\">20%</span>", page)
-    payload = json.loads(parsed.scripts[0])
-    assert [row[4] for row in payload["rows"]] == ["4", "the answer is 42"]
+    payload = _script(page, "samples-data")
+    assert [row[5] for row in payload["rows"]] == ["4", "the answer is 42"]
+    assert [row[4] for row in payload["rows"]] == ["2", "4"]  # the reference answers, beside the completions
 
 
 def test_text_from_the_files_is_escaped(tmp_path: Path) -> None:
@@ -139,15 +163,16 @@ def test_text_from_the_files_is_escaped(tmp_path: Path) -> None:
     page = write_report([run], tmp_path / "report.html").read_text()
 
     parsed = _parse(page)
-    # Only the page's own two scripts (the samples' JSON and the table's code); no element the files brought.
-    assert [tag for tag, _ in parsed.tags].count("script") == 2
+    # Only the page's own five scripts (the curves' JSON, uPlot, the charts' code, the samples' JSON and the table's
+    # code); no element the files brought.
+    assert [tag for tag, _ in parsed.tags].count("script") == 5
     assert [tag for tag, _ in parsed.tags if tag in ("img", "b")] == []
-    assert "alert(" not in "".join(parsed.scripts[1:])
+    assert "alert(" not in "".join(parsed.scripts[1:3] + parsed.scripts[4:])
     assert "<script>alert" not in page and "<img" not in page and "<b>bold" not in page
     assert "&lt;/script&gt;&lt;script&gt;alert(&quot;pwned&quot;)" in page  # config, data summary, first page
-    # The JSON the script reads holds no "<", so it cannot close its element, and decodes to the text as written.
-    assert "<" not in parsed.scripts[0]
-    assert json.loads(parsed.scripts[0])["rows"][0][4] == HOSTILE
+    # The JSON the scripts read holds no "<", so it cannot close its element, and decodes to the text as written.
+    assert "<" not in parsed.scripts[0] and "<" not in parsed.scripts[3]
+    assert json.loads(parsed.scripts[3])["rows"][0][5] == HOSTILE
 
 
 def test_ten_thousand_steps_render_in_seconds_to_a_bounded_file(tmp_path: Path) -> None:
@@ -181,9 +206,9 @@ def test_ten_thousand_steps_render_in_seconds_to_a_bounded_file(tmp_path: Path) 
     assert points["loss"] == [MAX_POINTS_PER_SERIES] and points["eval_loss"] == [40]
     assert "loss: 10,000 points, 1,000 drawn" in page
     assert "<h3>eval/math</h3>" in page  # evaluation sets get their own group of charts
-    # The spike survives: the loss axis reaches 50 (its ticks go past it).
-    loss_figure = next(f for f in _figures(page) if "<figcaption>loss / eval_loss" in f)
-    assert max(float(t) for t in re.findall(r'<text class="yt"[^>]*>([\d.]+)</text>', loss_figure)) >= 50
+    # The spike survives the cut.
+    loss = next(s for chart in _curves(page)["charts"] for s in chart["series"] if s["label"] == "loss")
+    assert max(loss["values"]) == 50 and loss["steps"][loss["values"].index(50)] == 6_543
     assert "1,000 of 40,000 samples shown" in page
 
 
@@ -209,7 +234,7 @@ def test_non_finite_values_are_skipped_and_named(tmp_path: Path) -> None:
     assert "loss: 2 non-finite value(s) not drawn, the first at step 2" in page
     assert "no finite values to draw" in page  # grad_norm
     assert _series_points(page) == {"loss": [2]}
-    assert not re.search(r"points=\"[^\"]*(nan|inf)", page, re.IGNORECASE)
+    assert not re.search(r"nan|inf", json.dumps(_curves(page)["charts"]), re.IGNORECASE)
     assert '<td>loss</td><td class="num">NaN</td><td class="num">4</td>' in page  # the final value, as it was
 
 
@@ -247,10 +272,10 @@ def test_several_runs_are_overlaid_one_colour_each_with_their_config_differences
     assert "<h1>2 runs compared: lr_low, lr_high</h1>" in page
     points = _series_points(page)
     assert points["lr_low · loss"] == [3] and points["lr_high · loss"] == [3]  # shared axes, one series each
-    assert points["lr_low"] == points["lr_high"] == [3] * 6  # the six single-metric charts name the run
-    loss_figure = _figures(page)[0]
-    colours = set(re.findall(r'<polyline points="[^"]*" stroke="(#[0-9a-f]{6})"', loss_figure))
-    assert len(colours) == 2  # one colour per run; loss and eval_loss differ by dash
+    assert points["lr_low"] == points["lr_high"] == [3] * 2  # learning_rate and grad_norm charts name the run
+    loss_chart = _curves(page)["charts"][0]
+    assert len({s["color"] for s in loss_chart["series"]}) == 2  # one colour per run
+    assert {s["key"]: s["dash"] for s in loss_chart["series"]} == {"loss": None, "eval_loss": [6, 3]}  # by dash
     assert re.search(r"<td>trainer\.learning_rate</td><td>0\.0001</td><td>0\.001</td>", page)
     assert "trainer.max_steps" not in page.split("Keys that differ")[1].split("</table>")[0]
     assert "from the first" in page and "lr_high: no samples.jsonl" in page
@@ -288,7 +313,7 @@ def test_run_logger_writes_the_report_at_the_end_also_when_the_run_fails(tmp_pat
     with RunLogger(tmp_path / "ok", LoggingConfig(progress="none"), recipe="sft", total_steps=2) as run_logger:
         run_logger.log(1, {"loss": 1.0})
     assert run_logger.report_path == tmp_path / "ok" / "report.html"
-    assert "<figcaption>loss</figcaption>" in run_logger.report_path.read_text()
+    assert "<td>loss</td>" in run_logger.report_path.read_text()
 
     with pytest.raises(RuntimeError, match="boom"), \
             RunLogger(tmp_path / "crashed", LoggingConfig(progress="none"), recipe="sft", total_steps=9):
@@ -326,13 +351,12 @@ def test_a_report_that_cannot_be_written_never_hides_the_runs_error(tmp_path: Pa
     assert "could not write the run report: a chart that cannot be drawn" in capsys.readouterr().err
 
 
-def test_a_metric_flat_to_a_few_ulps_gets_an_axis(tmp_path: Path) -> None:
-    from posttrain.logging.report import write_report
-
+def test_a_metric_flat_to_a_few_ulps_is_a_constant(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1, "loss": 0.1}\n{"step": 2, "loss": 0.10000000000000002}\n')
-    assert "<svg" in write_report([run], run / "report.html").read_text()
+    page = write_report([run], run / "report.html").read_text()
+    assert _figures(page) == [] and "<td>loss</td><td class=\"num\">0.1 <span" in page
 
 
 def test_cli_report_writes_next_to_the_run_or_compares_into_the_current_directory(tmp_path, monkeypatch,
