@@ -400,7 +400,7 @@ def test_the_run_context_status_and_peak_memory_are_shown(tmp_path: Path, monkey
     update_run_status(run, "finished", 3, {"rss_bytes": 1_234_567_890, "cuda_allocated_bytes": 5_000_000_000})
     page = write_report([run], run / "report.html").read_text()
     runs = page.split('<section id="runs">')[1].split("</section>")[0]
-    cells = dict(re.findall(r"<tr><td>([^<]*)</td><td>(.*?)</td></tr>", runs))
+    cells = dict(re.findall(r"<dt>([^<]*)</dt><dd>(.*?)</dd>", runs))
     assert cells["status"].startswith("finished (as of ") and cells["status"].endswith(", step 3)")
     assert cells["command"] == "<code>posttrain grpo --config train.yaml &#x27;a=b c&#x27;</code>"
     # (then posttrain's own checkout, when it is one, as in a development install)

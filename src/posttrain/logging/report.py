@@ -366,12 +366,13 @@ def _clock(records: list[dict[str, Any]], wanted: set[int]) -> dict[str, list | 
     are not counted."""
     steps, seconds, tokens = [], [], []
     elapsed = processed = 0.0
-    previous, step_seconds, rate = 0, None, None
+    previous: int | None = None
+    step_seconds = rate = None
     timed = counted = False
     for record in sorted(records, key=lambda record: record["step"]):
         step = record["step"]
-        if step <= previous and steps:
-            continue
+        if previous is not None and step <= previous:
+            continue  # one record per step (a file written by hand may repeat one)
         for key in ("step_seconds", "time/step"):
             value = record.get(key)
             if _is_number(value) and math.isfinite(value):
@@ -380,7 +381,7 @@ def _clock(records: list[dict[str, Any]], wanted: set[int]) -> dict[str, list | 
         value = record.get("tokens_per_second")
         if _is_number(value) and math.isfinite(value):
             rate, counted = float(value), True
-        gap = step - previous
+        gap = step - (previous or 0)
         if step_seconds is not None:
             elapsed += step_seconds * gap
             if rate is not None:
@@ -627,6 +628,10 @@ def _context_rows(run: _Run) -> list[tuple[str, str]]:
 
 def _context_section(runs: list[_Run]) -> str:
     per_run = [_context_rows(run) for run in runs]
+    if len(runs) == 1:  # two columns of name and value: the curves start higher on the page
+        items = "".join(f"<dt>{html.escape(name)}</dt><dd>{f'<code>{value}</code>' if name == 'command' else value}"
+                        "</dd>" for name, value in per_run[0])
+        return f'<section id="runs"><h2>Run</h2><dl class="context">{items}</dl></section>'
     names = [name for name, _ in per_run[0]]
     rows = [[html.escape(name), *(f"<code>{rows[i][1]}</code>" if name == "command" else rows[i][1]
                                   for rows in per_run)] for i, name in enumerate(names)]
@@ -1050,6 +1055,10 @@ figcaption .log { font-weight: 400; font-size: 12px; color: var(--muted); white-
 .plot .u-legend { font-size: 12px; text-align: left; margin: 0; }
 .plot .u-legend .u-series > * { padding: 1px 4px; }
 code { font: 12px ui-monospace, Menlo, Consolas, monospace; overflow-wrap: anywhere; }
+dl.context { display: grid; grid-template-columns: max-content 1fr max-content 1fr; gap: 2px 14px; margin: 6px 0;
+  font-size: 13px; }
+dl.context dt { color: var(--muted); }
+dl.context dd { margin: 0; overflow-wrap: anywhere; }
 """
 
 
