@@ -134,7 +134,7 @@ def test_report_is_self_contained_and_holds_curves_config_and_samples(tmp_path: 
     assert "<h1>my_run: grpo run</h1>" in page
 
     captions = _captions(page)
-    assert captions == ["loss / eval_loss", "learning_rate", "grad_norm"]
+    assert captions == ["loss / eval_loss", "learning_rate", "grad_norm"]  # names in full (none cut)
     # Constant over the run: a row each, not a chart.
     constants = page.split('<div id="constants">')[1].split("</table>")[0]
     assert re.findall(r"<tr><td>([\w/]+)</td>", constants) == ["tokens_per_second", "time/generate", "time/step",
@@ -667,6 +667,7 @@ def _noisy_run(run_dir: Path) -> tuple[Path, list[float]]:
     """120 steps of a noisy loss (a band until smoothed), 2 s and 100 tokens a step, an evaluation every 40."""
     loss = [1.0 + 0.5 * math.sin(step * 2.3) + 1.0 / step for step in range(1, 121)]
     records = [{"step": step, "loss": loss[step - 1], "grad_norm": 1 + (step % 7) / 7, "time/step": 2.0,
+                "learning_rate": 1.06e-4 - 1e-7 * step,
                 "tokens_per_second": 50.0} | ({"eval/add/accuracy": step / 200} if step % 40 == 0 else {})
                for step in range(1, 121)]
     run = _write_run(run_dir, records)
@@ -716,6 +717,13 @@ def test_the_charts_respond_in_headless_chromium(tmp_path: Path) -> None:
         page.eval_on_selector("#c-smoothing", "(e) => { e.value = '0'; e.dispatchEvent(new Event('input')); }")
         assert page.evaluate(f"{plots}[0].data.length") == 2  # unsmoothed: the raw line alone
         assert page.evaluate(f"{plots}[0].data[1]") == pytest.approx(loss, rel=1e-6)
+
+        # No tick label is cut: each y axis is at least as wide as its longest label (1.0e-4-like ones included).
+        widths = page.evaluate(f"""{plots}.map((u) => {{
+            const axis = u.axes[1]; u.ctx.font = axis.font[0];
+            const text = Math.max(...axis._values.map((v) => u.ctx.measureText(v).width)) / devicePixelRatio;
+            return [text, axis._size]; }})""")
+        assert all(0 < text < size for text, size in widths), widths
 
         # Log scale, per chart.
         figure.locator(".c-log").check()
