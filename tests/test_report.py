@@ -444,6 +444,12 @@ def test_a_failed_write_leaves_the_previous_page_whole(tmp_path: Path, monkeypat
         write_report([run], run / "report.html")
     assert (run / "report.html").read_text() == before  # never half a page
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl", "report.html"]
+    # A page half-written when a run was killed (SIGKILL) is removed when the next run starts in the folder.
+    from posttrain.rundir import remove_dead_staging
+
+    stale = run / ".tmp-report.html-4999999"  # above any PID Linux hands out
+    stale.write_text("<!DOCTYPE html><html><head>")
+    assert remove_dead_staging(run) == [stale] and not stale.exists()
 
 
 def test_the_reference_answer_comes_from_the_prompts_row() -> None:

@@ -291,8 +291,15 @@ def _now() -> str:
     return datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
 
 
+def _temporary_name(path: Path) -> Path:
+    """Where `path` is written before it is renamed into place: a name of this process's own (a run rewriting its
+    page and `posttrain report` never share one) in the staging form `.tmp-<what>-<pid>`, which the next run in
+    the folder removes when a kill left it behind (rundir.remove_dead_staging)."""
+    return path.with_name(f".tmp-{path.name}-{os.getpid()}")
+
+
 def _write_json(path: Path, value: Any) -> Path:
-    tmp_path = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp_path = _temporary_name(path)
     tmp_path.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp_path, path)
     return path
@@ -1106,8 +1113,7 @@ def write_report(run_dirs: Sequence[str | os.PathLike[str]], output: str | os.Pa
     if output.is_dir() or as_given.endswith((os.sep, "/")):  # a folder: the report goes into it
         output = output / REPORT_FILENAME
     output.parent.mkdir(parents=True, exist_ok=True)
-    # A name of this process's own, so that a run rewriting its page and `posttrain report` never share one.
-    tmp_path = output.with_name(f".{output.name}.{os.getpid()}.tmp")
+    tmp_path = _temporary_name(output)
     try:
         tmp_path.write_text(_page(runs), encoding="utf-8")
         os.replace(tmp_path, output)
