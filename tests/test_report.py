@@ -560,7 +560,23 @@ def test_the_run_logger_rewrites_the_report_during_the_run(tmp_path: Path, monke
                                              "components": None, "correct": True, "error": None}])
         run_logger.write_report()
         assert len(written) == 2 and ">r</td>" in (run / "report.html").read_text()
-    assert len(written) == 3 and read_run_info(run)["starts"][0]["status"] == "finished"
+        # A page that took long to write is not rewritten until ten times as long has passed...
+        run_logger.log(3, {"loss": 0.5})
+        clock = iter([100.0, 100.0, 100.3])  # a rewrite from 100 s to 100.3 s: the next is due at 103 s
+        monkeypatch.setattr(posttrain.logging, "_clock", lambda: next(clock))
+        run_logger.write_report()
+        assert len(written) == 3
+        run_logger.log(4, {"loss": 0.4})
+        monkeypatch.setattr(posttrain.logging, "_clock", lambda: 102.9)
+        run_logger.write_report()
+        assert len(written) == 3
+        monkeypatch.setattr(posttrain.logging, "_clock", lambda: 103.1)
+        run_logger.write_report()
+        assert len(written) == 4 and _series_points((run / "report.html").read_text()) == {"loss": [4]}
+        run_logger.log(5, {"loss": 0.3})
+        monkeypatch.setattr(posttrain.logging, "_clock", lambda: 103.2)
+    # ...but the last page is always written.
+    assert len(written) == 5 and read_run_info(run)["starts"][0]["status"] == "finished"
 
 
 def test_evaluations_and_checkpoints_rewrite_the_report(tmp_path: Path) -> None:

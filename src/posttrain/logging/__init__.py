@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -36,6 +37,13 @@ from posttrain.logging.samples import SAMPLES_FILENAME, SamplesFile, read_sample
 
 METRICS_FILENAME = "metrics.jsonl"
 PLOT_FILENAME = "training_curves.png"
+REPORT_TIME_SHARE = 0.1
+"""Rewriting the report during a run takes at most about this share of the run's time: after a rewrite that took
+REPORT_SLOW_S or more, the next is skipped until its duration / REPORT_TIME_SHARE has passed (a 1-second page of a
+10,000-step run: at most one rewrite every 10 seconds). The last page is always written."""
+REPORT_SLOW_S = 0.25
+"""Rewrites quicker than this (a run of a few thousand steps) are never skipped."""
+_clock = time.monotonic
 
 
 class RunLogger:
@@ -68,6 +76,8 @@ class RunLogger:
         self._last_step: int | None = None
         self._reported = True
         """Nothing was logged since the report was last written (or the run started): a rewrite would say the same."""
+        self._report_due = 0.0
+        """time.monotonic() before which an in-run rewrite is skipped (REPORT_TIME_SHARE)."""
 
         run_name = cfg.run_name or self.output_dir.resolve().name
         # Trackers first: they may print while starting (W&B does), which would tear a live bar.
@@ -117,19 +127,22 @@ class RunLogger:
 
     def write_report(self) -> Path | None:
         """Rewrite OUTPUT/report.html now, as the run stands (after an evaluation or a checkpoint), unless
-        logging.report is off or nothing was logged since the last time. The page is replaced whole (a temporary
-        file renamed into place). A report that cannot be drawn is said on stderr and the run goes on; a disk
+        logging.report is off, nothing was logged since the last time, or the last rewrite was too recent for its
+        cost (REPORT_TIME_SHARE). The page is replaced whole (a temporary file renamed into place). A report that cannot be drawn is said on stderr and the run goes on; a disk
         error (OSError) is raised, as any other write of the run's would be."""
-        if self._closed or self._reported or not self.cfg.report:
+        if self._closed or self._reported or not self.cfg.report or _clock() < self._report_due:
             return self.report_path
         self._report("running", failed=False)
         return self.report_path
 
     def _report(self, status: str, failed: bool) -> None:
+        started = _clock()
         try:
             update_run_status(self.output_dir, status, self._last_step, peak_memory())
             self.report_path = write_report([self.output_dir], self.output_dir / REPORT_FILENAME)
             self._reported = True
+            took = _clock() - started
+            self._report_due = started + took / REPORT_TIME_SHARE if took >= REPORT_SLOW_S else 0.0
         except Exception as error:  # noqa: BLE001 - the report is a view of the run, never its outcome
             if isinstance(error, OSError) and not failed:
                 raise  # a full or read-only disk is news, as for the plot below
