@@ -189,6 +189,9 @@ def test_truncate_keeps_the_first_tokens_and_drop_returns_none():
         (["prompt", "completion", "id"], "prompt_completion"),
         (["text", "meta"], "text"),
         (["prompt", "answer"], "prompt_only"),
+        (["conversations", "id"], "sharegpt"),
+        (["instruction", "input", "output"], "alpaca"),
+        (["instruction", "output"], "alpaca"),
     ],
 )
 def test_detect_format(columns, expected):
@@ -206,6 +209,20 @@ def test_detect_format_lists_the_columns_and_the_accepted_layouts():
 def test_prompt_only_keeps_every_other_column_as_extras():
     row = parse_row("prompt_only", {"prompt": "What is 2+2?", "answer": "4", "id": 7}, "x:1")
     assert row == PromptOnlyRow(prompt="What is 2+2?", extras={"answer": "4", "id": 7})
+
+
+def test_sharegpt_rows_become_messages_and_alpaca_rows_prompt_completion():
+    sharegpt = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "2+2?"},
+                                  {"from": "gpt", "value": "4", "weight": 1}], "id": "a"}
+    assert parse_row("sharegpt", sharegpt, "x:1") == MessagesRow(messages=[
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4", "weight": 1}])
+    with_input = {"instruction": "Add the numbers.", "input": "2 and 2", "output": "4"}
+    assert parse_row("alpaca", with_input, "x:1") == PromptCompletionRow(prompt="Add the numbers.\n\n2 and 2",
+                                                                          completion="4")
+    for empty in ("", None):
+        row = parse_row("alpaca", {"instruction": "Say hi.", "input": empty, "output": "hi"}, "x:1")
+        assert row == PromptCompletionRow(prompt="Say hi.", completion="hi")
 
 
 def test_preference_explicit_and_implicit_prompt():
@@ -249,6 +266,14 @@ def test_preference_explicit_and_implicit_prompt():
         ("preference", {"chosen": "a", "rejected": "b"}, "field 'prompt': missing; without a prompt column"),
         ("preference", {"prompt": "q", "chosen": "a", "rejected": 1.5}, "field 'rejected': expected a string, got float"),
         ("prompt_only", {"prompt": ["a"]}, "field 'prompt[0]': expected a message"),
+        ("sharegpt", {"conversations": "hi"}, "field 'conversations': expected a list of turns, got str"),
+        ("sharegpt", {"conversations": [{"from": "bot", "value": "a"}]},
+         "field 'conversations[0].from': unknown speaker 'bot'; expected one of human,"),
+        ("sharegpt", {"conversations": [{"from": "human"}]}, "field 'conversations[0].value': missing"),
+        ("sharegpt", {"conversations": [{"from": "gpt", "value": 3}]},
+         "field 'conversations[0].content': expected a string, got int"),
+        ("alpaca", {"instruction": "a"}, "field 'output': missing"),
+        ("alpaca", {"instruction": "a", "input": 5, "output": "b"}, "field 'input': expected a string, got int"),
     ],
 )
 def test_parse_row_errors_name_location_and_field(fmt, record, expected):
@@ -372,6 +397,19 @@ def test_load_sft_examples_detects_each_sources_format(tmp_path, tokenizer):
     assert [example.source for example in examples] == [f"{texts}:1", f"{chats}:1", f"{pairs} row 1"]
     assert (stats.rows_read, stats.examples, stats.rows_skipped) == (3, 3, 0)
     assert stats.target_tokens == sum(example.num_targets for example in examples)
+
+
+def test_sharegpt_and_alpaca_files_train_like_their_converted_rows(tmp_path, tokenizer):
+    turns = [{"from": "human", "value": "What is 2+2?"}, {"from": "gpt", "value": "4"}]
+    sharegpt = write_jsonl(tmp_path / "sharegpt.jsonl", [{"conversations": turns}])
+    messages = write_jsonl(tmp_path / "messages.jsonl", [{"messages": [
+        {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]}])
+    alpaca = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "Add.", "input": "2 2", "output": " 4"}])
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "Add.\n\n2 2", "completion": " 4"}])
+    converted, _ = load_sft_examples([sharegpt, alpaca], tokenizer, sft_config(sharegpt))
+    direct, _ = load_sft_examples([messages, pairs], tokenizer, sft_config(messages))
+    assert [(e.input_ids, e.loss_mask) for e in converted] == [(e.input_ids, e.loss_mask) for e in direct]
+    assert target_runs(converted[0], tokenizer) == [f"4{IM_END}"]
 
 
 def test_raise_mode_stops_at_the_first_bad_row_naming_file_line_and_field(tmp_path, tokenizer):

@@ -20,7 +20,7 @@ SOURCE = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "posttrain"
 
 RANKS: dict[str, int] = {
-    "posttrain": 0,       # the package's __init__: its version, nothing else
+    "version": 0,         # the package version; imports nothing
     "errors": 0,          # RunError, the base of the errors a user can fix; imports nothing
     "metrics": 0,         # pass@k and other plain-number metrics; imports nothing
     "config": 1,          # pydantic schemas, YAML, overrides: the bottom layer (pydantic, omegaconf, yaml)
@@ -42,7 +42,9 @@ RANKS: dict[str, int] = {
     "distributed": 8,     # FSDP2 workers and their builders: the same protocols across processes
     "algorithms": 9,      # one loop per recipe: workers, generation, envs, data, config, logging, checkpoint
     "cli": 10,            # posttrain RECIPE --config FILE key=value ...: config, algorithms
+    "api": 10,            # posttrain.train(RECIPE, config, ...): the command line's recipes as functions
     "__main__": 11,       # python -m posttrain
+    "posttrain": 12,      # the package's __init__: its version, and the API's names when first used (lazily)
 }
 """The rank of each top-level module or package of src/posttrain: an import may point only to its own rank or
 below. config is the bottom; ARCHITECTURE.md's table, read bottom up."""
@@ -66,6 +68,10 @@ runs need."""
 
 CLI_DISPATCH = ("posttrain.algorithms.", "posttrain.logging.report")
 """`posttrain RECIPE` imports that recipe's loop (or the report writer) only when it runs it."""
+
+LAZY_API = ("posttrain", "posttrain.api")
+"""The package's __init__ imports the Python API when one of its names (posttrain.train, ...) is first used: the API
+imports torch and every recipe, which `import posttrain` must not pay (PEP 562 module __getattr__)."""
 
 KNOWN_VIOLATIONS: set[tuple[str, str, str]] = set()
 """(importer, imported, "local" or "upward") pairs tolerated for now, each with its reason; none today."""
@@ -235,7 +241,7 @@ def test_no_imports_inside_functions_but_optional_heavy_ones(package):
     _, imports = package
     found = {(importer, imported, "local") for importer, imported, _ in
              function_imports(imports, HEAVY_OPTIONAL, CLI_DISPATCH, f"{PACKAGE}.cli")}
-    assert sorted(found - KNOWN_VIOLATIONS) == []
+    assert sorted(found - KNOWN_VIOLATIONS - {(*LAZY_API, "local")}) == []
 
 
 def test_known_violations_are_still_there(package):
@@ -252,7 +258,7 @@ def test_config_and_the_pure_layers_import_only_their_own(package):
     _, imports = package
     allowed = {"config": {"pydantic", "pydantic_core", "omegaconf", "yaml"}, "losses": {"torch"},
                "advantages": {"torch"}}
-    leaves = {"posttrain", "errors", "metrics"}
+    leaves = {"posttrain", "version", "errors", "metrics"}
     problems = []
     for item in imports:
         layer = unit(item.importer)

@@ -41,7 +41,7 @@ from posttrain.envs.rewards import RewardError, RewardFunctionImportError
 from posttrain.errors import RunError
 from posttrain.hub import push_export
 from posttrain.models.errors import ModelNotFoundError
-from posttrain.process_group import barrier, is_main
+from posttrain.process_group import barrier, is_main, leave_together
 from posttrain.preemption import PREEMPTION_SIGNALS, Preempted
 
 
@@ -435,7 +435,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _quiet_libraries()
     try:
-        return recipe.run(cfg, args)
+        status = recipe.run(cfg, args)
+        leave_together()
+        return status
     except Preempted as stop:
         return _stopped_by_signal(recipe.name, cfg, stop)
     except (DataError, ModelNotFoundError, RewardError, RewardFunctionImportError, RunError) as err:

@@ -25,7 +25,7 @@ import yaml
 from huggingface_hub import HfApi, constants, get_token
 from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-from posttrain import __version__ as posttrain_version
+from posttrain.version import __version__ as posttrain_version
 from posttrain.config.schema import HubSection
 from posttrain.errors import RunError
 from posttrain.logging.metrics import read_metrics

@@ -71,6 +71,16 @@ def _leave_process_group() -> None:
         dist.destroy_process_group()
 
 
+def leave_together() -> None:
+    """The end of a run every rank finished: wait until all are here (rank 0 alone writes final/, the report and the
+    model card after the last collective), then leave the group at the same moment. A rank that left while rank 0
+    was still writing could end the job under it, and a group torn down on one side while the other still holds
+    it has aborted a finished run at exit."""
+    if is_distributed():
+        dist.barrier()
+    _leave_process_group()
+
+
 def broadcast_object(value):
     """`value` as rank 0 has it, on every rank."""
     if not is_distributed():

@@ -10,9 +10,11 @@ key comes with a did-you-mean suggestion. All of this happens before any model i
 from __future__ import annotations
 
 import difflib
+import os
 import sys
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -73,25 +75,55 @@ def read_yaml_with_defaults(path: Path, _seen: tuple[Path, ...] = ()) -> dict[st
     if size > MAX_CONFIG_BYTES:
         raise ConfigError(f"{path}: {size:,} bytes, more than the {MAX_CONFIG_BYTES:,} a config file may have "
                           "(MAX_CONFIG_BYTES)")
+    return _yaml_tree(path.read_text(), str(path), path.parent, _seen + (path,))
+
+
+def read_yaml_text(text: str, directory: Path = Path(".")) -> dict[str, Any]:
+    """A config given as YAML text rather than a file (the Python API's `posttrain.train("sft", "trainer: ...")`);
+    its `defaults:` paths are relative to `directory`. Errors name the text's line as "config text:LINE"."""
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config text: {len(text):,} characters, more than the {MAX_CONFIG_BYTES:,} a config may "
+                          "have (MAX_CONFIG_BYTES)")
+    return _yaml_tree(text, "config text", directory, ())
+
+
+def _yaml_tree(text: str, where: str, directory: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    """The tree of YAML `text` (read from `where`), its `defaults:` includes (relative to `directory`) merged
+    under it."""
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.safe_load(text) or {}
     except ValueError as err:  # a number of more digits than Python converts (sys.get_int_max_str_digits)
-        raise ConfigError(f"{path}: {_too_many_digits(err)}") from None
+        raise ConfigError(f"{where}: {_too_many_digits(err)}") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        raise ConfigError(f"{where}: invalid YAML: {getattr(err, 'problem', err)}") from err
+        located = f"{where}:{mark.line + 1}" if mark is not None else where
+        raise ConfigError(f"{located}: invalid YAML: {getattr(err, 'problem', err)}") from err
     if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(tree).__name__}")
+        raise ConfigError(f"{where}: the top level must be a mapping of keys, got {type(tree).__name__}")
     includes = tree.pop("defaults", [])
     if isinstance(includes, str):
         includes = [includes]
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
-        raise ConfigError(f"{path}: `defaults` must be a list of YAML paths relative to this file")
+        raise ConfigError(f"{where}: `defaults` must be a list of YAML paths relative to this file")
     merged: dict[str, Any] = {}
     for include in includes:
-        merged = deep_merge(merged, read_yaml_with_defaults(path.parent / include, _seen + (path,)))
+        merged = deep_merge(merged, read_yaml_with_defaults(directory / include, seen))
     return deep_merge(merged, tree)
+
+
+def overrides_tree(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """{"trainer.max_steps": 10, "data.train_files": [...]} as a nested tree, for the Python API. Values are taken
+    as given (Python values, never parsed as override text); a path object becomes its string. Unknown keys are
+    left to `validate`, which names them as it does for the command line's overrides."""
+    tree: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if not isinstance(key, str) or not all(key.split(".")):
+            raise ConfigError(f"bad override key {key!r}: expected a dotted key such as trainer.max_steps")
+        nested: Any = os.fspath(value) if isinstance(value, os.PathLike) else value
+        for part in reversed(key.split(".")):
+            nested = {part: nested}
+        tree = deep_merge(tree, nested)
+    return tree
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:

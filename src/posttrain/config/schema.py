@@ -116,8 +116,10 @@ class DataConfig(Section):
     eval_files: list[str] = Field(default_factory=list)
     """Held-out data in the same formats; enables eval_loss every trainer.eval_every steps."""
 
-    format: Literal["auto", "text", "prompt_completion", "messages", "preference", "prompt_only"] = "auto"
-    """Row format. auto detects it from the columns: messages, prompt+chosen+rejected, prompt+completion, text, prompt."""
+    format: Literal["auto", "text", "prompt_completion", "messages", "preference", "prompt_only", "sharegpt",
+                    "alpaca"] = "auto"
+    """Row format. auto detects it from the columns: messages, prompt+chosen+rejected, prompt+completion, text, prompt,
+    conversations (ShareGPT, read as messages), instruction+output (Alpaca, read as prompt+completion)."""
 
     on_error: Literal["raise", "skip"] = "raise"
     """What a malformed row does: raise (stop, naming file, line and field) or skip (drop it and count it)."""
@@ -270,8 +272,9 @@ class TrainerConfig(NumericSection):
 
 
 class LoggingConfig(Section):
-    progress: Literal["auto", "rich", "plain", "none"] = "auto"
-    """Console progress: auto (a rich bar on a terminal, plain lines otherwise), rich, plain or none."""
+    progress: Literal["auto", "rich", "tqdm", "plain", "none"] = "auto"
+    """Console progress: auto (a tqdm widget in a Jupyter notebook, a rich bar on a terminal, plain lines
+    otherwise), rich, tqdm (tqdm.auto: a widget in a notebook, a text bar elsewhere), plain or none."""
 
     tensorboard: bool = False
     """Write TensorBoard event files to OUTPUT/tensorboard (needs the tensorboard package)."""

@@ -5,6 +5,11 @@ frozen dataclasses below, or a DataError naming its location and field. Formats 
 the field uses (TRL's dataset formats): plain text, prompt/completion, messages, preference pairs and
 prompts alone. Prompts and completions are strings or, in the conversational form, lists of chat
 messages {"role": ..., "content": ...}.
+
+Two layouts common in public datasets are read as one of those: ShareGPT (`conversations`, a list of
+{"from": "human" | "gpt" | "system" | ..., "value": ...}) becomes a messages row with the roles renamed, as TRL
+converts it; Alpaca (`instruction`, optional `input`, `output`) becomes a prompt/completion row whose prompt is
+the instruction, then a blank line and the input when there is one.
 """
 
 from __future__ import annotations
@@ -23,7 +28,12 @@ Message = dict[str, Any]
 Messages = list[Message]
 
 ROLES = ("system", "user", "assistant", "tool")
-FORMATS = ("text", "prompt_completion", "messages", "preference", "prompt_only")
+FORMATS = ("text", "prompt_completion", "messages", "preference", "prompt_only", "sharegpt", "alpaca")
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
+                  "chatgpt": "assistant", "system": "system", "tool": "tool", "function_response": "tool",
+                  "observation": "tool"}
+"""ShareGPT speakers (`from`) and the chat role each becomes."""
 
 
 @dataclass(frozen=True)
@@ -74,13 +84,14 @@ Row = TextRow | PromptCompletionRow | MessagesRow | PreferenceRow | PromptOnlyRo
 
 ACCEPTED_LAYOUTS = (
     "messages; prompt+chosen+rejected (preference; chosen+rejected alone for conversations that share "
-    "their first messages); prompt+completion; text; prompt (prompt_only)"
+    "their first messages); prompt+completion; text; prompt (prompt_only); conversations (ShareGPT); "
+    "instruction+output (Alpaca)"
 )
 
 
 def detect_format(columns: Iterable[str], location: str = "data") -> str:
     """The format a record's columns fit, checked in order: messages, preference, prompt_completion, text,
-    prompt_only. Raises DataError (at location) listing the columns found when none fits."""
+    prompt_only, sharegpt, alpaca. Raises DataError (at location) listing the columns found when none fits."""
     names = set(columns)
     if "messages" in names:
         return "messages"
@@ -92,6 +103,10 @@ def detect_format(columns: Iterable[str], location: str = "data") -> str:
         return "text"
     if "prompt" in names:
         return "prompt_only"
+    if "conversations" in names:
+        return "sharegpt"
+    if {"instruction", "output"} <= names:
+        return "alpaca"
     raise DataError(
         location,
         f"cannot tell the data format from the columns {sorted(names)}; accepted layouts: {ACCEPTED_LAYOUTS}. "
@@ -191,12 +206,45 @@ def _parse_prompt_only(row: Mapping[str, Any], location: str) -> PromptOnlyRow:
     return PromptOnlyRow(prompt=prompt, extras={key: value for key, value in row.items() if key != "prompt"})
 
 
+def _parse_sharegpt(row: Mapping[str, Any], location: str) -> MessagesRow:
+    turns = _field(row, "conversations", location)
+    if not isinstance(turns, (list, tuple)):
+        raise DataError(location, f"expected a list of turns, got {_type_name(turns)}", "conversations")
+    messages = []
+    for index, turn in enumerate(turns):
+        where = f"conversations[{index}]"
+        if isinstance(turn, Mapping) and "role" in turn:  # already chat messages under another column name
+            messages.append(turn)
+            continue
+        if not isinstance(turn, Mapping):
+            raise DataError(location, f'expected a turn {{"from": ..., "value": ...}}, got {_type_name(turn)}', where)
+        speaker = _string(_field(turn, "from", location), f"{where}.from", location)
+        if speaker not in SHAREGPT_ROLES:
+            raise DataError(location, f"unknown speaker {speaker!r}; expected one of {', '.join(SHAREGPT_ROLES)}",
+                            f"{where}.from")
+        if "value" not in turn:
+            raise DataError(location, "missing", f"{where}.value")
+        extra = {key: value for key, value in turn.items() if key not in ("from", "value")}
+        messages.append({"role": SHAREGPT_ROLES[speaker], "content": turn["value"], **extra})
+    return MessagesRow(messages=_messages(messages, "conversations", location))
+
+
+def _parse_alpaca(row: Mapping[str, Any], location: str) -> PromptCompletionRow:
+    instruction = _string(_field(row, "instruction", location), "instruction", location)
+    extra = row.get("input") or ""
+    extra = _string(extra, "input", location)
+    prompt = f"{instruction}\n\n{extra}" if extra else instruction
+    return PromptCompletionRow(prompt=prompt, completion=_string(_field(row, "output", location), "output", location))
+
+
 _PARSERS: dict[str, Callable[[Mapping[str, Any], str], Row]] = {
     "text": _parse_text,
     "prompt_completion": _parse_prompt_completion,
     "messages": _parse_messages,
     "preference": _parse_preference,
     "prompt_only": _parse_prompt_only,
+    "sharegpt": _parse_sharegpt,
+    "alpaca": _parse_alpaca,
 }
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from posttrain.data.embedded import is_embedded_dataset, iter_embedded
 from posttrain.data.errors import DataError
+from posttrain.data.memory import is_in_memory, iter_in_memory
 
 BadRecordHandler = Callable[[DataError], None]
 """Called with the error of a record that cannot be read (bad JSON line, non-object item); may raise it."""
@@ -50,7 +51,8 @@ def iter_records(source: str, on_bad_record: BadRecordHandler | None = None) -> 
 
     source: a path ending in .jsonl, .json, .parquet or .csv, or a hub name "name" / "name:split"
         (split defaults to "train"), or an embedded dataset such as "posttrain/arithmetic" (see
-        posttrain.data.embedded). A missing file is "file not found" whenever the source looks like a
+        posttrain.data.embedded), or rows the Python API holds in memory ("memory:train_data", see
+        posttrain.data.memory). A missing file is "file not found" whenever the source looks like a
         path (see `local_path_reason`); only what does not is taken as a hub name.
     on_bad_record: what to do with a record that cannot be read (a JSONL line that is not valid JSON
         or not an object, a CSV row with the wrong number of fields, a record holding bytes that are not
@@ -60,6 +62,9 @@ def iter_records(source: str, on_bad_record: BadRecordHandler | None = None) -> 
     path = Path(source)
     suffix = path.suffix.lower()
     handle = on_bad_record if on_bad_record is not None else _raise
+    if is_in_memory(source):
+        yield from iter_in_memory(source, handle)
+        return
     if path.is_dir():
         raise DataError(source, f"is a directory; give the data files in it ({', '.join(LOCAL_EXTENSIONS)})")
     if path.is_file():

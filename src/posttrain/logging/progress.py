@@ -1,6 +1,7 @@
-"""Console progress: a rich bar on a terminal, plain lines in log files, or nothing.
+"""Console progress: a rich bar on a terminal, a tqdm bar (a widget) in a Jupyter notebook, plain lines in log
+files, or nothing.
 
-All three reporters share one interface (``update``, ``message``, ``close``) and are chosen
+All four reporters share one interface (``update``, ``message``, ``close``) and are chosen
 once by ``create_progress`` from ``logging.progress``. The plain reporter exists because a
 live bar written to a file (SLURM logs, ``nohup``, CI) becomes thousands of carriage-return
 frames; there it prints a line every ``every_steps`` steps or ``every_seconds`` seconds,
@@ -22,8 +23,9 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from tqdm.auto import tqdm
 
-ProgressMode = Literal["auto", "rich", "plain", "none"]
+ProgressMode = Literal["auto", "rich", "tqdm", "plain", "none"]
 
 DEFAULT_KEY_METRICS: tuple[str, ...] = ("loss", "eval_loss", "learning_rate", "tokens_per_second")
 """Metrics shown beside the progress, in this order, when present."""
@@ -194,6 +196,41 @@ class RichProgress:
         self._progress.stop()
 
 
+class TqdmProgress:
+    """A tqdm.auto bar: an ipywidgets bar in a Jupyter notebook (a text bar where ipywidgets is missing or outside
+    a notebook), with the step count, rate, ETA and the key metrics as its postfix."""
+
+    def __init__(
+        self,
+        *,
+        recipe: str,
+        total_steps: int,
+        start_step: int = 0,
+        key_metrics: Sequence[str] = DEFAULT_KEY_METRICS,
+    ) -> None:
+        self.key_metrics = tuple(key_metrics)
+        self._latest: dict[str, float] = {}
+        # initial=start_step: a resumed run's bar starts where the checkpoint left off, and tqdm's rate counts only
+        # the steps done by this process.
+        self._bar = tqdm(total=total_steps, initial=start_step, desc=recipe, unit="step", dynamic_ncols=True)
+
+    def update(self, step: int, metrics: Mapping[str, float] | None = None) -> None:
+        self._latest.update(metrics or {})
+        self._bar.set_postfix_str(format_metrics(self._latest, self.key_metrics, compact=True), refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def message(self, text: str) -> None:
+        self._bar.write(text)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def in_notebook() -> bool:
+    """True inside a Jupyter kernel (or Colab, Databricks): rich's detection, which reads IPython's shell class."""
+    return Console().is_jupyter
+
+
 def create_progress(
     mode: ProgressMode,
     *,
@@ -202,10 +239,11 @@ def create_progress(
     start_step: int = 0,
     key_metrics: Sequence[str] = DEFAULT_KEY_METRICS,
 ) -> ProgressReporter:
-    """The reporter for ``logging.progress``; ``auto`` is rich on a terminal or notebook, plain otherwise."""
+    """The reporter for ``logging.progress``; ``auto`` is tqdm in a notebook, rich on a terminal, plain otherwise."""
     if mode == "auto":
-        console = Console()
-        mode = "rich" if console.is_terminal or console.is_jupyter else "plain"
+        mode = "tqdm" if in_notebook() else "rich" if Console().is_terminal else "plain"
+    if mode == "tqdm":
+        return TqdmProgress(recipe=recipe, total_steps=total_steps, start_step=start_step, key_metrics=key_metrics)
     if mode == "rich":
         return RichProgress(recipe=recipe, total_steps=total_steps, start_step=start_step, key_metrics=key_metrics)
     if mode == "plain":
@@ -220,7 +258,9 @@ __all__ = [
     "ProgressMode",
     "ProgressReporter",
     "RichProgress",
+    "TqdmProgress",
     "create_progress",
     "format_duration",
     "format_metrics",
+    "in_notebook",
 ]

@@ -51,7 +51,7 @@ import torch
 import transformers
 import yaml
 
-from posttrain import __version__ as posttrain_version
+from posttrain.version import __version__ as posttrain_version
 from posttrain.logging.context import run_context
 from posttrain.logging.metrics import read_metrics
 from posttrain.logging.samples import SAMPLES_FILENAME
