@@ -160,7 +160,8 @@ def _series(records: list[dict[str, Any]]) -> dict[str, _Series]:
     for record in sorted(records, key=lambda record: record["step"]):
         step = record["step"]
         for key, value in record.items():
-            if key == "step" or not _is_number(value):
+            # JSON numbers are exactly int or float (a bool is neither); the type test is the hot loop of a long run.
+            if type(value) not in (int, float) or key == "step":
                 continue
             line = series.get(key)
             if line is None:
