@@ -27,11 +27,11 @@ from types import TracebackType
 from typing import Any
 
 from posttrain.config.schema import LoggingConfig
+from posttrain.logging.context import peak_memory
 from posttrain.logging.loggers import ExperimentLogger, create_experiment_loggers
 from posttrain.logging.metrics import MetricsFile, read_metrics, truncate_metrics
 from posttrain.logging.plots import plot_training_curves
 from posttrain.logging.progress import DEFAULT_KEY_METRICS, ProgressReporter, create_progress
-from posttrain.logging.context import peak_memory
 from posttrain.logging.report import REPORT_FILENAME, update_run_status, write_report
 from posttrain.logging.samples import SAMPLES_FILENAME, SamplesFile, read_samples
 
@@ -128,8 +128,9 @@ class RunLogger:
     def write_report(self) -> Path | None:
         """Rewrite OUTPUT/report.html now, as the run stands (after an evaluation or a checkpoint), unless
         logging.report is off, nothing was logged since the last time, or the last rewrite was too recent for its
-        cost (REPORT_TIME_SHARE). The page is replaced whole (a temporary file renamed into place). A report that cannot be drawn is said on stderr and the run goes on; a disk
-        error (OSError) is raised, as any other write of the run's would be."""
+        cost (REPORT_TIME_SHARE). The page is replaced whole (a temporary file renamed into place). A report that
+        cannot be drawn is said on stderr and the run goes on; a disk error (OSError) is raised, as any other write
+        of the run's would be."""
         if self._closed or self._reported or not self.cfg.report or _clock() < self._report_due:
             return self.report_path
         self._report("running", failed=False)

@@ -6,8 +6,9 @@ Each line is exactly
      "reward": float | null, "components": {name: float} | null, "correct": bool | null, "error": str | null}
 
 `reference` is what the reply is checked against, from the prompt's row (its `answer`, or the tests of code
-environments; `algorithms.evaluate.reference_text`), null when the row has none. `reward` is the scalar reward (the weighted sum of `components` when the environment gives named ones), null when
-scoring failed, and then `error` says why; `correct` is null when the environment does not judge correctness.
+environments; `algorithms.evaluate.reference_text`), null when the row has none. `reward` is the scalar reward
+(the weighted sum of `components` when the environment gives named ones), null when scoring failed, and then
+`error` says why; `correct` is null when the environment does not judge correctness.
 GRPO appends the first `logging.samples_per_step` episodes of each step (split "train"); every evaluation set its
 first `samples_logged` samples (split "eval/<name>"). Like metrics.jsonl each line is one write followed by a
 flush, and a resumed run drops the lines of steps after its checkpoint (`logging.metrics.truncate_metrics`, which
