@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Install posttrain with its test extras into .venv (if needed) and run the default test suite.
 #   bash scripts/test.sh              # default suite (under 15 minutes on 2 CPU cores)
-#   bash scripts/test.sh --slow       # only the slow tests (installs Chromium for one when root with apt-get)
+#   bash scripts/test.sh --slow       # only the slow tests (installs Chromium for the report's browser tests when
+#                                     # root with apt-get, and the `browser` extra, playwright, that drives it)
 #   bash scripts/test.sh -k config    # any further arguments go to pytest
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/setup.sh test
 if [ "${1:-}" = "--slow" ]; then
+  bash scripts/setup.sh test,browser
   shift
-  # The report's rendering test drives headless Chromium (it skips, saying why, without one).
+  # The report's browser tests drive headless Chromium (they skip, saying why, without one).
   if ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null && ! command -v google-chrome >/dev/null; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
       echo "installing Chromium for the report's rendering test: apt-get install -y chromium"
@@ -20,4 +21,5 @@ if [ "${1:-}" = "--slow" ]; then
   fi
   exec .venv/bin/python -m pytest -m slow "$@"
 fi
+bash scripts/setup.sh test
 exec .venv/bin/python -m pytest "$@"

@@ -30,7 +30,7 @@ from posttrain.models.loading import load_causal_lm, load_reward_backbone, load_
 from posttrain.workers import RewardModel
 
 REWARDS = str(Path(__file__).with_name("reward_fns_for_tests.py"))
-SAMPLE_KEYS = {"step", "split", "prompt", "completion", "reward", "components", "correct", "error"}
+SAMPLE_KEYS = {"step", "split", "prompt", "reference", "completion", "reward", "components", "correct", "error"}
 
 
 # ---- pass@k -----------------------------------------------------------------------------------------------------
@@ -175,8 +175,8 @@ def test_eval_cli_reports_exact_metrics_and_writes_every_sample(tmp_path, tiny_m
     assert payload["reward/errors"] == 0 and payload["reward_errors"] == []
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 12
-    assert lines[1] == {"prompt_index": 0, "sample": 1, "prompt": "1+1=", "completion": "3", "reward": 0.0,
-                        "components": None, "correct": False, "error": None}
+    assert lines[1] == {"prompt_index": 0, "sample": 1, "prompt": "1+1=", "reference": "2", "completion": "3",
+                        "reward": 0.0, "components": None, "correct": False, "error": None}
     assert [line["sample"] for line in lines[:5]] == [0, 1, 2, 3, 0]
     assert sum(line["correct"] for line in lines) == 7
 
@@ -419,8 +419,8 @@ def test_grpo_resume_gives_the_samples_file_of_the_uninterrupted_run(tmp_path, t
     run("resumed", 2)
     # A killed run leaves lines of steps past its checkpoint: they are dropped on resume, like metrics.jsonl's.
     with (tmp_path / "resumed" / "samples.jsonl").open("a") as file:
-        file.write(json.dumps({"step": 3, "split": "train", "prompt": "x", "completion": "y", "reward": 0.0,
-                               "components": None, "correct": None, "error": None}) + "\n")
+        file.write(json.dumps({"step": 3, "split": "train", "prompt": "x", "reference": "z", "completion": "y",
+                               "reward": 0.0, "components": None, "correct": None, "error": None}) + "\n")
     run("resumed", 4)
     full = (tmp_path / "full" / "samples.jsonl").read_text()
     assert full == (tmp_path / "resumed" / "samples.jsonl").read_text()

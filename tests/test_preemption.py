@@ -64,6 +64,10 @@ def test_a_signal_saves_a_checkpoint_and_the_report_and_the_run_resumes(tmp_path
     assert (f"stopped by {name} after step {newest.step} of 100000; checkpoint {newest.path} written. Run the same "
             f"command again to resume from step {newest.step}; report: {out / 'report.html'}") in stderr
     assert "Traceback" not in stderr and (out / "report.html").is_file() and not (out / "final").exists()
+    # The report written on the way out says how the run ended, and flags it.
+    page = (out / "report.html").read_text()
+    assert f"ended by Preempted: stopped by {name} after step {newest.step} of 100000" in page.split("</header>")[0]
+    assert f"<li>the run did not finish: ended by Preempted: stopped by {name}" in page
     # The same command, with an end in sight, carries on from that step (here in this process: quicker).
     from posttrain.cli import main
 

@@ -150,14 +150,18 @@ def _acquire(out: Path):
 
 
 def remove_dead_staging(folder: Path) -> list[Path]:
-    """Remove `.tmp-*-<pid>` folders of `folder` whose PID is this process or no longer runs; return them."""
+    """Remove `.tmp-*-<pid>` folders (staged checkpoints) and files (a report or run_info.json being written) of
+    `folder` whose PID is this process or no longer runs; return them."""
     removed = []
     if not folder.is_dir():
         return removed
     for child in folder.iterdir():
         match = _STAGING.match(child.name)
         if match and (int(match.group(1)) == os.getpid() or not _running(int(match.group(1)))):
-            shutil.rmtree(child, ignore_errors=True)
+            if child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
             removed.append(child)
     return removed
 

@@ -194,6 +194,8 @@ class SilentRunLogger:
 
     def advance(self, step: int, metrics: dict) -> None: ...
 
+    def write_report(self) -> None: ...
+
 
 def run_logger(output_dir: Path, cfg, **kwargs) -> RunLogger | SilentRunLogger:
     """The run's logger on rank 0 (or in a single process); a silent one on the other ranks."""
@@ -278,19 +280,24 @@ def is_save_step(step: int, trainer: TrainerConfig) -> bool:
 
 def log_step(run_log: RunLogger, step: int, metrics: dict[str, float], trainer: TrainerConfig) -> None:
     """A metrics.jsonl record every log_every steps, at the end and whenever an evaluation ran (eval_*, eval/* or
-    val/* metrics); progress otherwise."""
+    val/* metrics); progress otherwise. After an evaluation report.html is rewritten, so a run that is killed
+    later still leaves its curves up to there."""
     evaluated = any(key.startswith(("eval_", "eval/", "val/")) for key in metrics)
     if step % trainer.log_every == 0 or step == trainer.max_steps or evaluated:
         run_log.log(step, metrics)
     else:
         run_log.advance(step, metrics)
+    if evaluated and step < trainer.max_steps:  # the last step's report is written as the run ends
+        run_log.write_report()
 
 
 def save_if_due(output_dir: Path, step: int, trainer: TrainerConfig, workers: Mapping[str, SavesState],
-                sampler: EpochSampler, extra_state: dict | None = None) -> None:
+                sampler: EpochSampler, extra_state: dict | None = None, *,
+                run_log: RunLogger | SilentRunLogger | None = None) -> None:
     """Checkpoint every save_every steps, every save_every_minutes, at the last step, and when SIGTERM or SIGUSR1
-    arrived: each worker's folder plus the data position. After a signal's checkpoint, raise Preempted (the run
-    ends here; posttrain.preemption). Every rank calls this at the end of every step: the decision is collective."""
+    arrived: each worker's folder plus the data position, then (given `run_log`) report.html. After a signal's
+    checkpoint, raise Preempted (the run ends here and the logger writes the report on its way out;
+    posttrain.preemption). Every rank calls this at the end of every step: the decision is collective."""
     boundary = step_boundary(trainer.save_every_minutes)
     if is_save_step(step, trainer) or boundary.save_for_time or boundary.stop_signal is not None:
         checkpoint = save_checkpoint(output_dir, step, workers,
@@ -298,6 +305,8 @@ def save_if_due(output_dir: Path, step: int, trainer: TrainerConfig, workers: Ma
         checkpoint_written()
         if boundary.stop_signal is not None and step < trainer.max_steps:
             raise preempted(boundary.stop_signal, step, trainer.max_steps, checkpoint.path)
+        if run_log is not None and step < trainer.max_steps:  # the last step's report is written as the run ends
+            run_log.write_report()
 
 
 def export_policy(output_dir: Path, policy: PolicyWorker, run_log: RunLogger, hub: HubSection) -> Path:

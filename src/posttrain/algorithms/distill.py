@@ -557,7 +557,7 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
             if evaluation.is_due(step):
                 metrics.update(evaluation.run_for_policy(step, policy, cfg.model, run_log))
             log_step(run_log, step, metrics, trainer)
-            save_if_due(output_dir, step, trainer, {POLICY: policy}, sampler)
+            save_if_due(output_dir, step, trainer, {POLICY: policy}, sampler, run_log=run_log)
 
         final_dir = export_policy(output_dir, policy, run_log, cfg.hub)
     return DistillResult(output_dir, final_dir, trainer.max_steps, step_loss, eval_nll)

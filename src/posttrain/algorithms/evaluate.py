@@ -115,11 +115,13 @@ class SampleRecord:
     """Whether the sample is correct; None when scoring failed or nothing judges correctness."""
     error: str | None
     """Why scoring failed."""
+    reference: str | None = None
+    """What the reply is checked against, from the prompt's row (`reference_text`); None when the row has none."""
 
     def to_json(self) -> dict[str, Any]:
         """The sample as a samples.jsonl record (without step and split)."""
-        return {"prompt": self.prompt, "completion": self.completion, "reward": self.reward,
-                "components": self.components, "correct": self.correct, "error": self.error}
+        return {"prompt": self.prompt, "reference": self.reference, "completion": self.completion,
+                "reward": self.reward, "components": self.components, "correct": self.correct, "error": self.error}
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,21 @@ def evaluate_prompts(prompts: list[PromptRow], generator: Generator, environment
     return EvalReport(metrics, samples, len(prompts), num_samples, time.perf_counter() - started)
 
 
+REFERENCE_COLUMNS = ("answer", "reference", "solution", "tests", "assert_code")
+"""The data columns a sample's reference answer is read from, the first one its row has: the gold answer of the
+arithmetic and math environments, the tests of the code environment, or a column of a usual name (python reward
+functions and judges read whichever columns they like)."""
+
+
+def reference_text(metadata: dict[str, Any]) -> str | None:
+    """The reference answer in a prompt row's columns (REFERENCE_COLUMNS), as text; None when there is none."""
+    for column in REFERENCE_COLUMNS:
+        value = metadata.get(column)
+        if value is not None:
+            return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return None
+
+
 def sample_record(episode: Episode, tokenizer, weights: dict[str, float],
                   correct_threshold: float | None = None) -> SampleRecord:
     """An episode as a SampleRecord (its group id is its prompt's index)."""
@@ -194,7 +211,8 @@ def sample_record(episode: Episode, tokenizer, weights: dict[str, float],
             correct = reward >= correct_threshold
     error = None if reward is not None else episode.error or "the environment gave no reward and no reason"
     components = dict(episode.reward) if isinstance(episode.reward, dict) else None
-    return SampleRecord(episode.group_id, prompt, completion, reward, components, correct, error)
+    return SampleRecord(episode.group_id, prompt, completion, reward, components, correct, error,
+                        reference_text(episode.metadata))
 
 
 def reward_weights(environment: Environment) -> dict[str, float]:

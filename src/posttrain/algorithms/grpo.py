@@ -115,7 +115,8 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
                 if evaluation.is_due(step):
                     metrics.update(evaluation.run(step, generator, run_log))
                 log_step(run_log, step, metrics, trainer)
-                save_if_due(run.output_dir, step, trainer, {POLICY: policy}, source.sampler, run.trainer_state(source))
+                save_if_due(run.output_dir, step, trainer, {POLICY: policy}, source.sampler, run.trainer_state(source),
+                            run_log=run_log)
                 continue
             batch = rollout_batch(episodes, cfg, run, weights, metrics)
 
@@ -159,7 +160,8 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
                                         step=step_seconds))
             metrics.update(due_evaluations(step, cfg, run.data, generator, run.greedy, weights, evaluation, run_log))
             log_step(run_log, step, metrics, trainer)
-            save_if_due(run.output_dir, step, trainer, {POLICY: policy}, source.sampler, run.trainer_state(source))
+            save_if_due(run.output_dir, step, trainer, {POLICY: policy}, source.sampler, run.trainer_state(source),
+                        run_log=run_log)
 
         final_dir = export_policy(run.output_dir, policy, run_log, cfg.hub)
     return RLResult(run.output_dir, final_dir, trainer.max_steps, metrics)

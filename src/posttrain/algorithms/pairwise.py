@@ -163,7 +163,7 @@ def train_on_pairs(run: PairRun, cfg: RecipeConfig, policy: PolicyWorker, recipe
             if evaluation is not None and evaluation.is_due(step):
                 metrics.update(evaluation.run_for_policy(step, policy, cfg.model, run_log))
             log_step(run_log, step, metrics, trainer)
-            save_if_due(run.output_dir, step, trainer, {POLICY: policy}, sampler)
+            save_if_due(run.output_dir, step, trainer, {POLICY: policy}, sampler, run_log=run_log)
 
         final_dir = export_policy(run.output_dir, policy, run_log, cfg.hub)
     return metrics, eval_metrics, final_dir

@@ -145,7 +145,7 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
             metrics.update(due_evaluations(step, cfg, run.data, generator, run.greedy, weights, evaluation, run_log))
             log_step(run_log, step, metrics, trainer)
             save_if_due(run.output_dir, step, trainer, {POLICY: policy, CRITIC: critic}, source.sampler,
-                        run.trainer_state(source))
+                        run.trainer_state(source), run_log=run_log)
 
         final_dir = export_policy(run.output_dir, policy, run_log, cfg.hub)
     return RLResult(run.output_dir, final_dir, trainer.max_steps, metrics)

@@ -1,25 +1,36 @@
-"""OUTPUT/report.html: one self-contained page about a run, or several runs side by side.
+"""OUTPUT/report.html: one self-contained page about a run, or several runs side by side, to explore.
 
-The page holds everything inline (CSS, SVG charts drawn here, a little JavaScript to page through samples) and
-references nothing outside itself: no network, fonts or CDN, so it opens as is from a laptop, a cluster's file
-system or an archive. It reads only what a run directory holds:
+The page holds everything inline (CSS, the uPlot chart library with its licence, the page's own script, the
+data as JSON) and references nothing outside itself: no network, fonts or CDN, so it opens as is from a laptop,
+a cluster's file system or an archive. It reads only what a run directory holds:
 
-- metrics.jsonl: one chart per metric, the known ones first (in plots.py's order, related metrics sharing axes),
-  the rest grouped by prefix (``eval/<name>/...`` per evaluation set, ``time/...``, ``reward/...``); the final
-  value of every metric; the mean of each ``time/*`` phase.
+- metrics.jsonl: one interactive chart per metric, the known ones first (in plots.py's order, related metrics
+  sharing axes), the rest grouped by prefix (``eval/<name>/...`` per evaluation set, ``time/...``,
+  ``reward/...``). One control smooths every curve (an exponential moving average, the raw curve stays faint
+  behind it); hovering shows each series' value; dragging across a chart zooms every chart to that range
+  (double-click resets); each chart has a log-scale switch; the x axis is the step, the training time or the
+  tokens processed (the last two summed from ``step_seconds`` / ``time/step`` and ``tokens_per_second``).
+  Metrics that never change (a constant learning rate, ``turns/mean`` of single-turn evaluations) go to a
+  small table instead of a chart.
+- Checks: what looks wrong, at the top (a truncation rate near 1, reward errors, non-finite values and skipped
+  steps, an evaluation metric worse at the end than at its first evaluation).
 - config.yaml: the resolved config, verbatim.
-- run_info.json (written by ``announce_run`` when a run starts): the recipe, each start or resume, the data
-  summary with its skip counts, the library versions.
+- run_info.json (written by ``announce_run`` when a run starts, updated each time the run writes this page):
+  the recipe, each start or resume, the data summary with its skip counts, the library versions, the host, CPU
+  and GPUs, the command line and git commits, the run's status and its peak memory.
 - samples.jsonl (when the run logged samples): a table one can filter by run, split, step and outcome and page
-  through.
+  through, with each sample's reference answer beside the completion.
+
+A run writes the page at each evaluation and checkpoint and on every way out (end, error, SIGTERM), each time to
+a temporary file renamed into place, so a reader (or a kill mid-write) never sees half a page.
 
 Long runs stay light: each series is cut to at most ``MAX_POINTS_PER_SERIES`` points by keeping the minimum and
 the maximum of each run of consecutive points (and the first and last point), so a one-step spike survives the
 cut; at most ``MAX_SAMPLES_PER_RUN`` samples are kept, from evenly spaced steps. Non-finite values are not drawn;
 each chart says how many there were and the first step that had one.
 
-Everything read from these files is escaped where it enters the page (``html.escape``); sample text reaches the
-script as JSON with ``<``, ``>`` and ``&`` escaped and is set as text, never parsed as markup.
+Everything read from these files is escaped where it enters the page (``html.escape``); text and numbers reach
+the scripts as JSON with ``<``, ``>`` and ``&`` escaped and are set as text, never parsed as markup.
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +52,7 @@ import transformers
 import yaml
 
 from posttrain.version import __version__ as posttrain_version
+from posttrain.logging.context import run_context
 from posttrain.logging.metrics import read_metrics
 from posttrain.logging.samples import SAMPLES_FILENAME
 
@@ -49,9 +62,19 @@ RUN_INFO_FILENAME = "run_info.json"
 MAX_POINTS_PER_SERIES = 1000
 MAX_SAMPLES_PER_RUN = 1000
 MAX_SAMPLE_CHARS = 3000
-"""Longer prompts, completions and errors are cut to this many characters in the page (the file keeps them)."""
+"""Longer prompts, references, completions and errors are cut to this many characters in the page (the file
+keeps them)."""
 
 SAMPLES_PER_PAGE = 20
+DEFAULT_SMOOTHING = 0.6
+"""The smoothing control's starting weight (TensorBoard's default): enough to read a GRPO reward curve."""
+SPARSE_POINTS = 25
+"""Series with at most this many points (evaluations) are drawn as points and never smoothed."""
+
+TRUNCATION_WARNING = 0.9
+"""A truncation rate at or above this, at the last logged step, is flagged."""
+EVAL_WORSE_TOLERANCE = 0.01
+"""An evaluation metric is flagged when its last value is worse than its first by more than this fraction."""
 
 # Charts in this order first; each lists the metrics drawn on its axes. plots.py's panels, in its order, with the
 # metrics that belong beside them (validation and evaluation counterparts, the preference recipes' accuracies).
@@ -70,14 +93,18 @@ KNOWN_CHARTS: tuple[tuple[str, ...], ...] = (
 
 # Metrics that count what was dropped, skipped or failed: listed beside the data summary.
 _COUNTER = re.compile(r"skip|errors|filtered|dropped|truncat|nonfinite")
+# Checks: rates of truncated completions; counts of failed rewards; evaluation metrics and their direction.
+_TRUNCATION_RATE = re.compile(r"truncat\w*rate$")
+_REWARD_ERRORS = re.compile(r"(^|/)reward(/|_)errors$")
+_EVALUATION = re.compile(r"^(eval_|eval/|val/)")
+_HIGHER_IS_BETTER = re.compile(r"accuracy|reward_mean|reward/mean$|pass@|win_rate")
+_LOWER_IS_BETTER = re.compile(r"loss$")
 
 _PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
             "#17becf")
-_DASHES = ("", "6 3", "2 2", "8 3 2 3")
+_DASHES: tuple[list[int] | None, ...] = (None, [6, 3], [2, 2], [8, 3, 2, 3])
 
-# Chart geometry (SVG user units; the SVG scales to its box).
-_W, _H = 520, 230
-_LEFT, _RIGHT, _TOP, _BOTTOM = 70, 24, 10, 38
+_ASSETS = Path(__file__).resolve().parent / "assets"
 
 
 class ReportError(ValueError):
@@ -98,6 +125,14 @@ class _Series:
         if self.nonfinite_steps and (not self.steps or self.nonfinite_steps[-1] > self.steps[-1]):
             return self.nonfinite_steps[-1], self.nonfinite_values[-1]
         return self.steps[-1], self.values[-1]
+
+    @property
+    def constant(self) -> bool:
+        """Every value logged is finite and the same (to a few ulps)."""
+        if not self.values or self.nonfinite_steps:
+            return False
+        low, high = min(self.values), max(self.values)
+        return high - low <= 1e-12 * max(abs(low), abs(high))
 
 
 @dataclass
@@ -125,7 +160,8 @@ def _series(records: list[dict[str, Any]]) -> dict[str, _Series]:
     for record in sorted(records, key=lambda record: record["step"]):
         step = record["step"]
         for key, value in record.items():
-            if key == "step" or not _is_number(value):
+            # JSON numbers are exactly int or float (a bool is neither); the type test is the hot loop of a long run.
+            if type(value) not in (int, float) or key == "step":
                 continue
             line = series.get(key)
             if line is None:
@@ -206,26 +242,38 @@ def _labels(run_dirs: Sequence[Path]) -> list[str]:
 def write_run_info(output_dir: str | os.PathLike[str], recipe: str, data_summary: str, training: str,
                    resumed_from_step: int | None) -> Path:
     """Record this start of a run in OUTPUT/run_info.json, for the report: the recipe, when it started, the
-    data summary (with its skip counts), what it trains, the step it resumed from and the library versions.
+    data summary (with its skip counts), what it trains, the step it resumed from, the library versions and the
+    run's context (logging.context.run_context: host, CPU, GPUs, command line, git commits).
 
     A resume appends its start to those before; a fresh start (no checkpoint) replaces them. Only this file is
     written: nothing here touches the model, the data order or a random generator.
     """
-    path = Path(output_dir) / RUN_INFO_FILENAME
     previous = read_run_info(output_dir) if resumed_from_step is not None else None
     start = {
-        "started_at": datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds"),
+        "started_at": _now(),
         "resumed_from_step": resumed_from_step,
         "data": data_summary,
         "training": training,
         "versions": {"posttrain": posttrain_version, "torch": torch.__version__,
                      "transformers": transformers.__version__},
+        "context": run_context(),
+        "status": "running",
     }
-    info = {"recipe": recipe, "starts": [*(previous or {}).get("starts", []), start]}
-    tmp_path = path.with_name(path.name + ".tmp")
-    tmp_path.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp_path, path)
-    return path
+    return _write_json(Path(output_dir) / RUN_INFO_FILENAME,
+                       {"recipe": recipe, "starts": [*(previous or {}).get("starts", []), start]})
+
+
+def update_run_status(output_dir: str | os.PathLike[str], status: str, step: int | None,
+                      peak_memory: dict[str, int]) -> bool:
+    """Note in run_info.json's newest start how the run stands ("running", "finished", or how it ended), the last
+    step it logged, its peak memory and when this was written. False (nothing written) when the run has no
+    run_info.json yet: it stopped before announcing itself."""
+    info = read_run_info(output_dir)
+    if info is None or not info["starts"]:
+        return False
+    info["starts"][-1] |= {"status": status, "last_step": step, "peak_memory": peak_memory, "updated_at": _now()}
+    _write_json(Path(output_dir) / RUN_INFO_FILENAME, info)
+    return True
 
 
 def read_run_info(output_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -238,6 +286,24 @@ def read_run_info(output_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
     except json.JSONDecodeError:
         return None
     return info if isinstance(info, dict) and isinstance(info.get("starts"), list) else None
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
+
+
+def _temporary_name(path: Path) -> Path:
+    """Where `path` is written before it is renamed into place: a name of this process's own (a run rewriting its
+    page and `posttrain report` never share one) in the staging form `.tmp-<what>-<pid>`, which the next run in
+    the folder removes when a kill left it behind (rundir.remove_dead_staging)."""
+    return path.with_name(f".tmp-{path.name}-{os.getpid()}")
+
+
+def _write_json(path: Path, value: Any) -> Path:
+    tmp_path = _temporary_name(path)
+    tmp_path.write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp_path, path)
+    return path
 
 
 # ---- numbers and charts -----------------------------------------------------------------------------------
@@ -264,37 +330,6 @@ def downsample(steps: Sequence[int], values: Sequence[float], max_points: int = 
     return [steps[i] for i in keep], [values[i] for i in keep]
 
 
-def _nice_ticks(low: float, high: float, count: int = 5, integer: bool = False) -> tuple[float, float, list[float]]:
-    """An axis range covering [low, high] that starts and ends on round ticks, and those ticks."""
-    if not high - low > 1e-9 * max(abs(low), abs(high)):  # flat (or flat to a few ulps): pad to a visible range
-        pad = max(abs(low), abs(high)) * 0.05 or 1.0
-        low, high = low - pad, high + pad
-    raw = (high - low) / count
-    magnitude = 10 ** math.floor(math.log10(raw))
-    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if raw <= m * magnitude)
-    if integer:
-        step = max(1.0, round(step))
-    start, end = math.floor(low / step) * step, math.ceil(high / step) * step
-    ticks = [start + i * step for i in range(round((end - start) / step) + 1)]
-    return start, end, ticks
-
-
-def _tick_labels(ticks: list[float], integer: bool = False) -> list[str]:
-    """The ticks' labels, all in one style: thousands separators for steps; fixed decimals enough to tell the
-    ticks apart for ordinary magnitudes; scientific notation (same number of digits) for tiny or huge ones."""
-    if integer:
-        return [f"{round(tick):,}" for tick in ticks]
-    spacing = abs(ticks[1] - ticks[0])
-    largest = max(abs(tick) for tick in ticks)
-    digits = -math.floor(math.log10(spacing) + 1e-9)
-    if round(spacing / 10 ** -digits, 6) == 2.5:  # 0.25, 2.5, 25: one digit more
-        digits += 1
-    if 1e-3 <= largest < 1e6:
-        return [f"{tick:.{max(0, digits)}f}" if tick != 0 else "0" for tick in ticks]
-    mantissa_digits = max(0, math.floor(math.log10(largest) + 1e-9) + digits)
-    return [f"{tick:.{mantissa_digits}e}" if tick != 0 else "0" for tick in ticks]
-
-
 def _format_value(value: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return "" if value is None else str(value)
@@ -305,70 +340,6 @@ def _format_value(value: Any) -> str:
     if math.isinf(value):
         return "inf" if value > 0 else "-inf"
     return f"{value:.6g}"
-
-
-@dataclass
-class _Line:
-    label: str
-    color: str
-    dash: str
-    steps: list[int]
-    values: list[float]
-    total_points: int
-
-
-def _chart_svg(lines: list[_Line], y_label: str) -> str:
-    drawn = [line for line in lines if line.steps]
-    all_steps = [step for line in drawn for step in (line.steps[0], line.steps[-1])]
-    all_values = [value for line in drawn for value in (min(line.values), max(line.values))]
-    x0, x1, x_ticks = _nice_ticks(min(all_steps), max(all_steps), count=6, integer=True)
-    y0, y1, y_ticks = _nice_ticks(min(all_values), max(all_values))
-    plot_w, plot_h = _W - _LEFT - _RIGHT, _H - _TOP - _BOTTOM
-
-    def x_of(step: float) -> float:
-        return _LEFT + (step - x0) / (x1 - x0) * plot_w
-
-    def y_of(value: float) -> float:
-        return _TOP + (1 - (value - y0) / (y1 - y0)) * plot_h
-
-    parts = [f'<svg class="chart" viewBox="0 0 {_W} {_H}" role="img" aria-label="{html.escape(y_label)} against step">']
-    grid = [f'<line x1="{_LEFT}" x2="{_W - _RIGHT}" y1="{y_of(t):.1f}" y2="{y_of(t):.1f}"/>' for t in y_ticks]
-    grid += [f'<line x1="{x_of(t):.1f}" x2="{x_of(t):.1f}" y1="{_TOP}" y2="{_TOP + plot_h}"/>' for t in x_ticks]
-    parts.append(f'<g class="grid">{"".join(grid)}</g>')
-    parts.append(f'<rect class="frame" x="{_LEFT}" y="{_TOP}" width="{plot_w}" height="{plot_h}"/>')
-    labels = [f'<text class="yt" x="{_LEFT - 5}" y="{y_of(t) + 4:.1f}">{text}</text>'
-              for t, text in zip(y_ticks, _tick_labels(y_ticks))]
-    labels += [f'<text class="xt" x="{x_of(t):.1f}" y="{_TOP + plot_h + 15}">{text}</text>'
-               for t, text in zip(x_ticks, _tick_labels(x_ticks, integer=True))]
-    parts.append(f'<g class="ticks">{"".join(labels)}</g>')
-    parts.append(f'<text class="xl" x="{_LEFT + plot_w / 2:.0f}" y="{_H - 4}">step</text>')
-    parts.append(f'<text class="yl" transform="translate(12 {_TOP + plot_h / 2:.0f}) rotate(-90)">'
-                 f'{html.escape(y_label)}</text>')
-    densest = max(len(line.steps) for line in drawn)
-    for line in drawn:
-        label = html.escape(line.label)
-        dash = f' stroke-dasharray="{line.dash}"' if line.dash else ""
-        points = " ".join(f"{x_of(s):.1f},{y_of(v):.1f}" for s, v in zip(line.steps, line.values))
-        parts.append(f'<g class="series" data-label="{label}" data-points="{len(line.steps)}">'
-                     f"<title>{label}</title>")
-        if len(line.steps) > 1:
-            parts.append(f'<polyline points="{points}" stroke="{line.color}"{dash}/>')
-        # Sparse series (an evaluation every few hundred steps, a single point) get markers so each shows.
-        if len(line.steps) <= 25 or (len(line.steps) <= 60 and 2 * len(line.steps) < densest):
-            parts.append("".join(f'<circle cx="{x_of(s):.1f}" cy="{y_of(v):.1f}" r="2.6" fill="{line.color}"/>'
-                                 for s, v in zip(line.steps, line.values)))
-        parts.append("</g>")
-    parts.append("</svg>")
-    return "".join(parts)
-
-
-def _legend(lines: list[_Line]) -> str:
-    items = []
-    for line in lines:
-        dash = f' stroke-dasharray="{line.dash}"' if line.dash else ""
-        items.append(f'<span class="key"><svg width="24" height="8" aria-hidden="true"><line x1="0" y1="4" x2="24" '
-                     f'y2="4" stroke="{line.color}" stroke-width="2"{dash}/></svg>{html.escape(line.label)}</span>')
-    return f'<div class="legend">{"".join(items)}</div>'
 
 
 def _chart_groups(keys: set[str]) -> list[tuple[str, list[tuple[str, ...]]]]:
@@ -388,37 +359,135 @@ def _chart_groups(keys: set[str]) -> list[tuple[str, list[tuple[str, ...]]]]:
     return sections
 
 
-def _chart_figure(runs: list[_Run], chart: tuple[str, ...]) -> str:
-    lines, notes = [], []
-    for run_index, run in enumerate(runs):
-        for key_index, key in enumerate(chart):
-            series = run.series.get(key)
-            if series is None:
-                continue
-            if len(runs) > 1:
-                color, dash = _PALETTE[run_index % len(_PALETTE)], _DASHES[key_index % len(_DASHES)]
-                label = f"{run.label} · {key}" if len(chart) > 1 else run.label
+def _seven_digits(value: float) -> float:
+    """Enough digits for the page (the hover shows six) at a third of the JSON that repr would write."""
+    return float(f"{value:.7g}")
+
+
+def _clock(records: list[dict[str, Any]], wanted: set[int]) -> dict[str, list | None]:
+    """For the x axis: the steps in `wanted` with the training time (seconds) and the tokens processed up to the
+    end of each, or None for a run that logs no step time (tokens: no tokens_per_second).
+
+    A step's seconds are its `step_seconds` (SFT, DPO, RM, distillation) or `time/step` (GRPO, PPO), and its
+    tokens those seconds times its `tokens_per_second`. Steps between two logged ones are counted at the later
+    one's values, so with logging.log_every > 1 the time and tokens are estimates; evaluation and checkpoint time
+    are not counted."""
+    steps, seconds, tokens = [], [], []
+    elapsed = processed = 0.0
+    previous: int | None = None
+    step_seconds = rate = None
+    timed = counted = False
+    for record in sorted(records, key=lambda record: record["step"]):
+        step = record["step"]
+        if previous is not None and step <= previous:
+            continue  # one record per step (a file written by hand may repeat one)
+        for key in ("step_seconds", "time/step"):
+            value = record.get(key)
+            if _is_number(value) and math.isfinite(value):
+                step_seconds, timed = float(value), True
+                break
+        value = record.get("tokens_per_second")
+        if _is_number(value) and math.isfinite(value):
+            rate, counted = float(value), True
+        gap = step - (previous or 0)
+        if step_seconds is not None:
+            elapsed += step_seconds * gap
+            if rate is not None:
+                processed += rate * step_seconds * gap
+        previous = step
+        if step in wanted:
+            steps.append(step)
+            seconds.append(round(elapsed, 3))
+            tokens.append(round(processed))
+    return {"step": steps, "time": seconds if timed else None, "tokens": tokens if timed and counted else None}
+
+
+def _chart_keys(runs: list[_Run]) -> tuple[list[tuple[str, list[tuple[str, ...]]]], list[str]]:
+    """(section title, charts) of the metrics worth a chart, and the metrics that never change (a chart all of
+    whose metrics are constant in every run becomes rows of the constants table instead)."""
+    keys = {key for run in runs for key in run.series}
+
+    def constant(key: str) -> bool:
+        return all(run.series[key].constant for run in runs if key in run.series)
+
+    groups, constants = [], []
+    for title, charts in _chart_groups(keys):
+        kept = []
+        for chart in charts:
+            if all(constant(key) for key in chart):
+                constants += chart
             else:
-                color, dash, label = _PALETTE[key_index % len(_PALETTE)], "", key
-            steps, values = downsample(series.steps, series.values)
-            lines.append(_Line(label, color, dash, steps, values, len(series.steps)))
-            if len(steps) < len(series.steps):
-                notes.append(f"{label}: {len(series.steps):,} points, {len(steps):,} drawn (each stretch's min "
-                             "and max kept)")
-            if series.nonfinite_steps:
-                notes.append(f"{label}: {len(series.nonfinite_steps):,} non-finite value(s) not drawn, the first "
-                             f"at step {series.nonfinite_steps[0]:,}")
-    title = " / ".join(chart)
-    if any(line.steps for line in lines):
-        # The y label is the metric; a chart of several names them in its legend, and the caption holds them all.
-        y_label = title if len(title) <= 30 else title[:29] + "…"
-        body = _chart_svg(lines, y_label)
-    else:
-        body = '<p class="empty">no finite values to draw</p>'
-    legend = _legend(lines) if len(lines) > 1 else ""
-    note = "".join(f'<p class="note">{html.escape(text)}</p>' for text in notes)
-    return (f'<figure class="figure" data-metrics="{html.escape(" ".join(chart))}"><figcaption>{html.escape(title)}'
-            f"</figcaption>{body}{legend}{note}</figure>")
+                kept.append(chart)
+        if kept:
+            groups.append((title, kept))
+    return groups, constants
+
+
+def _curves_payload(runs: list[_Run], groups: list[tuple[str, list[tuple[str, ...]]]]) -> tuple[dict, list[str]]:
+    """The JSON the charts' script reads, and each chart's notes (downsampling, non-finite values), in order."""
+    charts, notes_per_chart = [], []
+    drawn_steps: list[set[int]] = [set() for _ in runs]
+    for _, group in groups:
+        for chart in group:
+            series, notes = [], []
+            for run_index, run in enumerate(runs):
+                for key_index, key in enumerate(chart):
+                    line = run.series.get(key)
+                    if line is None:
+                        continue
+                    if len(runs) > 1:
+                        color, dash = _PALETTE[run_index % len(_PALETTE)], _DASHES[key_index % len(_DASHES)]
+                        label = f"{run.label} · {key}" if len(chart) > 1 else run.label
+                    else:
+                        color, dash, label = _PALETTE[key_index % len(_PALETTE)], None, key
+                    steps, values = downsample(line.steps, line.values)
+                    drawn_steps[run_index].update(steps)
+                    if steps:
+                        series.append({"run": run_index, "key": key, "label": label, "color": color, "dash": dash,
+                                       "steps": steps, "values": [_seven_digits(value) for value in values],
+                                       "total": len(line.steps)})
+                    if len(steps) < len(line.steps):
+                        notes.append(f"{label}: {len(line.steps):,} points, {len(steps):,} drawn (each stretch's "
+                                     "min and max kept)")
+                    if line.nonfinite_steps:
+                        notes.append(f"{label}: {len(line.nonfinite_steps):,} non-finite value(s) not drawn, the "
+                                     f"first at step {line.nonfinite_steps[0]:,}")
+            values = [value for line in series for value in line["values"]]
+            charts.append({"title": " / ".join(chart), "series": series,
+                           "positive": bool(values) and min(values) > 0})
+            notes_per_chart.append(notes)
+    payload = {
+        "runs": [{"label": run.label, "color": _PALETTE[i % len(_PALETTE)], "clock": _clock(run.records, steps)}
+                 for i, (run, steps) in enumerate(zip(runs, drawn_steps))],
+        "charts": charts,
+        "smoothing": DEFAULT_SMOOTHING,
+        "sparse_points": SPARSE_POINTS,
+    }
+    return payload, notes_per_chart
+
+
+def _script_json(value: Any) -> str:
+    """JSON to sit inside a <script> element: only "</" could end it early, and with <, > and & as \\u escapes the
+    text holds none."""
+    return (json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+            .replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e"))
+
+
+@cache
+def _asset(name: str) -> str:
+    return (_ASSETS / name).read_text(encoding="utf-8")
+
+
+@cache
+def _chart_library() -> str:
+    """uPlot, minified as published, its banner (which names the project's web address) replaced by the licence
+    notice it asks to keep with every copy."""
+    code = _asset("uPlot.iife.min.js")
+    banner = code.split("\n", 1)[0]
+    if banner.startswith("/*!"):
+        code = code[len(banner):]
+    notice = _asset("uPlot.LICENSE").replace("*/", "* /")
+    return f"/*! uPlot 1.6.32 (vendored in posttrain/logging/assets)\n{notice}*/\n{code}"
 
 
 # ---- page sections ----------------------------------------------------------------------------------------
@@ -442,24 +511,210 @@ def _recipe(run: _Run) -> str | None:
     return str(run.info["recipe"]) if run.info and run.info.get("recipe") else None
 
 
-def _runs_section(runs: list[_Run]) -> str:
+def _checks(run: _Run) -> list[str]:
+    """What looks wrong in one run, one sentence each, in the order a reader would want them."""
+    found = []
+    status = _status(run)
+    if status and status not in ("running", "finished"):
+        found.append(f"the run did not finish: {status}")
+    for key, line in sorted(run.series.items()):
+        if _TRUNCATION_RATE.search(key) and line.values:
+            step, value = line.final()
+            if math.isfinite(value) and value >= TRUNCATION_WARNING:
+                found.append(f"{key} is {_format_value(value)} at step {step:,}: most completions hit the token "
+                             "limit before ending (raise max_new_tokens, or check the stop strings and the "
+                             "end-of-sequence token)")
+    for key, line in sorted(run.series.items()):
+        if _REWARD_ERRORS.search(key) and any(value > 0 for value in line.values):
+            first = next(step for step, value in zip(line.steps, line.values) if value > 0)
+            failed = sum(1 for value in line.values if value > 0)
+            found.append(f"{key}: rewards failed at {failed:,} of {len(line.values):,} logged steps, the first at "
+                         f"step {first:,} (masked and counted; the errors are in the samples table)")
+    failed_samples = [sample for sample in run.samples if sample.get("error")]
+    if failed_samples and not any(_REWARD_ERRORS.search(key) for key in run.series):
+        found.append(f"{len(failed_samples):,} sample(s) shown below have a scoring error, the first at step "
+                     f"{failed_samples[0]['step']:,}")
+    skipped = run.series.get("nonfinite_skipped_steps")
+    if skipped is not None and skipped.values and skipped.values[-1] > 0:
+        found.append(f"{int(skipped.values[-1]):,} step(s) skipped because the loss or gradient norm was not finite "
+                     "(trainer.on_nonfinite=skip)")
+    for key, line in sorted(run.series.items()):
+        if line.nonfinite_steps:
+            found.append(f"{key}: {len(line.nonfinite_steps):,} non-finite value(s), the first at step "
+                         f"{line.nonfinite_steps[0]:,} ({_format_value(line.nonfinite_values[0])})")
+    for key, line in sorted(run.series.items()):
+        if not _EVALUATION.search(key) or len(line.values) < 2:
+            continue
+        higher = bool(_HIGHER_IS_BETTER.search(key))
+        if not higher and not _LOWER_IS_BETTER.search(key):
+            continue
+        first, last = line.values[0], line.values[-1]
+        change = (last - first) if higher else (first - last)
+        if change < -EVAL_WORSE_TOLERANCE * max(abs(first), 1e-12):
+            found.append(f"{key} is worse at the end than at the first evaluation: {_format_value(last)} at step "
+                         f"{line.steps[-1]:,} against {_format_value(first)} at step {line.steps[0]:,} "
+                         f"({'higher' if higher else 'lower'} is better)")
+    return found
+
+
+def _checks_section(runs: list[_Run]) -> str:
+    items = []
+    for run in runs:
+        prefix = f"{html.escape(run.label)}: " if len(runs) > 1 else ""
+        items += [f"<li>{prefix}{html.escape(text)}</li>" for text in _checks(run)]
+    checked = ("Checked: the run's status, truncation rates (flagged from "
+               f"{TRUNCATION_WARNING:g}), reward errors, non-finite values and skipped steps, and whether an "
+               "evaluation metric (accuracy, reward, pass@k, loss) ends worse than it started.")
+    if not items:
+        return (f'<section id="checks" class="checks ok"><h2>Checks</h2><p>Nothing looks wrong.</p>'
+                f'<p class="note">{checked}</p></section>')
+    return (f'<section id="checks" class="checks warn"><h2>Checks: {len(items)} warning{"s" * (len(items) > 1)}'
+            f'</h2><ul>{"".join(items)}</ul><p class="note">{checked}</p></section>')
+
+
+def _status(run: _Run) -> str | None:
+    starts = (run.info or {}).get("starts") or [{}]
+    status = starts[-1].get("status")
+    return str(status) if status else None
+
+
+def _bytes(count: Any) -> str:
+    if not _is_number(count):
+        return "not recorded"
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if count >= size:
+            return f"{count / size:.2f} {unit}"
+    return f"{count / 1e3:.0f} kB"
+
+
+def _context_rows(run: _Run) -> list[tuple[str, str]]:
+    """(field, escaped HTML) about one run: what it is, how it stands, what it ran on and how it was started."""
+    starts = (run.info or {}).get("starts", [])
+    last = starts[-1] if starts else {}
+    context = last.get("context") or {}
+    steps = [record["step"] for record in run.records]
+    resumes = [start.get("resumed_from_step") for start in starts if start.get("resumed_from_step") is not None]
+    versions = ", ".join(f"{name} {version}" for name, version in (last.get("versions") or {}).items())
+    status = _status(run) or "not recorded"
+    if last.get("updated_at"):
+        status += f" (as of {last['updated_at']}"
+        status += f", step {last['last_step']:,})" if isinstance(last.get("last_step"), int) else ")"
+    peak = last.get("peak_memory") or {}
+    memory = f"{_bytes(peak['rss_bytes'])} resident (rank 0's process)" if "rss_bytes" in peak else "not recorded"
+    if "cuda_allocated_bytes" in peak:
+        memory += f"; GPU {_bytes(peak['cuda_allocated_bytes'])} allocated by torch"
+    cpu = context.get("cpu") or "not recorded"
+    if context.get("cpu_count"):
+        cpu += f", {context['cpu_count']} cores ({context.get('torch_threads')} torch threads)"
+    gpus = context.get("gpus")
+    gpu = ", ".join(gpus) if gpus else ("none" if gpus == [] else "not recorded")
+    commits = []
+    for checkout in context.get("git") or []:
+        dirty = " with uncommitted changes" if checkout.get("dirty") else ""
+        commits.append(f"{checkout.get('commit', '')[:12]}{dirty} ({checkout.get('of')}: {checkout.get('repository')})")
+    git = "; ".join(commits) or ("not a git checkout" if "git" in context else "not recorded")
+    rows = [
+        ("directory", str(run.path)),
+        ("recipe", _recipe(run) or "not recorded"),
+        ("status", status),
+        ("logged steps", f"{len(run.records):,} ({min(steps):,}–{max(steps):,})" if steps else "none yet"),
+        ("started", str(starts[0].get("started_at", "")) if starts else "not recorded"),
+        ("resumed from", ", ".join(f"step {s:,}" if isinstance(s, int) else str(s) for s in resumes) or "no"),
+        ("command", context.get("command") or "not recorded"),
+        ("working directory", context.get("cwd") or "not recorded"),
+        ("git commit", git),
+        ("host", context.get("host") or "not recorded"),
+        ("CPU", cpu),
+        ("GPU", gpu),
+        ("peak memory", memory),
+        ("platform", f"{context['platform']}, Python {context.get('python')}" if context.get("platform")
+         else "not recorded"),
+        ("versions", versions or "not recorded"),
+    ]
+    return [(name, html.escape(value)) for name, value in rows]
+
+
+def _context_section(runs: list[_Run]) -> str:
+    per_run = [_context_rows(run) for run in runs]
+    if len(runs) == 1:  # two columns of name and value: the curves start higher on the page
+        items = "".join(f"<dt>{html.escape(name)}</dt><dd>{f'<code>{value}</code>' if name == 'command' else value}"
+                        "</dd>" for name, value in per_run[0])
+        return f'<section id="runs"><h2>Run</h2><dl class="context">{items}</dl></section>'
+    names = [name for name, _ in per_run[0]]
+    rows = [[html.escape(name), *(f"<code>{rows[i][1]}</code>" if name == "command" else rows[i][1]
+                                  for rows in per_run)] for i, name in enumerate(names)]
+    header = ["", *(_swatch(i) + html.escape(run.label) for i, run in enumerate(runs))]
+    return f'<section id="runs"><h2>Run</h2>{_table(header, rows, numeric_from=99)}</section>'
+
+
+_CURVE_CONTROLS = """<div class="controls sticky" id="curve-controls">
+<label title="exponential moving average of each curve; the raw curve stays faint behind it">smoothing
+<input id="c-smoothing" type="range" min="0" max="0.99" step="0.01" value="{smoothing}">
+<output id="c-smoothing-value">{smoothing}</output></label>
+<label>x axis <select id="c-x"><option value="step">step</option>
+<option value="time"{time_off}>training time</option><option value="tokens"{tokens_off}>tokens</option></select></label>
+<button id="c-reset" type="button">reset zoom</button>
+<span class="note" id="c-range">drag across a chart to zoom all charts; double-click one to reset</span>
+</div>"""
+
+
+def _curves_section(runs: list[_Run]) -> str:
+    groups, constants = _chart_keys(runs)
+    if not groups and not constants:
+        return '<section id="curves"><h2>Curves</h2><p class="empty">No metrics logged yet.</p></section>'
+    payload, notes = _curves_payload(runs, groups)
+    off = ' disabled title="not logged: no step_seconds or time/step"'
+    parts = ['<section id="curves"><h2>Curves</h2>']
+    if groups:
+        parts.append(_CURVE_CONTROLS.format(
+            smoothing=DEFAULT_SMOOTHING,
+            time_off="" if any(run["clock"]["time"] for run in payload["runs"]) else off,
+            tokens_off="" if any(run["clock"]["tokens"] for run in payload["runs"]) else
+            off.replace("step_seconds or time/step", "tokens_per_second")))
+    if len(runs) > 1:
+        parts.append('<p class="runs-legend">' + " ".join(f'<span class="key">{_swatch(i)}{html.escape(run.label)}'
+                                                          "</span>" for i, run in enumerate(runs)) + "</p>")
+    index = 0
+    for title, charts in groups:
+        parts.append(f'<h3>{html.escape(title)}</h3><div class="charts">')
+        for chart in charts:
+            spec = payload["charts"][index]
+            log_off = "" if spec["positive"] else ' disabled title="a value is zero or negative"'
+            note = "".join(f'<p class="note">{html.escape(text)}</p>' for text in notes[index])
+            body = ('<div class="plot"></div>' if spec["series"]
+                    else '<p class="empty">no finite values to draw</p>')
+            parts.append(f'<figure class="figure" data-chart="{index}" data-metrics="{html.escape(" ".join(chart))}">'
+                         f'<figcaption><span class="title">{html.escape(spec["title"])}</span><label class="log">'
+                         f'<input type="checkbox" class="c-log"{log_off}> log</label></figcaption>{body}{note}'
+                         "</figure>")
+            index += 1
+        parts.append("</div>")
+    if constants:
+        parts.append(_constants_table(runs, constants))
+    if groups:
+        parts.append(f'<script type="application/json" id="curves-data">{_script_json(payload)}</script>'
+                     f"<script>{_chart_library()}</script><script>{_asset('report_curves.js')}</script>")
+    parts.append("</section>")
+    return "".join(parts)
+
+
+def _constants_table(runs: list[_Run], keys: list[str]) -> str:
     rows = []
-    for index, run in enumerate(runs):
-        steps = [record["step"] for record in run.records]
-        span = f"{min(steps):,}–{max(steps):,}" if steps else "none yet"
-        starts = (run.info or {}).get("starts", [])
-        started = str(starts[0].get("started_at", "")) if starts else "not recorded"
-        resumes = [start.get("resumed_from_step") for start in starts if start.get("resumed_from_step") is not None]
-        resumed = ", ".join(f"step {step:,}" if isinstance(step, int) else str(step) for step in resumes) or "no"
-        versions = starts[-1].get("versions", {}) if starts else {}
-        versions_text = ", ".join(f"{name} {version}" for name, version in versions.items()) or "not recorded"
-        rows.append([_swatch(index) + html.escape(run.label), html.escape(str(run.path)),
-                     html.escape(_recipe(run) or "not recorded"), f"{len(run.records):,}", span,
-                     html.escape(started), html.escape(resumed), html.escape(versions_text)])
-    return ('<section id="runs"><h2>Runs</h2>'
-            + _table(["run", "directory", "recipe", "logged steps", "steps", "started", "resumed from",
-                      "versions"], rows, numeric_from=99)
-            + "</section>")
+    for key in keys:
+        cells = []
+        for run in runs:
+            line = run.series.get(key)
+            if line is None:
+                cells.append("")
+                continue
+            span = (f"step {line.steps[0]:,}" if len(line.steps) == 1
+                    else f"{len(line.steps):,} logged steps, {line.steps[0]:,}–{line.steps[-1]:,}")
+            cells.append(f'{_format_value(line.values[0])} <span class="at">{span}</span>')
+        rows.append([html.escape(key), *cells])
+    header = ["metric", *(_swatch(i) + html.escape(run.label) for i, run in enumerate(runs))] if len(runs) > 1 \
+        else ["metric", "value"]
+    return (f'<div id="constants"><h3>Constant over the run</h3><p class="note">These metrics had one value at every '
+            f"logged step, so they get a row rather than a chart.</p>{_table(header, rows)}</div>")
 
 
 def _ordered_keys(runs: list[_Run]) -> list[str]:
@@ -491,22 +746,6 @@ def _final_section(runs: list[_Run]) -> str:
     header = (["metric", "final", "at step", "min", "max"] if len(runs) == 1
               else ["metric", *(_swatch(i) + html.escape(run.label) for i, run in enumerate(runs))])
     return f'<section id="final"><h2>Final metrics</h2>{_table(header, rows)}</section>'
-
-
-def _curves_section(runs: list[_Run]) -> str:
-    keys = {key for run in runs for key in run.series}
-    if not keys:
-        return '<section id="curves"><h2>Curves</h2><p class="empty">No metrics logged yet.</p></section>'
-    parts = ['<section id="curves"><h2>Curves</h2>']
-    if len(runs) > 1:
-        parts.append('<p class="runs-legend">' + " ".join(f'<span class="key">{_swatch(i)}{html.escape(run.label)}'
-                                                          "</span>" for i, run in enumerate(runs)) + "</p>")
-    for title, charts in _chart_groups(keys):
-        parts.append(f"<h3>{html.escape(title)}</h3><div class=\"charts\">")
-        parts += [_chart_figure(runs, chart) for chart in charts]
-        parts.append("</div>")
-    parts.append("</section>")
-    return "".join(parts)
 
 
 def _mean(values: list[float]) -> float:
@@ -627,8 +866,10 @@ def _sample_rows(runs: list[_Run]) -> list[list[Any]]:
             else:
                 components = None
             correct = sample.get("correct")
+            reference = sample.get("reference")
             rows.append([index, sample["step"], str(sample.get("split", "")), _clip(sample.get("prompt")),
-                         _clip(sample.get("completion")), _json_number(sample.get("reward")), components,
+                         None if reference is None else _clip(reference), _clip(sample.get("completion")),
+                         _json_number(sample.get("reward")), components,
                          correct if isinstance(correct, bool) else None,
                          None if sample.get("error") is None else _clip(sample.get("error"))])
     return rows
@@ -636,11 +877,12 @@ def _sample_rows(runs: list[_Run]) -> list[list[Any]]:
 
 def _sample_cells(row: list[Any], runs: list[_Run]) -> list[tuple[str, str]]:
     """(css class, text) per column; the same cells the script builds."""
-    run, step, split, prompt, completion, reward, components, correct, error = row
+    run, step, split, prompt, reference, completion, reward, components, correct, error = row
     cells = [("", runs[run].label)] if len(runs) > 1 else []
     components_text = ", ".join(f"{name}={_format_value(value)}" for name, value in components.items()) \
         if components else ""
-    cells += [("num", str(step)), ("", split), ("text", prompt), ("text", completion),
+    cells += [("num", str(step)), ("", split), ("text", prompt), ("text", "—" if reference is None else reference),
+              ("text", completion),
               ("num", _format_value(reward) if reward is not None else "—"), ("", components_text),
               ("", "✓" if correct is True else "✗" if correct is False else "—"), ("text", error or "")]
     return cells
@@ -675,10 +917,12 @@ _SAMPLES_SCRIPT = """
     if (run !== "" && r[0] !== Number(run)) return false;
     if (split !== "" && r[2] !== split) return false;
     if (step !== "" && r[1] !== Number(step)) return false;
-    if (outcome === "correct" && r[7] !== true) return false;
-    if (outcome === "incorrect" && r[7] !== false) return false;
-    if (outcome === "error" && !r[8]) return false;
-    if (text && !(r[3] + "\\n" + r[4] + "\\n" + (r[8] || "")).toLowerCase().includes(text)) return false;
+    if (outcome === "correct" && r[8] !== true) return false;
+    if (outcome === "incorrect" && r[8] !== false) return false;
+    if (outcome === "error" && !r[9]) return false;
+    if (text && !(r[3] + "\\n" + (r[4] || "") + "\\n" + r[5] + "\\n" + (r[9] || "")).toLowerCase().includes(text)) {
+      return false;
+    }
     return true;
   }
   function cell(tr, text, cls) {
@@ -698,11 +942,12 @@ _SAMPLES_SCRIPT = """
       cell(tr, String(r[1]), "num");
       cell(tr, r[2], "");
       cell(tr, r[3], "text");
-      cell(tr, r[4], "text");
-      cell(tr, number(r[5]), "num");
-      cell(tr, r[6] ? Object.entries(r[6]).map(([k, v]) => k + "=" + number(v)).join(", ") : "", "");
-      cell(tr, r[7] === true ? "\\u2713" : r[7] === false ? "\\u2717" : "\\u2014", "");
-      cell(tr, r[8] || "", "text");
+      cell(tr, r[4] === null ? "\\u2014" : r[4], "text");
+      cell(tr, r[5], "text");
+      cell(tr, number(r[6]), "num");
+      cell(tr, r[7] ? Object.entries(r[7]).map(([k, v]) => k + "=" + number(v)).join(", ") : "", "");
+      cell(tr, r[8] === true ? "\\u2713" : r[8] === false ? "\\u2717" : "\\u2014", "");
+      cell(tr, r[9] || "", "text");
       rendered.push(tr);
     }
     body.replaceChildren(...rendered);
@@ -738,7 +983,7 @@ def _samples_section(runs: list[_Run]) -> str:
     note = "".join(f'<p class="note">{html.escape(text)}</p>' for text in notes)
     if not rows:
         return f'<section id="samples"><h2>Samples</h2>{note}</section>'
-    columns = (["run"] if len(runs) > 1 else []) + ["step", "split", "prompt", "completion", "reward",
+    columns = (["run"] if len(runs) > 1 else []) + ["step", "split", "prompt", "reference", "completion", "reward",
                                                      "components", "correct", "error"]
     first_page = "".join(
         "<tr>" + "".join(f'<td class="{cls}">{html.escape(text)}</td>' if cls else f"<td>{html.escape(text)}</td>"
@@ -752,13 +997,12 @@ def _samples_section(runs: list[_Run]) -> str:
                 '<label>outcome <select id="f-outcome"><option value="">all</option>'
                 '<option value="correct">correct</option><option value="incorrect">incorrect</option>'
                 '<option value="error">scoring error</option></select></label>'
-                '<label>text <input id="f-text" type="search" placeholder="in prompt, completion, error"></label>'
+                '<label>text <input id="f-text" type="search" placeholder="in prompt, reference, completion, '
+                'error"></label>'
                 '<button id="f-prev" type="button">← previous</button><button id="f-next" type="button">next →'
                 f'</button><span id="samples-info">{len(rows):,} samples</span></div>')
     payload = {"runs": [run.label for run in runs], "rows": rows, "page_size": SAMPLES_PER_PAGE}
-    # Inside a <script> element only "</" could end it early: with <, > and & as \\u escapes the JSON holds none.
-    data = (json.dumps(payload, ensure_ascii=False, allow_nan=False)
-            .replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e"))
+    data = _script_json(payload)
     head = "".join(f"<th>{column}</th>" for column in columns)
     return (f'<section id="samples"><h2>Samples</h2>{note}{controls}<table class="samples"><thead><tr>{head}</tr>'
             f'</thead><tbody id="samples-body">{first_page}</tbody></table>'
@@ -805,6 +1049,24 @@ details { margin: 6px 0; }
 summary { cursor: pointer; font-weight: 600; }
 .controls { display: flex; flex-wrap: wrap; gap: 10px; align-items: center; margin: 8px 0; }
 .controls select, .controls input, .controls button { font: inherit; padding: 2px 6px; }
+.controls.sticky { position: sticky; top: 0; z-index: 5; background: #fff; padding: 6px 0;
+  border-bottom: 1px solid var(--line); }
+#c-smoothing { vertical-align: middle; width: 160px; }
+.checks ul { margin: 6px 0; padding-left: 22px; }
+.checks.warn h2 { color: #a3290f; }
+.checks.warn li { margin: 3px 0; }
+.checks.ok p:first-of-type { color: #1d6b32; }
+figcaption { display: flex; justify-content: space-between; gap: 8px; }
+figcaption .log { font-weight: 400; font-size: 12px; color: var(--muted); white-space: nowrap; }
+.plot { min-height: 220px; }
+.plot .uplot { width: 100%; }
+.plot .u-legend { font-size: 12px; text-align: left; margin: 0; }
+.plot .u-legend .u-series > * { padding: 1px 4px; }
+code { font: 12px ui-monospace, Menlo, Consolas, monospace; overflow-wrap: anywhere; }
+dl.context { display: grid; grid-template-columns: max-content 1fr max-content 1fr; gap: 2px 14px; margin: 6px 0;
+  font-size: 13px; }
+dl.context dt { color: var(--muted); }
+dl.context dd { margin: 0; overflow-wrap: anywhere; }
 """
 
 
@@ -817,16 +1079,19 @@ def _page(runs: list[_Run]) -> str:
     else:
         heading = f"{len(runs)} runs compared: " + ", ".join(run.label for run in runs)
         title = f"posttrain report: {', '.join(run.label for run in runs)}"
-    generated = datetime.now(timezone.utc).astimezone().isoformat(timespec="seconds")
-    sections = [_runs_section(runs), _curves_section(runs), _final_section(runs), _timings_section(runs),
-                _data_section(runs), _samples_section(runs), _config_section(runs)]
+    generated = _now()
+    sections = [_checks_section(runs), _context_section(runs), _curves_section(runs), _final_section(runs),
+                _timings_section(runs), _data_section(runs), _samples_section(runs), _config_section(runs)]
     nav = "".join(f'<a href="#{anchor}">{name}</a>' for anchor, name in (
-        ("runs", "Runs"), ("curves", "Curves"), ("final", "Final metrics"), ("timings", "Time"),
-        ("data", "Data"), ("samples", "Samples"), ("config", "Config")))
+        ("checks", "Checks"), ("runs", "Run"), ("curves", "Curves"), ("final", "Final metrics"),
+        ("timings", "Time"), ("data", "Data"), ("samples", "Samples"), ("config", "Config")))
+    statuses = [f"{run.label + ': ' if len(runs) > 1 else ''}{_status(run) or 'status not recorded'}"
+                for run in runs]
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>"
-            f'<header><h1>{html.escape(heading)}</h1><p class="sub">posttrain run report, generated {generated}</p>'
+            f"<title>{html.escape(title)}</title><style>{_asset('uPlot.min.css')}{_STYLE}</style></head><body>"
+            f'<header><h1>{html.escape(heading)}</h1><p class="sub">posttrain run report, written {generated}; '
+            f'{html.escape("; ".join(statuses))}</p>'
             f"<nav>{nav}</nav></header>{''.join(sections)}</body></html>\n")
 
 
@@ -835,8 +1100,10 @@ def write_report(run_dirs: Sequence[str | os.PathLike[str]], output: str | os.Pa
 
     One run: that run's report. Several: their curves overlaid (one colour per run, named in each legend), their
     final metrics side by side and the config keys that differ. An `output` that is a folder (or ends in a
-    slash) gets report.html inside it; a write that fails leaves no temporary file behind. Raises ReportError naming the directory when one
-    has no metrics.jsonl; a metrics.jsonl corrupt in the middle raises read_metrics' ValueError (file and line).
+    slash) gets report.html inside it. The page is written to a temporary file renamed into place, so the old page
+    stays whole until the new one is; a write that fails leaves no temporary file behind. Raises ReportError
+    naming the directory when one has no metrics.jsonl; a metrics.jsonl corrupt in the middle raises
+    read_metrics' ValueError (file and line).
     """
     if not run_dirs:
         raise ReportError("no run directory given")
@@ -847,7 +1114,7 @@ def write_report(run_dirs: Sequence[str | os.PathLike[str]], output: str | os.Pa
     if output.is_dir() or as_given.endswith((os.sep, "/")):  # a folder: the report goes into it
         output = output / REPORT_FILENAME
     output.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = output.with_name(output.name + ".tmp")
+    tmp_path = _temporary_name(output)
     try:
         tmp_path.write_text(_page(runs), encoding="utf-8")
         os.replace(tmp_path, output)

@@ -2,11 +2,13 @@
 
 Each line is exactly
 
-    {"step": int, "split": "train" | "eval/<name>", "prompt": str, "completion": str,
+    {"step": int, "split": "train" | "eval/<name>", "prompt": str, "reference": str | null, "completion": str,
      "reward": float | null, "components": {name: float} | null, "correct": bool | null, "error": str | null}
 
-`reward` is the scalar reward (the weighted sum of `components` when the environment gives named ones), null when
-scoring failed, and then `error` says why; `correct` is null when the environment does not judge correctness.
+`reference` is what the reply is checked against, from the prompt's row (its `answer`, or the tests of code
+environments; `algorithms.evaluate.reference_text`), null when the row has none. `reward` is the scalar reward
+(the weighted sum of `components` when the environment gives named ones), null when scoring failed, and then
+`error` says why; `correct` is null when the environment does not judge correctness.
 GRPO appends the first `logging.samples_per_step` episodes of each step (split "train"); every evaluation set its
 first `samples_logged` samples (split "eval/<name>"). Like metrics.jsonl each line is one write followed by a
 flush, and a resumed run drops the lines of steps after its checkpoint (`logging.metrics.truncate_metrics`, which
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import IO, Any
 
 SAMPLES_FILENAME = "samples.jsonl"
-SAMPLE_KEYS = ("prompt", "completion", "reward", "components", "correct", "error")
+SAMPLE_KEYS = ("prompt", "reference", "completion", "reward", "components", "correct", "error")
 """The keys of a sample record, besides step and split."""
 
 
