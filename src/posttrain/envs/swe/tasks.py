@@ -190,7 +190,8 @@ def load_predictions(path: str | Path) -> list[Prediction]:
             raise SweTaskError(f"{where}: expected a JSON object, got {type(row).__name__}")
         instance_id = _string(row, "instance_id", where)
         if instance_id in seen:
-            raise SweTaskError(f"{where}: a second prediction for {instance_id!r} (the first is at {seen[instance_id]})")
+            raise SweTaskError(f"{where}: a second prediction for {instance_id!r} "
+                               f"(the first is at {seen[instance_id]})")
         seen[instance_id] = number
         patch = row.get("model_patch")
         if patch is not None and not isinstance(patch, str):
