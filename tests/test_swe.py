@@ -1,7 +1,8 @@
 """SWE-style repository tasks: the bundled tasks' gold patches resolve them; empty patches, patches that break a
 PASS_TO_PASS test, edit the tests or print fake PASSED lines do not; the checkout hides history past base_commit;
 agent commands cannot reach the network or leave the checkout; an episode that applies the gold edit through
-str_replace earns 1 and one that does nothing 0; task and prediction files fail naming the line and field."""
+str_replace earns 1 and one that does nothing 0, in a GRPO step too; task and prediction files fail naming the line
+and field."""
 
 import json
 import shutil
@@ -11,18 +12,24 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.algorithms import grpo as grpo_module
 from posttrain.algorithms.environments import build_recipe_environment
+from posttrain.algorithms.grpo import train_grpo
 from posttrain.algorithms.rollout import PromptRow, run_episodes
 from posttrain.cli import main
+from posttrain.config import load_config
+from posttrain.config.schema import GRPOConfig
 from posttrain.data.tokenize import tokenize_prompt
 from posttrain.envs import sandbox
 from posttrain.envs.swe.bundled import SPECS, ensure_bundled_tasks
-from posttrain.envs.swe.environment import SweEnvironment, swe_prompt
+from posttrain.envs.swe.environment import SweEnvironment, prompt_rows, swe_prompt
 from posttrain.envs.swe.scoring import git, make_checkout, score_patch
 from posttrain.envs.swe.tasks import SweTaskError, load_predictions, load_tasks
 from posttrain.envs.tools import ToolCall, ToolContext, parser_of
 from posttrain.generation.base import Completion, GenerationOutput, SamplingParams
+from posttrain.logging import read_metrics
 from posttrain.models.tiny import build_tokenizer
+from rl_configs import TINY_RL
 from tool_templates import QWEN25
 
 pytestmark = pytest.mark.skipif(not sandbox.sandbox_info().namespaces,
@@ -96,8 +103,10 @@ def test_a_patch_that_breaks_a_pass_to_pass_test_scores_0(tasks, tmp_path):
 def test_a_patch_that_edits_the_tests_scores_0(tasks, tmp_path):
     task = tasks["posttrain__clamp-1"]
     rewritten = "def test_above():\n    pass\n\n\ndef test_inside():\n    pass\n\n\ndef test_below():\n    pass\n"
-    cheat_conftest = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):"
-                      "\n    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")
+    # A hook that marks every test passed: it works where pytest loads it (checked once by hand with the reset off).
+    cheat_conftest = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\n"
+                      "def pytest_runtest_makereport(item, call):\n"
+                      "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")
     for edits in ({"tests/test_clamp.py": rewritten}, {"conftest.py": cheat_conftest},
                   {"tests/conftest.py": cheat_conftest, "pytest.ini": "[pytest]\naddopts = -p no:python\n"}):
         result = score_patch(task, edited_patch(task, tmp_path, edits))
@@ -282,3 +291,52 @@ def test_swe_eval_writes_a_report_per_instance_and_names_an_unknown_instance(tas
     assert main(["swe-eval", "--predictions", str(unknown), "--output", str(output)]) == 1
     assert ("unknown.jsonl:1: instance_id 'posttrain__clamp-2' is not one of the 5 tasks; did you mean "
             "'posttrain__clamp-1'?") in capsys.readouterr().err
+
+
+class FirstTurnAppliesTheGoldEdit:
+    """The policy's generator, except that a first turn is the clamp task's gold edit through str_replace; later
+    turns are the model's own (the embedded model calls no tool, so its reply ends the episode)."""
+
+    def __init__(self, inner, tokenizer):
+        self.inner, self.tokenizer = inner, tokenizer
+        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        call = parser_of("hermes").render([ToolCall("str_replace", {
+            "path": "numbers_util.py", "old_str": "        return low\n",
+            "new_str": "        return low\n    if value > high:\n        return high\n"})])
+        self.call, self.ids = call, tokenizer(call, add_special_tokens=False)["input_ids"] + [self.im_end]
+
+    @property
+    def weights_version(self):
+        return self.inner.weights_version
+
+    def update_weights(self, version, weights):
+        return self.inner.update_weights(version, weights)
+
+    def generate(self, prompts, params, num_samples=1):
+        output = self.inner.generate(prompts, params, num_samples)
+        completions = []
+        for prompt, samples in zip(prompts, output.completions):
+            if "<|im_start|>tool" in self.tokenizer.decode(prompt):
+                completions.append(samples)
+            else:
+                completions.append([Completion(prompt, self.ids, [-1.0] * len(self.ids), self.call, "stop")]
+                                   * len(samples))
+        return GenerationOutput(completions, output.seconds, sum(len(c.token_ids) for s in completions for c in s))
+
+
+@pytest.mark.slow  # about 30 s: the embedded model's step on 1,000-token prompts
+def test_grpo_with_the_swe_environment_runs_a_step_and_rewards_the_gold_edit(tasks, tmp_path, tiny_model_dir,
+                                                                             monkeypatch):
+    prompts = write_rows(tmp_path / "prompts.jsonl", prompt_rows([tasks["posttrain__clamp-1"]]) * 2)
+    policy_generator = grpo_module.policy_generator
+    monkeypatch.setattr(grpo_module, "policy_generator", lambda cfg, tokenizer, policy: FirstTurnAppliesTheGoldEdit(
+        policy_generator(cfg, tokenizer, policy), tokenizer))
+    cfg = load_config(GRPOConfig, None, [*TINY_RL, f"data.train_files=['{prompts}']", "environment.kind=swe",
+                                         "environment.options={tool_call_format: hermes}", f"output_dir={tmp_path}/run",
+                                         "trainer.max_steps=1", "trainer.save_every=0", "trainer.micro_batch_size=4",
+                                         "rollout.max_turns=2", "rollout.max_new_tokens=4", "data.max_length=1024",
+                                         "rollout.prompts_per_step=2", "rollout.num_generations_per_prompt=2"])
+    with pytest.warns(RuntimeWarning, match="does not render tools"):  # the embedded ChatML template
+        train_grpo(cfg)
+    (record,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert record["reward/mean"] == 1.0 and record["tools/calls_mean"] == 1.0 and record["tools/errors_mean"] == 0.0

@@ -58,6 +58,7 @@ NEEDED_COLUMNS: dict[str, tuple[str, ...]] = {
     "arithmetic": ("answer",),
     "math": ("answer",),
     "code": ("tests", "assert_code"),
+    "swe": ("instance_id",),
 }
 """The data columns each environment scores a reply against: every row needs at least one of them. python
 functions take the columns they name (a missing one is None) and a reward model needs none."""
