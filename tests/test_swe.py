@@ -130,6 +130,14 @@ def test_a_patch_that_prints_fake_passed_lines_scores_0(tasks, tmp_path):
     assert "wrote no report" in result.error
 
 
+def test_a_patch_that_hangs_the_tests_is_stopped_at_the_deadline_and_scores_0(tasks, tmp_path):
+    task = tasks["posttrain__clamp-1"]
+    hanging = edited_patch(task, tmp_path, {"numbers_util.py": ("def clamp", "while True:\n    pass\n\n\ndef clamp")})
+    result = score_patch(task, hanging, test_timeout_s=2.0)
+    assert result.status == "unresolved" and result.reward == 0.0
+    assert result.error == "pytest wrote no report: the test run timed out" and result.seconds < 15
+
+
 def test_a_patch_that_does_not_apply_is_an_error(tasks):
     result = score_patch(tasks["posttrain__clamp-1"], "diff --git a/nope.py b/nope.py\n--- a/nope.py\n+++ b/nope.py\n"
                          "@@ -1 +1 @@\n-x\n+y\n")
@@ -147,6 +155,28 @@ def test_the_checkout_has_no_history_past_base_commit(tasks, tmp_path):
     assert git(["cat-file", "-e", fix_commit], checkout).returncode != 0
     assert git(["cat-file", "-e", task.base_commit], checkout).returncode != 0
     assert "return high" not in (checkout / "numbers_util.py").read_text()
+
+
+def test_the_sandbox_binds_host_folders_writable_or_read_only(tmp_path):
+    writable, readable = tmp_path / "writable", tmp_path / "readable"
+    writable.mkdir()
+    readable.mkdir()
+    (readable / "data.txt").write_text("read me")
+    sandbox.give_to_sandbox(str(writable))
+    program = (f"open({str(writable / 'out.txt')!r}, 'w').write(open({str(readable / 'data.txt')!r}).read())\n"
+               f"try:\n    open({str(readable / 'new.txt')!r}, 'w')\nexcept OSError as error:\n"
+               "    print(type(error).__name__, error.errno)\n")
+    result = sandbox.run_sandboxed(program, time_limit_s=10, memory_limit_mb=256, output_limit_bytes=1000,
+                                   audit_hook=False, writable_dirs=(str(writable),), readable_dirs=(str(readable),))
+    assert result.succeeded, result.stderr
+    assert result.stdout == "OSError 30\n"  # EROFS: the read-only folder
+    assert (writable / "out.txt").read_text() == "read me" and not (readable / "new.txt").exists()
+    with pytest.raises(ValueError, match="writable_dirs needs audit_hook=False"):
+        sandbox.run_sandboxed("", time_limit_s=1, memory_limit_mb=64, output_limit_bytes=10,
+                              writable_dirs=(str(writable),))
+    with pytest.raises(ValueError, match="existing absolute path"):
+        sandbox.run_sandboxed("", time_limit_s=1, memory_limit_mb=64, output_limit_bytes=10, audit_hook=False,
+                              writable_dirs=("relative",))
 
 
 def tool(environment, name):
