@@ -27,6 +27,7 @@ added through conftest.py or configuration.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -116,8 +117,14 @@ def make_checkout(repository: Path, base_commit: str, destination: Path) -> None
         raise SweInfrastructureError(f"cannot read base_commit {base_commit!r} of {repository}: "
                                      f"{archive.stderr.decode(errors='replace').strip()}")
     destination.mkdir(parents=True)
-    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(destination, filter="data")
+    # The "tar" filter keeps a repository's own symbolic links (absolute ones too) but no member lands outside the
+    # destination; Python releases before the filters existed extract as git wrote the archive.
+    safety = {"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(destination, **safety)
+    except tarfile.TarError as error:
+        raise SweInfrastructureError(f"cannot unpack base_commit {base_commit!r} of {repository}: {error}") from None
     env_date = ["-c", "user.name=posttrain", "-c", "user.email=swe@posttrain.invalid"]
     for arguments in (["init", "-q", "-b", "main"], ["add", "-A"],
                       [*env_date, "commit", "-q", "--allow-empty", "--no-verify", "-m", "base",
@@ -164,6 +171,7 @@ def _reset(checkout: Path, paths: list[str]) -> None:
 
 # ---- the test run in the sandbox ----------------------------------------------------------------------------
 
+@functools.cache
 def runner_site_dirs() -> tuple[str, ...]:
     """The site-packages folders that pytest and its dependencies are imported from."""
     folders = []
