@@ -6,7 +6,6 @@ and field."""
 
 import json
 import shutil
-import subprocess
 import threading
 from pathlib import Path
 
