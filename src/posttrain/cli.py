@@ -14,6 +14,7 @@ import textwrap
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import transformers
@@ -38,6 +39,9 @@ from posttrain.config.trl import TRL_NAMES
 from posttrain.config.schema import GRPOConfig, PPOConfig, Section
 from posttrain.data.errors import DataError
 from posttrain.envs.rewards import RewardError, RewardFunctionImportError
+from posttrain.envs.swe.bundled import ensure_bundled_tasks
+from posttrain.envs.swe.evaluate import check_predictions, evaluate, gold_predictions, summary_line
+from posttrain.envs.swe.tasks import SweTaskError, load_predictions, load_tasks
 from posttrain.errors import RunError
 from posttrain.hub import push_export
 from posttrain.models.errors import ModelNotFoundError
@@ -303,7 +307,47 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("--private", action="store_true", help="create the repository private")
     push.add_argument("--adapter", action="store_true", help="upload OUTPUT/adapter/ (the LoRA adapter alone) "
                       "instead of OUTPUT/final/")
+    swe = subparsers.add_parser("swe-eval", help=SWE_EVAL_SUMMARY, description=_run_swe_eval.__doc__)
+    swe.add_argument("--tasks", metavar="TASKS.jsonl", help="SWE-bench rows (default: the bundled tasks)")
+    swe.add_argument("--predictions", metavar="PREDS.jsonl", help="rows of instance_id, model_patch, "
+                     "model_name_or_path (required unless --gold)")
+    swe.add_argument("--gold", action="store_true", help="score each task's own gold patch (validates the tasks)")
+    swe.add_argument("--repos", metavar="DIR", help="the folder holding the tasks' repositories as owner__name "
+                     "(default: repos/ beside the tasks file)")
+    swe.add_argument("--output", metavar="DIR", default="swe-eval", help="where the reports go (default: swe-eval)")
+    swe.add_argument("--test-timeout", type=float, default=120.0, metavar="S",
+                     help="wall-clock limit of one instance's test run (default: 120)")
     return parser
+
+
+SWE_EVAL_SUMMARY = "score patches on SWE-style repository tasks (SWE-bench's predictions format) in the sandbox"
+
+
+def _run_swe_eval(args: argparse.Namespace) -> int:
+    """Apply each prediction's model_patch to a fresh checkout of its task's base_commit, apply the task's
+    test_patch, run its FAIL_TO_PASS and PASS_TO_PASS tests with pytest in the sandbox, and write
+    OUTPUT/instances/ID.json per instance and OUTPUT/report.json; an instance is resolved when every one of those
+    tests passed. See docs/agents.md."""
+    if args.gold == bool(args.predictions):
+        print("posttrain swe-eval: give --predictions PREDS.jsonl or --gold (not both)", file=sys.stderr)
+        return 2
+    try:
+        tasks = load_tasks(args.tasks or ensure_bundled_tasks(), args.repos)
+        predictions = gold_predictions(tasks) if args.gold else load_predictions(args.predictions)
+        if not args.gold:
+            check_predictions(tasks, predictions, args.predictions)
+    except SweTaskError as err:
+        print(f"posttrain swe-eval: {err}", file=sys.stderr)
+        return 1
+
+    def show(result: Any) -> None:
+        print(f"{result.instance_id}: {result.status} ({result.seconds:.2f} s)"
+              + (f": {result.error}" if result.error else ""))
+
+    report = evaluate(tasks, predictions, Path(args.output), test_timeout_s=args.test_timeout, on_result=show)
+    print(summary_line(report))
+    print(f"report: {os.path.join(args.output, 'report.json')}")
+    return 0
 
 
 PUSH_SUMMARY = "upload a run's final/ (or adapter/) with its model card to the Hugging Face Hub"
@@ -405,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides after an option (`key=v --nproc-per-node 2 other=w`): argparse gives a positional list one run of
     # arguments, and would blame the later ones as unrecognized.
     unknown = [item for item in extra
-               if item.startswith("-") or "=" not in item or args.recipe in (None, "report", "push")]
+               if item.startswith("-") or "=" not in item or args.recipe in (None, "report", "push", "swe-eval")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
@@ -417,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_report(args)
     if args.recipe == "push":
         return _run_push(args)
+    if args.recipe == "swe-eval":
+        return _run_swe_eval(args)
     recipe = RECIPES[args.recipe]
     nproc = getattr(args, "nproc_per_node", None)
     if nproc is not None:

@@ -16,6 +16,7 @@ from posttrain.config.environments import (
     JudgeOptions,
     MixtureOptions,
     RewardModelOptions,
+    SweOptions,
     ToolsOptions,
     environment_section,
 )
@@ -89,7 +90,7 @@ def build_recipe_environment(section: Any, tokenizer: Any = None) -> Environment
     if isinstance(section, Mapping):
         section = environment_section(section)
     call_format = None
-    if isinstance(section.options, ToolsOptions) and tokenizer is not None:
+    if isinstance(section.options, (ToolsOptions, SweOptions)) and tokenizer is not None:
         call_format, _ = detect_tool_call_format(tokenizer.chat_template, _model_type(tokenizer.name_or_path))
     return build_environment(section.options, worker_memory_mb=section.worker_memory_mb,
                              models=environment_models(section.options.task.typed_options

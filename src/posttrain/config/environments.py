@@ -341,6 +341,38 @@ class ToolsOptions(EnvironmentOptions):
         return self.task.typed_options.loads_model
 
 
+class SweOptions(EnvironmentOptions):
+    """swe: repository tasks in the SWE-bench row schema; the agent edits a sandboxed checkout with bash, view and
+    str_replace tools and is rewarded 1 when the task's tests pass (each data row names its task by an instance_id
+    column; see docs/agents.md)."""
+
+    kind: ClassVar[str] = "swe"
+
+    tasks: str | None = None
+    """The tasks, a JSON-lines file of SWE-bench rows (null: the bundled tasks)."""
+
+    repos_dir: str | None = None
+    """The folder holding the tasks' git repositories as owner__name (null: repos/ beside the tasks file)."""
+
+    tool_call_format: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
+    """How the model writes tool calls; auto: from the chat template (and model type) of the model."""
+
+    command_timeout_s: float = Field(30.0, gt=0)
+    """How long one bash command (or view, str_replace) may run."""
+
+    test_timeout_s: float = Field(120.0, gt=0)
+    """How long the test run that scores an episode may take."""
+
+    max_output_chars: int = Field(4000, ge=1)
+    """A tool's answer is cut to this many characters (saying how many were cut)."""
+
+    max_calls_per_turn: int = Field(4, ge=1)
+    """Calls past this in one reply are answered with an error instead of run."""
+
+    max_episode_tokens: int | None = Field(None, ge=1)
+    """Budget of tokens after the prompt per episode; null: none besides rollout.max_turns x max_new_tokens."""
+
+
 class _ComponentSettings(Section):
     """Keys every mixture component has besides its kind and options."""
 
@@ -405,7 +437,9 @@ class ArithmeticEnvironment(_EnvironmentSettings):
     {path: a local model} or {base_url: http://host:8000, model: NAME}), mixture (several of these, each a named,
     weighted reward component; options {components: [{name, kind, weight, options}, ...]}), tools (tool calls run
     between turns, the final answer scored by a task environment; options {tools: [calculator], task: {kind:
-    arithmetic}}, see docs/agents.md); see docs/rl.md."""
+    arithmetic}}, see docs/agents.md), swe (repository tasks: bash, view and str_replace tools in a sandboxed
+    checkout, reward 1 when the task's tests pass; options {tasks: TASKS.jsonl}, see docs/agents.md); see
+    docs/rl.md."""
 
     options: ArithmeticOptions = Field(default_factory=ArithmeticOptions)
     """None."""
@@ -582,6 +616,16 @@ class MixtureEnvironment(_EnvironmentSettings):
         return self.options.reward_only
 
 
+class SweEnvironment(_EnvironmentSettings):
+    """What scores the completions: repository tasks, resolved or not by their tests."""
+
+    kind: Literal["swe"]
+    """swe."""
+
+    options: SweOptions = Field(default_factory=SweOptions)
+    """The tasks, their repositories, limits."""
+
+
 class ToolsEnvironment(_EnvironmentSettings):
     """What scores the completions: a task environment, with tool calls executed between turns."""
 
@@ -606,14 +650,15 @@ EnvironmentSection = Annotated[
         Annotated[JudgeEnvironment, Tag("judge")],
         Annotated[MixtureEnvironment, Tag("mixture")],
         Annotated[ToolsEnvironment, Tag("tools")],
+        Annotated[SweEnvironment, Tag("swe")],
     ],
     Discriminator(_section_kind, custom_error_type="environment_kind", custom_error_message=(
-        "environment kind must be one of arithmetic, code, judge, math, mixture, python, reward_model, tools")),
+        "environment kind must be one of arithmetic, code, judge, math, mixture, python, reward_model, swe, tools")),
 ]
 """The environment section: a union discriminated on `kind` (arithmetic when left out)."""
 
 AnyEnvironmentOptions = Union[ArithmeticOptions, MathOptions, PythonOptions, CodeOptions, RewardModelOptions,
-                              JudgeOptions, MixtureOptions, ToolsOptions]
+                              JudgeOptions, MixtureOptions, ToolsOptions, SweOptions]
 
 _SECTION_ADAPTER: TypeAdapter = TypeAdapter(EnvironmentSection)
 

@@ -943,9 +943,10 @@ class EvaluationSet(EvaluationSettings):
 
 def check_tool_turns(environment_kind: str, max_turns: int, key: str) -> None:
     """ValueError for a tools environment with one turn: the model's tool calls would never get their results."""
-    if environment_kind == "tools" and max_turns < 2:
-        raise ValueError(f"environment.kind=tools with {key}={max_turns}: tool results come back in the next turn, "
-                         f"so a tool-using episode needs {key} of at least 2 (one per tool round, plus the answer)")
+    if environment_kind in ("tools", "swe") and max_turns < 2:
+        raise ValueError(f"environment.kind={environment_kind} with {key}={max_turns}: tool results come back in "
+                         f"the next turn, so a tool-using episode needs {key} of at least 2 (one per tool round, plus "
+                         "the answer)")
 
 
 def check_evaluation_sets(sets: list[EvaluationSet], trainer: TrainerConfig) -> None:

@@ -32,6 +32,7 @@ from posttrain.config.environments import (
     MixtureOptions,
     PythonOptions,
     RewardModelOptions,
+    SweOptions,
     ToolsOptions,
 )
 from posttrain.envs.arithmetic_env import ArithmeticEnvironment
@@ -43,6 +44,9 @@ from posttrain.envs.mixture import MixtureEnvironment
 from posttrain.envs.python_reward import PythonRewardEnvironment
 from posttrain.envs.reward_model_env import RewardModelEnvironment, RewardScorer
 from posttrain.envs.rewards import load_function
+from posttrain.envs.swe.bundled import ensure_bundled_tasks
+from posttrain.envs.swe.environment import SweEnvironment
+from posttrain.envs.swe.tasks import load_tasks
 from posttrain.envs.tools import ToolEnvironment, tool_from_function, tool_from_schema
 from posttrain.envs.tools.builtin import calculator_tool, file_tools, python_tool, search_tool
 from posttrain.envs.tools.schema import Tool
@@ -54,6 +58,7 @@ NEEDED_COLUMNS: dict[str, tuple[str, ...]] = {
     "arithmetic": ("answer",),
     "math": ("answer",),
     "code": ("tests", "assert_code"),
+    "swe": ("instance_id",),
 }
 """The data columns each environment scores a reply against: every row needs at least one of them. python
 functions take the columns they name (a missing one is None) and a reward model needs none."""
@@ -80,6 +85,8 @@ def build_environment(options: AnyEnvironmentOptions, *, worker_memory_mb: int =
         return _mixture(options, worker_memory_mb, models)
     if isinstance(options, ToolsOptions):
         return _tools(options, worker_memory_mb, models.get(""), tool_call_format or "hermes")
+    if isinstance(options, SweOptions):
+        return _swe(options, tool_call_format or "hermes")
     return _build_one(options, worker_memory_mb, models.get(""))
 
 
@@ -127,6 +134,18 @@ def _tools(options: ToolsOptions, worker_memory_mb: int, model: Any, detected_fo
     except ValueError as error:
         task.close()
         raise EnvironmentOptionError(f"environment.options of the tools environment: {error}") from error
+
+
+def _swe(options: SweOptions, detected_format: str) -> SweEnvironment:
+    tasks = load_tasks(options.tasks or ensure_bundled_tasks(), options.repos_dir)  # SweTaskError names the line
+    name = detected_format if options.tool_call_format == "auto" else options.tool_call_format
+    try:
+        return SweEnvironment(tasks, tool_call_format=name, command_timeout_s=options.command_timeout_s,
+                              test_timeout_s=options.test_timeout_s, max_output_chars=options.max_output_chars,
+                              max_calls_per_turn=options.max_calls_per_turn,
+                              max_episode_tokens=options.max_episode_tokens)
+    except ValueError as error:
+        raise EnvironmentOptionError(f"environment.options of the swe environment: {error}") from error
 
 
 def _tool_entry(options: ToolsOptions, index: int, entry: str | dict[str, Any]) -> list[Tool]:

@@ -139,6 +139,8 @@ def run_sandboxed(
     output_limit_bytes: int,
     namespaces: bool | None = None,
     audit_hook: bool = True,
+    writable_dirs: tuple[str, ...] = (),
+    readable_dirs: tuple[str, ...] = (),
 ) -> SandboxResult:
     """Run `code` with `stdin` in a sandbox and report how it ended.
 
@@ -146,10 +148,26 @@ def run_sandboxed(
     (a setup failure then comes back as `started=False`); False runs with rlimits and the audit
     hook only. `audit_hook=False` drops the Python-level guard (to test the other layers alone;
     without namespaces that leaves the host unprotected).
+
+    `writable_dirs`: host directories bound read-write into the new root at the same paths (a
+    repository checkout that outlives the run); `readable_dirs`: bound read-only (site-packages a
+    test runner needs). Both need the namespace layer, and writable ones `audit_hook=False` (the
+    hook allows writes in the working directory only): the namespaces are then the boundary.
+    Under root the program runs as uid 65534, so a writable directory must belong to it
+    (`give_to_sandbox`).
     """
     if time_limit_s <= 0 or memory_limit_mb <= 0 or output_limit_bytes <= 0:
         raise ValueError("time_limit_s, memory_limit_mb and output_limit_bytes must be positive")
     use_namespaces = sandbox_info().namespaces if namespaces is None else namespaces
+    if (writable_dirs or readable_dirs) and not use_namespaces:
+        raise ValueError("binding host directories into the sandbox needs its namespace layer, which is off here"
+                         f": {sandbox_info().namespace_error or 'namespaces=False'}")
+    if writable_dirs and audit_hook:
+        raise ValueError("writable_dirs needs audit_hook=False: the audit hook refuses writes outside the "
+                         "working directory")
+    for path in (*writable_dirs, *readable_dirs):
+        if not os.path.isabs(path) or not os.path.isdir(path):
+            raise ValueError(f"a directory bound into the sandbox must be an existing absolute path, got {path!r}")
     layers = ("namespaces",) * use_namespaces + ("rlimits",) + ("audit_hook",) * audit_hook
     root = tempfile.mkdtemp(prefix="posttrain-sandbox-")
     try:
@@ -163,6 +181,8 @@ def run_sandboxed(
         with open(stdin_path, "w", encoding="utf-8") as file:
             file.write(stdin)
         config = _launcher_config(root, workdir, use_namespaces, audit_hook, time_limit_s, memory_limit_mb)
+        config["binds"] = [[os.path.realpath(path), True] for path in writable_dirs]
+        config["binds"] += [[os.path.realpath(path), False] for path in readable_dirs]
         return _run_launcher(config, program_path, stdin_path, time_limit_s, output_limit_bytes, layers)
     finally:
         shutil.rmtree(root)
@@ -188,6 +208,19 @@ def sandbox_info() -> SandboxInfo:
         python=_program_python(),
         bubblewrap=shutil.which("bwrap"),
     )
+
+
+def give_to_sandbox(path: str) -> None:
+    """Make the tree at `path` writable by the sandboxed program (for `writable_dirs`).
+
+    Without root the program's uid maps to the caller's, which owns the tree already; under root
+    it is uid 65534, so the tree is handed to that uid."""
+    if os.geteuid() != 0:
+        return
+    os.chown(path, SANDBOX_UID, SANDBOX_UID, follow_symlinks=False)
+    for parent, directories, files in os.walk(path):
+        for name in directories + files:
+            os.chown(os.path.join(parent, name), SANDBOX_UID, SANDBOX_UID, follow_symlinks=False)
 
 
 # The probe checks the properties the namespace layer promises, from inside it: pid 2 in a fresh
@@ -544,12 +577,18 @@ def _build_root(config: dict, libc: _Libc) -> None:
     owner = "" if config["user_namespace"] else f",uid={SANDBOX_UID},gid={SANDBOX_UID}"
     options = f"mode=0700,size={config['tmpfs_bytes']},nr_inodes=4096{owner}"
     libc.mount("tmpfs", workdir, "tmpfs", MS_NOSUID | MS_NODEV, options)
+    writable = [config["workdir"], "/proc"]
+    for path, is_writable in config.get("binds", []):
+        os.makedirs(newroot + path, exist_ok=True)
+        libc.mount(path, newroot + path, None, MS_BIND | MS_REC)
+        if is_writable:
+            writable.append(path)
     os.chdir(newroot)
     libc.pivot_root(".", ".")  # the old root now sits on top of the new one ...
     libc.umount2(".", MNT_DETACH)  # ... and is detached, unreachable from here on
     os.chdir("/")
     for mount_point in _mount_points():
-        if mount_point in (config["workdir"], "/proc"):
+        if mount_point in writable:
             continue
         preserved = _mount_flags(mount_point)
         libc.mount(None, mount_point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | preserved)
