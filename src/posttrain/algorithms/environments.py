@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.config.environments import (
+    GdpvalOptions,
+    HleOptions,
     JudgeOptions,
     MixtureOptions,
     RewardModelOptions,
@@ -63,10 +65,13 @@ class LocalJudgeModel:
 
 def environment_model(options: Any) -> Any:
     """The model an environment's options ask for, built: a `RewardModel` for reward_model options, a
-    `LocalJudgeModel` for a judge with a local path; None for every other environment."""
+    `LocalJudgeModel` for a judge with a local path (also the judge of hle and gdpval options); None for every
+    other environment."""
     if isinstance(options, RewardModelOptions):
         return RewardModel.from_pretrained(options.path, device=options.device, batch_size=options.batch_size,
                                            max_length=options.max_length)
+    if isinstance(options, (HleOptions, GdpvalOptions)):
+        return environment_model(options.judge)
     if isinstance(options, JudgeOptions) and options.loads_model:
         return LocalJudgeModel(options.path, options.max_new_tokens, options.batch_size, options.use_chat_template,
                                options.device)

@@ -31,6 +31,7 @@ from posttrain.envs.base import Environment, EnvStep, Reward, ToolUse, tool_use_
 from posttrain.errors import RunError
 from posttrain.envs.rewards import combine_components, validate_reward
 from posttrain.generation.base import Generator, SamplingParams
+from posttrain.metrics import calibration_error
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ class RolloutTimes:
     generated_tokens: int
 
 
+CALIBRATION_BIN_SIZE = 100
+"""Answers per bin of the calibration error, HLE's own (its reference script's beta)."""
 ENVIRONMENT_STEP_DEADLINE_SECONDS = 900.0
 """How long a multi-turn rollout waits for any one of its episodes' environment calls before it gives up, naming
 the episode (reward functions and judges have shorter limits of their own; this catches an environment that has
@@ -368,10 +371,34 @@ def rollout_metrics(episodes: list[Episode], weights: dict[str, float]) -> dict[
     correct = [e.metadata["correct"] for e in episodes if e.reward is not None and "correct" in e.metadata]
     if correct:
         metrics["accuracy"] = sum(map(float, correct)) / len(correct)
+    metrics.update(judged_task_metrics(episodes))
     components = sorted({name for e in episodes if isinstance(e.reward, dict) for name in e.reward})
     for name in components:
         values = [e.reward[name] for e in episodes if isinstance(e.reward, dict)]
         metrics[f"reward/{name}"] = sum(values) / len(values)
+    return metrics
+
+
+def judged_task_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """What the judged task environments (posttrain.envs.judged) report, over the episodes whose reward did not
+    fail: where episodes carry `stated_confidence` (hle), HLE's RMS calibration error (`calibration_error`, in
+    [0, 1], over bins of CALIBRATION_BIN_SIZE answers sorted by confidence) over those that state a confidence,
+    with `calibration/stated` and `calibration/missing` counting the episodes that do and do not; where they carry
+    `rubric_score` (gdpval), its mean. Empty for other environments."""
+    scored = [e for e in episodes if e.reward is not None]
+    metrics: dict[str, float] = {}
+    with_confidence = [e for e in scored if "stated_confidence" in e.metadata and "correct" in e.metadata]
+    if with_confidence:
+        stated = [e for e in with_confidence if e.metadata["stated_confidence"] is not None]
+        metrics["calibration/stated"] = len(stated)
+        metrics["calibration/missing"] = len(with_confidence) - len(stated)
+        if stated:
+            metrics["calibration_error"] = calibration_error([e.metadata["stated_confidence"] for e in stated],
+                                                             [bool(e.metadata["correct"]) for e in stated],
+                                                             CALIBRATION_BIN_SIZE)
+    rubric = [e.metadata["rubric_score"] for e in scored if e.metadata.get("rubric_score") is not None]
+    if rubric:
+        metrics["rubric_score/mean"] = sum(rubric) / len(rubric)
     return metrics
 
 

@@ -43,7 +43,7 @@ DEFAULT_JUDGE_TEMPLATE = (
 DEFAULT_SCORE_PATTERN = r"(?i)\bscore\s*[:=]\s*\**\s*([-+]?\d+(?:\.\d+)?|[^\s*]+)"
 """'score' then ':' or '=' (markdown bold allowed), capturing a number, or else the word there (to report it)."""
 
-REWARD_ONLY = frozenset({"python", "reward_model", "judge"})
+REWARD_ONLY = frozenset({"python", "reward_model", "judge", "gdpval"})
 """The environments that give a reward and never say whether a reply is correct; the verifiers (arithmetic, math,
 code) put `correct` in each episode's metadata, for accuracy and pass@k, and so does a mixture with a verifier."""
 
@@ -373,6 +373,49 @@ class SweOptions(EnvironmentOptions):
     """Budget of tokens after the prompt per episode; null: none besides rollout.max_turns x max_new_tokens."""
 
 
+JUDGE_VERDICT_OPTIONS = ("template", "system_prompt", "score_pattern", "min_score", "max_score", "normalize")
+"""Judge options that say how a verdict reads: the hle and gdpval environments write their own judge prompts."""
+
+
+class _JudgedTaskOptions(EnvironmentOptions):
+    """Options the HLE- and GDPval-format task environments share."""
+
+    tasks: str | None = None
+    """The task file, .jsonl or .parquet in the set's row schema (null: the bundled synthetic sample)."""
+
+    judge: JudgeOptions
+    """The judge: {path: a local model} or {base_url, model, api_key_env, timeout_s, ...}, as the judge
+    environment's options; its prompt and verdict format are the task environment's own."""
+
+    @field_validator("judge")
+    @classmethod
+    def _own_prompt(cls, judge: JudgeOptions) -> JudgeOptions:
+        given = [name for name in JUDGE_VERDICT_OPTIONS if name in judge.model_fields_set]
+        if given:
+            raise ValueError(f"judge.{given[0]}: the {cls.kind} environment writes its own judge prompt and reads "
+                             "its own verdict format (see docs/agents.md); leave it out")
+        return judge
+
+    @property
+    def loads_model(self) -> bool:
+        return self.judge.loads_model
+
+
+class HleOptions(_JudgedTaskOptions):
+    """hle: questions in Humanity's Last Exam's row schema (id, question, answer, answer_type), the final answer
+    judged against the reference by an LLM judge; each data row names its question by an id column (see
+    docs/agents.md)."""
+
+    kind: ClassVar[str] = "hle"
+
+
+class GdpvalOptions(_JudgedTaskOptions):
+    """gdpval: tasks in GDPval's row schema (task_id, prompt, reference_files, rubric_json), each rubric item scored
+    by an LLM judge and summed; each data row names its task by a task_id column (see docs/agents.md)."""
+
+    kind: ClassVar[str] = "gdpval"
+
+
 class _ComponentSettings(Section):
     """Keys every mixture component has besides its kind and options."""
 
@@ -438,7 +481,9 @@ class ArithmeticEnvironment(_EnvironmentSettings):
     weighted reward component; options {components: [{name, kind, weight, options}, ...]}), tools (tool calls run
     between turns, the final answer scored by a task environment; options {tools: [calculator], task: {kind:
     arithmetic}}, see docs/agents.md), swe (repository tasks: bash, view and str_replace tools in a sandboxed
-    checkout, reward 1 when the task's tests pass; options {tasks: TASKS.jsonl}, see docs/agents.md); see
+    checkout, reward 1 when the task's tests pass; options {tasks: TASKS.jsonl}, see docs/agents.md), hle (HLE-format
+    questions, the final answer judged against the reference; options {tasks: hle.jsonl, judge: {base_url, model}}),
+    gdpval (GDPval-format tasks, rubric items judged and summed; options {tasks: gdpval.jsonl, judge: {...}}); see
     docs/rl.md."""
 
     options: ArithmeticOptions = Field(default_factory=ArithmeticOptions)
@@ -626,6 +671,26 @@ class SweEnvironment(_EnvironmentSettings):
     """The tasks, their repositories, limits."""
 
 
+class HleEnvironment(_EnvironmentSettings):
+    """What scores the completions: HLE-format questions, the final answer judged against the reference."""
+
+    kind: Literal["hle"]
+    """hle."""
+
+    options: HleOptions
+    """The questions and the judge."""
+
+
+class GdpvalEnvironment(_EnvironmentSettings):
+    """What scores the completions: GDPval-format tasks, each rubric item judged and the points summed."""
+
+    kind: Literal["gdpval"]
+    """gdpval."""
+
+    options: GdpvalOptions
+    """The tasks and the judge."""
+
+
 class ToolsEnvironment(_EnvironmentSettings):
     """What scores the completions: a task environment, with tool calls executed between turns."""
 
@@ -651,14 +716,17 @@ EnvironmentSection = Annotated[
         Annotated[MixtureEnvironment, Tag("mixture")],
         Annotated[ToolsEnvironment, Tag("tools")],
         Annotated[SweEnvironment, Tag("swe")],
+        Annotated[HleEnvironment, Tag("hle")],
+        Annotated[GdpvalEnvironment, Tag("gdpval")],
     ],
     Discriminator(_section_kind, custom_error_type="environment_kind", custom_error_message=(
-        "environment kind must be one of arithmetic, code, judge, math, mixture, python, reward_model, swe, tools")),
+        "environment kind must be one of arithmetic, code, gdpval, hle, judge, math, mixture, python, reward_model, "
+        "swe, tools")),
 ]
 """The environment section: a union discriminated on `kind` (arithmetic when left out)."""
 
 AnyEnvironmentOptions = Union[ArithmeticOptions, MathOptions, PythonOptions, CodeOptions, RewardModelOptions,
-                              JudgeOptions, MixtureOptions, ToolsOptions, SweOptions]
+                              JudgeOptions, MixtureOptions, ToolsOptions, SweOptions, HleOptions, GdpvalOptions]
 
 _SECTION_ADAPTER: TypeAdapter = TypeAdapter(EnvironmentSection)
 

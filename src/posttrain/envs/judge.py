@@ -112,8 +112,9 @@ def parse_score(text: str, pattern: str | re.Pattern, min_score: float, max_scor
 
 
 @dataclass(frozen=True)
-class _Reply:
-    """The judge backend's answer to one conversation: its text, or why there is none."""
+class JudgeReply:
+    """The judge backend's answer to one conversation: its text, or why there is none (a transport failure:
+    timeout, http_error, connection_error, invalid_response)."""
 
     text: str | None
     failure: str | None = None
@@ -171,15 +172,8 @@ class JudgeEnvironment:
         self.template_fields = _template_fields(template)
         self.template, self.system_prompt = template, system_prompt
         self.min_score, self.max_score, self.normalize = min_score, max_score, normalize
-        if base_url is not None:
-            if model is None:
-                raise ValueError("base_url needs model, the name the server serves the judge under")
-            self.backend = _HTTPJudge(base_url, model, _api_key(api_key_env), max_new_tokens, timeout_s, max_retries,
-                                      retry_backoff_s, concurrency, max_response_bytes)
-        else:
-            if model is not None or api_key_env is not None:
-                raise ValueError("model and api_key_env belong to a judge server (base_url), not a local path")
-            self.backend = _LocalJudge(local_model)
+        self.backend = judge_backend(local_model, base_url, model, api_key_env, max_new_tokens, timeout_s,
+                                     max_response_bytes, max_retries, retry_backoff_s, concurrency)
         self.cache: dict[str, Verdict] = {}
         self.counts: Counter[str] = Counter()
         """Failure kinds, `judged` and `cache_hits`, over the environment's life."""
@@ -230,6 +224,39 @@ class JudgeEnvironment:
                              f"column (it has {', '.join(sorted(fields))})")
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt is not None else []
         return [*messages, {"role": "user", "content": self.template.format(**fields)}]
+
+
+class JudgeBackend(Protocol):
+    """Where verdicts come from: a judge server or a local judge model."""
+
+    def complete(self, conversations: list[list[Message]]) -> list[JudgeReply]:
+        """The judge's reply to each conversation, in order; a transport failure is a reply without text."""
+        ...
+
+    def close(self) -> None:
+        """Release what the backend holds."""
+        ...
+
+
+def judge_backend(local_model: JudgeModel | None = None, base_url: str | None = None, model: str | None = None,
+                  api_key_env: str | None = None, max_new_tokens: int = 64, timeout_s: float = 60.0,
+                  max_response_bytes: int = 4_000_000, max_retries: int = 3, retry_backoff_s: float = 1.0,
+                  concurrency: int = 8) -> JudgeBackend:
+    """The judge a JudgeEnvironment asks (the options mean what they mean there): an OpenAI-compatible server at
+    base_url, or the local model handed in; exactly one. Environments with a verdict format of their own (the HLE
+    and GDPval tasks, `posttrain.envs.judged`) ask it directly, with the same deadlines, retries and key handling."""
+    if (local_model is None) == (base_url is None):
+        raise ValueError("give the judge as either path (a local model) or base_url (an OpenAI-compatible "
+                         f"server), exactly one of them; got a local model: {local_model is not None}, "
+                         f"base_url={base_url!r}")
+    if base_url is not None:
+        if model is None:
+            raise ValueError("base_url needs model, the name the server serves the judge under")
+        return _HTTPJudge(base_url, model, _api_key(api_key_env), max_new_tokens, timeout_s, max_retries,
+                          retry_backoff_s, concurrency, max_response_bytes)
+    if model is not None or api_key_env is not None:
+        raise ValueError("model and api_key_env belong to a judge server (base_url), not a local path")
+    return _LocalJudge(local_model)
 
 
 def _score_regex(pattern: str) -> re.Pattern:
@@ -291,7 +318,7 @@ class _HTTPJudge:
         self.timeout_s, self.max_retries, self.retry_backoff_s = timeout_s, max_retries, retry_backoff_s
         self.concurrency, self.max_response_bytes = concurrency, max_response_bytes
 
-    def complete(self, conversations: list[list[Message]]) -> list[_Reply]:
+    def complete(self, conversations: list[list[Message]]) -> list[JudgeReply]:
         if not conversations:
             return []
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(conversations))) as pool:
@@ -300,13 +327,13 @@ class _HTTPJudge:
     def close(self) -> None:
         """Nothing to release."""
 
-    def _ask(self, messages: list[Message]) -> _Reply:
+    def _ask(self, messages: list[Message]) -> JudgeReply:
         body = json.dumps({"model": self.model, "messages": messages, "temperature": 0.0,
                            "max_tokens": self.max_tokens}).encode()
         headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
         if self.api_key is not None:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        failed = _Reply(None)
+        failed = JudgeReply(None)
         for attempt in range(self.max_retries + 1):
             if attempt:
                 time.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
@@ -314,31 +341,31 @@ class _HTTPJudge:
             try:
                 status, payload, location = _post(self.url, body, headers, self.timeout_s, self.max_response_bytes)
             except _TooLarge as error:
-                return _Reply(None, "invalid_response", f"the answer from {self.url} is larger than "
+                return JudgeReply(None, "invalid_response", f"the answer from {self.url} is larger than "
                               f"max_response_bytes={self.max_response_bytes} ({error}); it was not read")
             except (OSError, http.client.HTTPException) as error:  # refused, reset, cut at the deadline, truncated
                 if time.monotonic() - started >= self.timeout_s or isinstance(error, TimeoutError):
-                    failed = _Reply(None, "timeout", f"no complete answer from {self.url} within "
+                    failed = JudgeReply(None, "timeout", f"no complete answer from {self.url} within "
                                     f"timeout_s={self.timeout_s:g} s (the limit on the whole request)")
                 elif isinstance(error, (ConnectionRefusedError, socket.gaierror)):
-                    failed = _Reply(None, "connection_error", f"cannot reach {self.url}: {error}")
+                    failed = JudgeReply(None, "connection_error", f"cannot reach {self.url}: {error}")
                 else:
-                    failed = _Reply(None, "connection_error", f"the connection to {self.url} failed: {error!r}")
+                    failed = JudgeReply(None, "connection_error", f"the connection to {self.url} failed: {error!r}")
                 continue
             if 300 <= status < 400:
                 # Never followed: the request, API key included, would go wherever the answer points.
-                return _Reply(None, "http_error", f"HTTP {status} from {self.url} redirects to {location!r}; "
+                return JudgeReply(None, "http_error", f"HTTP {status} from {self.url} redirects to {location!r}; "
                               "redirects are not followed (the API key would go with them): set base_url to the "
                               "address that answers")
             if status >= 400:
                 detail = payload[:QUOTED_REPLY_CHARS].decode("utf-8", "replace")
-                failed = _Reply(None, "http_error", f"HTTP {status} from {self.url}: {detail!r}")
+                failed = JudgeReply(None, "http_error", f"HTTP {status} from {self.url}: {detail!r}")
                 if status not in RETRIED_STATUSES:
                     return failed
                 continue
             return _chat_content(payload, self.url)
         tries = self.max_retries + 1
-        return _Reply(None, failed.failure, f"{failed.error} (after {tries} attempt{'s' if tries > 1 else ''})")
+        return JudgeReply(None, failed.failure, f"{failed.error} (after {tries} attempt{'s' if tries > 1 else ''})")
 
 
 class _TooLarge(Exception):
@@ -406,7 +433,7 @@ def _cut(sock: socket.socket) -> None:
         pass
 
 
-def _chat_content(payload: bytes, url: str) -> _Reply:
+def _chat_content(payload: bytes, url: str) -> JudgeReply:
     """The assistant message of a chat-completions answer, or an invalid_response failure."""
     try:
         content = json.loads(payload)["choices"][0]["message"]["content"]
@@ -414,8 +441,8 @@ def _chat_content(payload: bytes, url: str) -> _Reply:
         content = None
     if not isinstance(content, str):
         quoted = payload[:QUOTED_REPLY_CHARS].decode("utf-8", "replace")
-        return _Reply(None, "invalid_response", f"{url} answered with no chat completion message: {quoted!r}")
-    return _Reply(content)
+        return JudgeReply(None, "invalid_response", f"{url} answered with no chat completion message: {quoted!r}")
+    return JudgeReply(content)
 
 
 class _LocalJudge:
@@ -424,10 +451,10 @@ class _LocalJudge:
     def __init__(self, model: JudgeModel):
         self.model = model
 
-    def complete(self, conversations: list[list[Message]]) -> list[_Reply]:
+    def complete(self, conversations: list[list[Message]]) -> list[JudgeReply]:
         if not conversations:
             return []
-        return [_Reply(text) for text in self.model.complete(conversations)]
+        return [JudgeReply(text) for text in self.model.complete(conversations)]
 
     def close(self) -> None:
         self.model.close()

@@ -27,6 +27,8 @@ from posttrain.config.environments import (
     ArithmeticOptions,
     CodeOptions,
     EnvironmentOptions,
+    GdpvalOptions,
+    HleOptions,
     JudgeOptions,
     MathOptions,
     MixtureOptions,
@@ -38,7 +40,9 @@ from posttrain.config.environments import (
 from posttrain.envs.arithmetic_env import ArithmeticEnvironment
 from posttrain.envs.base import Environment
 from posttrain.envs.code import CodeEnvironment
-from posttrain.envs.judge import JudgeEnvironment, JudgeModel
+from posttrain.envs.judge import JudgeEnvironment, JudgeModel, judge_backend
+from posttrain.envs.judged.environments import GdpvalEnvironment, HleEnvironment
+from posttrain.envs.judged.tasks import bundled_gdpval_tasks, bundled_hle_tasks, load_gdpval_tasks, load_hle_tasks
 from posttrain.envs.math import MathEnvironment
 from posttrain.envs.mixture import MixtureEnvironment
 from posttrain.envs.python_reward import PythonRewardEnvironment
@@ -59,6 +63,8 @@ NEEDED_COLUMNS: dict[str, tuple[str, ...]] = {
     "math": ("answer",),
     "code": ("tests", "assert_code"),
     "swe": ("instance_id",),
+    "hle": ("id",),
+    "gdpval": ("task_id",),
 }
 """The data columns each environment scores a reply against: every row needs at least one of them. python
 functions take the columns they name (a missing one is None) and a reward model needs none."""
@@ -179,6 +185,22 @@ def _judge(options: JudgeOptions, worker_memory_mb: int, model: JudgeModel | Non
                             local_model=model)
 
 
+def _judge_backend(options: JudgeOptions, model: JudgeModel | None) -> Any:
+    return judge_backend(model, options.base_url, options.model, options.api_key_env, options.max_new_tokens,
+                         options.timeout_s, options.max_response_bytes, options.max_retries, options.retry_backoff_s,
+                         options.concurrency)
+
+
+def _hle(options: HleOptions, worker_memory_mb: int, model: JudgeModel | None) -> HleEnvironment:
+    tasks = load_hle_tasks(options.tasks or bundled_hle_tasks())  # JudgedTaskError names the line and field
+    return HleEnvironment(tasks, _judge_backend(options.judge, model))
+
+
+def _gdpval(options: GdpvalOptions, worker_memory_mb: int, model: JudgeModel | None) -> GdpvalEnvironment:
+    tasks = load_gdpval_tasks(options.tasks or bundled_gdpval_tasks())  # JudgedTaskError names the line and field
+    return GdpvalEnvironment(tasks, _judge_backend(options.judge, model))
+
+
 def _reward_model(options: RewardModelOptions, worker_memory_mb: int, model: RewardScorer) -> RewardModelEnvironment:
     return RewardModelEnvironment(model, conversational=options.conversational)
 
@@ -192,5 +214,7 @@ _BUILDERS: dict[type, Callable[[Any, int, Any], Environment]] = {
     CodeOptions: lambda options, worker_memory_mb, model: CodeEnvironment(**options.model_dump()),
     RewardModelOptions: _reward_model,
     JudgeOptions: _judge,
+    HleOptions: _hle,
+    GdpvalOptions: _gdpval,
 }
 """How each kind of options becomes its environment (mixtures: `_mixture`)."""
