@@ -381,3 +381,25 @@ def test_eval_reports_accuracy_and_calibration_error_on_hle(tmp_path, tiny_model
     assert payload["calibration_error"] == pytest.approx(1 / 3)
     assert (payload["calibration/stated"], payload["calibration/missing"]) == (3, 1)
     assert len(requests) == 4
+
+
+def test_grpo_trains_a_step_on_the_bundled_hle_sample_with_an_http_judge(tmp_path, tiny_model_dir, judge_server):
+    from rl_configs import TINY_RL
+
+    from posttrain.algorithms.grpo import train_grpo
+    from posttrain.logging import read_metrics
+
+    url, requests = judge_server
+    prompts = write_rows(tmp_path / "prompts.jsonl", hle_prompt_rows(load_hle_tasks(bundled_hle_tasks()))[:2])
+    cfg = load_config(GRPOConfig, None, [*TINY_RL, f"data.train_files=['{prompts}']", "environment.kind=hle",
+                                         f"environment.options={{judge: {{base_url: '{url}', model: j}}}}",
+                                         f"output_dir={tmp_path}/run", "trainer.max_steps=1", "trainer.save_every=0",
+                                         "rollout.prompts_per_step=2", "rollout.num_generations_per_prompt=2",
+                                         "rollout.max_new_tokens=4", "data.max_length=512"])
+    train_grpo(cfg)
+    (record,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    # The embedded model states no confidence in 4 tokens: every scored answer is counted as missing one.
+    assert record["reward/mean"] == 0.0 and record["accuracy"] == 0.0
+    assert record["calibration/missing"] == 4 and record["calibration/stated"] == 0
+    assert "calibration_error" not in record
+    assert 1 <= len(requests) <= 4  # identical (question, response) pairs are judged once
