@@ -201,7 +201,8 @@ def test_a_score_above_the_items_points_masks_the_sample():
 
 @pytest.fixture
 def judge_server():
-    """An OpenAI-compatible chat-completions server answering "correct: yes" when the reply gives 21."""
+    """An OpenAI-compatible chat-completions server: an HLE verdict "correct: yes" when the response gives 21 or B
+    (else no), and 1 point for every GDPval rubric item."""
     requests = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -210,8 +211,10 @@ def judge_server():
             requests.append({"path": self.path, "body": body, "authorization": self.headers.get("Authorization")})
             text = body["messages"][-1]["content"]
             verdict = "yes" if "Exact Answer: 21" in text or "Answer: B" in text else "no"
-            payload = json.dumps({"choices": [{"message": {"role": "assistant", "content":
-                                  f"extracted_final_answer: x\nreasoning: r\ncorrect: {verdict}\nconfidence: 50"}}]})
+            content = f"extracted_final_answer: x\nreasoning: r\ncorrect: {verdict}\nconfidence: 50"
+            if text.startswith("Grade a deliverable"):  # a GDPval rubric item: 1 point, whatever it is worth
+                content = "Partly met. Score: 1"
+            payload = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]})
             self.send_response(200)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(payload)))
@@ -403,3 +406,20 @@ def test_grpo_trains_a_step_on_the_bundled_hle_sample_with_an_http_judge(tmp_pat
     assert record["calibration/missing"] == 4 and record["calibration/stated"] == 0
     assert "calibration_error" not in record
     assert 1 <= len(requests) <= 4  # identical (question, response) pairs are judged once
+
+
+def test_eval_reports_the_mean_rubric_score_on_the_bundled_gdpval_sample(tmp_path, tiny_model_dir, judge_server,
+                                                                         monkeypatch, capsys):
+    url, requests = judge_server
+    prompts = write_rows(tmp_path / "prompts.jsonl", gdpval_prompt_rows(load_gdpval_tasks(bundled_gdpval_tasks())))
+    monkeypatch.setattr(evaluate, "build_generator", lambda model, backend, tokenizer, policy=None, **kwargs:
+                        OrderedGenerator(tokenizer, ["Memo: ...", "Menu: ...", "Vans: ..."]))
+    assert main(["eval", "--model", str(tiny_model_dir), "--data", str(prompts), "--environment", "gdpval",
+                 f"environment.options={{judge: {{base_url: '{url}', model: j}}}}", "max_new_tokens=8",
+                 "data.max_length=1024", "correct_threshold=0.5", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # 1 point per item: payroll 5 of 9, menu 3 of 6, fleet 3 of 5.
+    assert payload["rubric_score/mean"] == pytest.approx((5 / 9 + 3 / 6 + 3 / 5) / 3)
+    assert payload["reward/mean"] == pytest.approx((5 / 9 + 3 / 6 + 3 / 5) / 3)
+    assert payload["accuracy"] == pytest.approx(3 / 3)  # every rubric score reaches the threshold 0.5
+    assert len(requests) == 5 + 3 + 3
