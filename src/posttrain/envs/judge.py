@@ -159,10 +159,6 @@ class JudgeEnvironment:
         retry_backoff_s: float = 1.0,
         concurrency: int = 8,
     ):
-        if (local_model is None) == (base_url is None):
-            raise ValueError("give the judge as either path (a local model) or base_url (an OpenAI-compatible "
-                             f"server), exactly one of them; got a local model: {local_model is not None}, "
-                             f"base_url={base_url!r}")
         if not min_score < max_score:
             raise ValueError(f"min_score ({min_score}) must be below max_score ({max_score})")
         for name, value in (("max_new_tokens", max_new_tokens), ("concurrency", concurrency)):
