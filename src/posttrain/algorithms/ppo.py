@@ -46,6 +46,7 @@ from posttrain.data.types import RolloutBatch
 from posttrain.distributed.builders import build_critic, build_policy
 from posttrain.losses.policy_gradient import kl_estimate
 from posttrain.losses.value import explained_variance
+from posttrain.distributed.cluster import stops_clusters
 from posttrain.rundir import one_run_per_output_dir
 from posttrain.workers.objectives import PolicyGradientObjective, ValueObjective
 from posttrain.workers.value import CRITIC
@@ -54,6 +55,7 @@ PROGRESS_METRICS = ("reward/mean", "accuracy", "val/accuracy", "value/explained_
 
 
 @one_run_per_output_dir
+@stops_clusters  # a Ray instance started for the run stops with it, also when it fails
 def train_ppo(cfg: PPOConfig) -> RLResult:
     run = start_rl_run(cfg)  # output directory, seed, data and environment (before any model), resume
     trainer, rollout, tokenizer, environment = cfg.trainer, cfg.rollout, run.data.tokenizer, run.data.environment
@@ -74,7 +76,7 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
     # The reference is the starting model, also when resuming; loaded only when a KL term needs it.
     needs_reference = loss.config.reference_kl_penalty > 0 or cfg.gae.kl_coef > 0
     reference = reference_worker(policy, cfg, run.device) if needs_reference else None
-    generator = policy_generator(cfg, tokenizer, policy)
+    generator = policy_generator(cfg, tokenizer, policy, run.cluster)  # Ray actors with cluster.backend=ray
     source, start_step = run.rollout_source(cfg, generator, weights)
 
     with run_logger(run.output_dir, cfg.logging, recipe="ppo", total_steps=trainer.max_steps, start_step=start_step,
@@ -143,6 +145,7 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
             metrics.update(step_timings(sampled, source, batch, logprobs=logprob_seconds, train=train_seconds,
                                         step=step_seconds))
             metrics.update(due_evaluations(step, cfg, run.data, generator, run.greedy, weights, evaluation, run_log))
+            metrics.update(run.heartbeats())  # Ray worker groups: seconds since each last answered
             log_step(run_log, step, metrics, trainer)
             save_if_due(run.output_dir, step, trainer, {POLICY: policy, CRITIC: critic}, source.sampler,
                         run.trainer_state(source))

@@ -1,0 +1,366 @@
+"""Ray worker groups: generation and environment workers as Ray actors behind the `Generator` and `Environment`
+protocols, so that `algorithms/grpo.py` and `ppo.py` drive them unchanged (docs/ray.md).
+
+    cluster = RayCluster(cfg.cluster, cfg.weight_sync, output_dir)   # a local Ray instance, or join cluster.address
+    generator = cluster.generator(model, tokenizer, batch_size=..., seed=...)   # a RayGenerator
+    environment = cluster.environment(build_recipe_environment, cfg.environment)   # a RayEnvironment
+    ...
+    cluster.close()                                                  # kill the actors, shut the instance down
+
+What this first slice builds, and where it departs from the full design:
+- The policy stays in the driver process (a local worker); its weights reach the generation actors through
+  `RayGenerator.update_weights`: in buckets of weight_sync.bucket_mb put into Ray's object store one at a time,
+  every actor loading each bucket before the next is put, then a check that every weight of the model arrived
+  and the version stamp. Policy ranks as actors forming a torch.distributed group are planned.
+- Generation actors run the transformers backend on their own copy of the model. A call whose prompts carry
+  per-prompt seeds (rollout.seed_per_group) is divided among the actors in contiguous blocks; a call seeded as a
+  whole draws from one stream and goes to the first actor, so it samples what one process samples.
+- Environment actors build the environment from its config section in their own process; a step's episodes are
+  divided among them in contiguous blocks, single episodes (multi-turn) go round-robin.
+- Every remote call waits at most cluster.timeout_s (actor start-up included); past it, or when an actor dies,
+  the run stops with a RunError naming the worker, the call and what it waited for. Nothing is retried yet
+  (restarts after a fault are planned), so the newest checkpoint on disk is the one to resume from.
+- `heartbeats()` gives each group's seconds since its last answered call, logged every step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from posttrain.config.schema import ClusterSection, ModelConfig, TrainerConfig, WeightSyncSection
+from posttrain.data.types import RolloutBatch
+from posttrain.envs.base import EnvStep, Message
+from posttrain.errors import RunError
+from posttrain.generation.base import GenerationOutput, SamplingParams, weight_buckets
+from posttrain.generation.transformers_backend import TransformersGenerator
+from posttrain.models.loading import load_causal_lm
+from posttrain.workers.local import LocalScoringWorker
+
+SOCKET_PATH_ROOM = 60
+"""Characters Ray appends to its temporary directory for a socket path (session_<date>_<pid>/sockets/plasma_store);
+a Unix socket path holds at most 107."""
+
+
+class WorkerGroup:
+    """Actors of one role and the deadline of every call to them; remembers when the group last answered."""
+
+    def __init__(self, name: str, actors: list[Any], timeout_s: float):
+        self.name, self.actors, self.timeout_s = name, actors, timeout_s
+        self.last_progress = time.monotonic()
+        self._lock = threading.Lock()
+
+    def worker_name(self, index: int) -> str:
+        return f"{self.name} worker {index} of {len(self.actors)}"
+
+    def wait(self, calls: Sequence[tuple[int, Any]], call: str, waiting_for: str) -> list[Any]:
+        """The results of `calls` ((actor index, object ref) pairs) in order, all within one cluster.timeout_s
+        deadline; RunError naming the first worker that did not answer in time or died."""
+        deadline = time.monotonic() + self.timeout_s
+        results = []
+        for index, ref in calls:
+            try:
+                results.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0)))
+            except GetTimeoutError:
+                raise RunError(f"{self.worker_name(index)} did not answer `{call}` within cluster.timeout_s="
+                               f"{self.timeout_s:g} s (waiting for {waiting_for}); the run stops here and its newest "
+                               "checkpoint is intact: re-run the same command to resume from it, with a larger "
+                               "cluster.timeout_s if the call was only slow") from None
+            except RayActorError as error:
+                raise RunError(f"{self.worker_name(index)} died during `{call}` (waiting for {waiting_for}): "
+                               f"{error}. The run stops here; re-run the same command to resume from the newest "
+                               "checkpoint") from None
+        with self._lock:
+            self.last_progress = time.monotonic()
+        return results
+
+    def seconds_since_progress(self) -> float:
+        return time.monotonic() - self.last_progress
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+
+
+# ---- generation ----------------------------------------------------------------------------------------------
+
+
+@ray.remote
+class GenerationActor:
+    """A transformers generator on its own copy of the model, loaded from the policy's weight pushes."""
+
+    def __init__(self, model: ModelConfig, tokenizer, batch_size: int, seed: int, num_threads: int):
+        # The driver's thread count: a matrix product split over another number of threads may round differently.
+        torch.set_num_threads(num_threads)
+        self.generator = TransformersGenerator(load_causal_lm(model).eval(), tokenizer, batch_size=batch_size,
+                                               seed=seed, owns_weights=True)
+        self.generator.model.requires_grad_(False)
+        self._expected = set(self.generator.model.state_dict())
+        self._loaded: set[str] = set()
+
+    def ready(self) -> bool:
+        return True
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int) -> GenerationOutput:
+        return self.generator.generate(prompts, params, num_samples)
+
+    def load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy one bucket of weights into the model; the bytes loaded."""
+        with torch.no_grad():
+            _, unexpected = self.generator.model.load_state_dict(dict(bucket), strict=False)
+        if unexpected:
+            raise ValueError(f"weights this generator's model has no place for: {unexpected[:5]}")
+        self._loaded.update(name for name, _ in bucket)
+        return sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+
+    def finish_sync(self, version: int) -> int:
+        """Stamp `version` once every weight of the model has arrived since the last sync; its version."""
+        missing, self._loaded = sorted(self._expected - self._loaded), set()
+        if missing:
+            raise ValueError(f"weight update of version {version} left weights unset: {missing[:5]}")
+        self.generator.weights_version = version
+        return version
+
+    def weights_version(self) -> int:
+        return self.generator.weights_version
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return {name: tensor.detach().clone() for name, tensor in self.generator.model.state_dict().items()}
+
+    def weight_digests(self) -> dict[str, str]:
+        return weight_digests(self.generator.model.state_dict().items())
+
+    def logprobs(self, batch: RolloutBatch, trainer: TrainerConfig, temperature: float) -> torch.Tensor:
+        """[N, T] log-probabilities of the batch's tokens under this actor's weights, computed by the same forward
+        pass a local scoring worker runs (workers/forward.py)."""
+        return LocalScoringWorker(self.generator.model, trainer, role="generator").logprobs(batch, temperature)
+
+
+def contiguous_blocks(count: int, parts: int) -> list[tuple[int, int]]:
+    """(start, stop) of `count` items cut into at most `parts` contiguous, non-empty blocks of near-equal size."""
+    size, extra = divmod(count, parts)
+    blocks, start = [], 0
+    for part in range(parts):
+        stop = start + size + (part < extra)
+        if stop > start:
+            blocks.append((start, stop))
+        start = stop
+    return blocks
+
+
+def weight_digests(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """{name: SHA-256 of the tensor's dtype, shape and bytes}: equal digests are bitwise-equal weights."""
+    digests = {}
+    for name, tensor in weights:
+        data = tensor.detach().cpu().contiguous()
+        digest = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
+        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+        digests[name] = digest.hexdigest()
+    return digests
+
+
+class RayGenerator:
+    """The `Generator` protocol over a group of `GenerationActor`s (see the module docstring)."""
+
+    def __init__(self, group: WorkerGroup, bucket_bytes: int):
+        self.group, self.bucket_bytes = group, bucket_bytes
+        self.weights_version = 0
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
+        started = time.perf_counter()
+        params.check_seeds_fit(len(prompts))
+        actors = len(self.group.actors) if params.seed is None else 1  # a whole-call seed: one stream, one actor
+        calls = []
+        for index, (start, stop) in enumerate(contiguous_blocks(len(prompts), actors)):
+            block_params = params if params.seeds is None else replace(params, seeds=params.seeds[start:stop])
+            calls.append((index, self.group.actors[index].generate.remote(prompts[start:stop], block_params,
+                                                                           num_samples)))
+        outputs = self.group.wait(calls, "generate", f"{len(prompts)} prompts x {num_samples} samples of up to "
+                                  f"{params.max_new_tokens} tokens")
+        return GenerationOutput([samples for output in outputs for samples in output.completions],
+                                time.perf_counter() - started, sum(o.num_generated_tokens for o in outputs))
+
+    def update_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Send policy `version`'s weights to every actor, one bucket of weight_sync.bucket_mb in flight at a time;
+        each actor checks that every weight arrived and stamps the version. The bytes sent (to each actor)."""
+        sent = 0
+        for number, bucket in enumerate(weight_buckets(weights, self.bucket_bytes)):
+            size = sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+            ref = ray.put([(name, tensor.detach().cpu()) for name, tensor in bucket])
+            self.group.wait([(i, actor.load_bucket.remote(ref)) for i, actor in enumerate(self.group.actors)],
+                            "load_bucket", f"weight bucket {number} ({size / 2**20:.1f} MiB) of version {version}")
+            del ref  # one bucket in the object store at a time
+            sent += size
+        self.group.wait([(i, actor.finish_sync.remote(version)) for i, actor in enumerate(self.group.actors)],
+                        "finish_sync", f"the check of version {version}'s weights")
+        self.weights_version = version
+        return sent
+
+    # ---- what check-weight-sync compares ----
+
+    def weight_digests(self) -> list[dict[str, str]]:
+        """Each actor's weight digests (`weight_digests`)."""
+        return self.group.wait([(i, a.weight_digests.remote()) for i, a in enumerate(self.group.actors)],
+                               "weight_digests", "the digests of its weights")
+
+    def named_weights(self, index: int = 0) -> dict[str, torch.Tensor]:
+        return self.group.wait([(index, self.group.actors[index].named_weights.remote())], "named_weights",
+                               "a copy of its weights")[0]
+
+    def actor_versions(self) -> list[int]:
+        return self.group.wait([(i, a.weights_version.remote()) for i, a in enumerate(self.group.actors)],
+                               "weights_version", "its weights' version")
+
+    def logprobs(self, batch: RolloutBatch, trainer: TrainerConfig, temperature: float,
+                 index: int = 0) -> torch.Tensor:
+        return self.group.wait([(index, self.group.actors[index].logprobs.remote(batch, trainer, temperature))],
+                               "logprobs", f"the log-probabilities of {len(batch)} rows")[0]
+
+
+# ---- environments --------------------------------------------------------------------------------------------
+
+
+@ray.remote
+class EnvironmentActor:
+    """An environment built in this actor's process from its config section."""
+
+    def __init__(self, build: Callable[[Any], Any], section: Any):
+        self.environment = build(section)
+
+    def ready(self) -> bool:
+        return True
+
+    def reward_weights(self) -> dict[str, float]:
+        return dict(getattr(self.environment, "reward_weights", {}))  # only multi-component environments have it
+
+    def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:
+        return self.environment.step(message_logs, metadata)
+
+    def close(self) -> None:
+        self.environment.close()
+
+
+class RayEnvironment:
+    """The `Environment` protocol over a group of `EnvironmentActor`s (see the module docstring)."""
+
+    def __init__(self, group: WorkerGroup, reward_weights: dict[str, float]):
+        self.group = group
+        self.reward_weights = reward_weights
+        self._next = itertools.count()
+        self._lock = threading.Lock()
+
+    def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:
+        actors = self.group.actors
+        if len(message_logs) == 1:  # one episode (multi-turn): the next actor in turn
+            with self._lock:
+                first = next(self._next) % len(actors)
+            order = [first]
+        else:
+            order = list(range(len(actors)))
+        calls = []
+        for index, (start, stop) in zip(order, contiguous_blocks(len(message_logs), len(order))):
+            calls.append((index, actors[index].step.remote(message_logs[start:stop], metadata[start:stop])))
+        results = self.group.wait(calls, "step", f"the rewards of {len(message_logs)} episodes")
+        return EnvStep(*([item for result in results for item in getattr(result, field)]
+                         for field in ("rewards", "done", "observations", "errors", "metadata")))
+
+    def close(self) -> None:
+        if self.group.actors:
+            self.group.wait([(i, a.close.remote()) for i, a in enumerate(self.group.actors)], "close",
+                            "the environment to release its workers")
+            self.group.kill()
+
+
+# ---- the cluster ---------------------------------------------------------------------------------------------
+
+
+class RayCluster:
+    """A Ray instance for one run: started locally (cluster.num_cpus, temporary files under OUTPUT/ray/) or joined
+    at cluster.address (or the one this process already initialised); `close` kills the run's actors and shuts
+    down what it started."""
+
+    def __init__(self, section: ClusterSection, weight_sync: WeightSyncSection, output_dir: Path):
+        self.section, self.weight_sync = section, weight_sync
+        self.groups: list[WorkerGroup] = []
+        self.started = False
+        self._short_temp_dir: Path | None = None
+        if ray.is_initialized():
+            return
+        if section.address is not None:
+            ray.init(address=section.address, include_dashboard=False)
+        else:
+            temp_dir = ray_temp_dir(Path(output_dir))
+            if temp_dir.parent != Path(output_dir).resolve():
+                self._short_temp_dir = temp_dir
+            ray.init(num_cpus=section.num_cpus, _temp_dir=str(temp_dir), include_dashboard=False)
+            self.started = True
+
+    def _group(self, name: str, actors: list[Any]) -> WorkerGroup:
+        group = WorkerGroup(name, actors, self.section.timeout_s)
+        self.groups.append(group)
+        group.wait([(i, actor.ready.remote()) for i, actor in enumerate(actors)], "start",
+                   "the actor to start and build its worker")
+        return group
+
+    def generator(self, model: ModelConfig, tokenizer, *, batch_size: int, seed: int) -> RayGenerator:
+        """cluster.generation_workers generation actors, each loading `model` (its weights then come from the
+        policy's pushes)."""
+        actor = GenerationActor.options(num_cpus=self.section.cpus_per_generation_worker)
+        actors = [actor.remote(model, tokenizer, batch_size, seed, torch.get_num_threads())
+                  for _ in range(self.section.generation_workers)]
+        return RayGenerator(self._group("generation", actors), int(self.weight_sync.bucket_mb * 2**20))
+
+    def environment(self, build: Callable[[Any], Any], section: Any) -> RayEnvironment:
+        """cluster.environment_workers environment actors, each running `build(section)` (a module-level function,
+        so that it travels by name)."""
+        actor = EnvironmentActor.options(num_cpus=self.section.cpus_per_environment_worker)
+        group = self._group("environment", [actor.remote(build, section)
+                                            for _ in range(self.section.environment_workers)])
+        weights = group.wait([(0, group.actors[0].reward_weights.remote())], "reward_weights",
+                             "the environment's reward weights")[0]
+        return RayEnvironment(group, weights)
+
+    def heartbeats(self) -> dict[str, float]:
+        """heartbeat/<group>_seconds: seconds since each worker group last answered a call."""
+        return {f"heartbeat/{group.name}_seconds": group.seconds_since_progress() for group in self.groups}
+
+    def close(self) -> None:
+        for group in self.groups:
+            group.kill()
+        self.groups = []
+        if self.started:
+            ray.shutdown()
+            self.started = False
+        if self._short_temp_dir is not None:  # the stand-in for OUTPUT/ray under the system's temporary folder
+            shutil.rmtree(self._short_temp_dir, ignore_errors=True)
+            self._short_temp_dir = None
+
+
+def ray_temp_dir(output_dir: Path) -> Path:
+    """OUTPUT/ray, Ray's temporary directory for this run (its logs stay there after the run); when that path is
+    too long for Ray's socket paths, a short directory under the system's temporary folder, with OUTPUT/ray a link
+    to it while the run lasts (removed with the run's end)."""
+    wanted = output_dir.resolve() / "ray"
+    if len(str(wanted)) + SOCKET_PATH_ROOM <= 107:
+        wanted.mkdir(parents=True, exist_ok=True)
+        return wanted
+    short = Path(tempfile.mkdtemp(prefix="posttrain-ray-"))
+    if wanted.is_symlink() or wanted.is_file():
+        wanted.unlink()
+    elif wanted.is_dir():
+        shutil.rmtree(wanted)
+    wanted.symlink_to(short, target_is_directory=True)
+    return short
