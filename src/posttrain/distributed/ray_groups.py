@@ -25,7 +25,6 @@ What this first slice builds, and where it departs from the full design:
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import shutil
 import tempfile
@@ -47,6 +46,7 @@ from posttrain.errors import RunError
 from posttrain.generation.base import GenerationOutput, SamplingParams, weight_buckets
 from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.models.loading import load_causal_lm
+from posttrain.distributed.weight_check import weight_digests
 from posttrain.workers.local import LocalScoringWorker
 
 SOCKET_PATH_ROOM = 60
@@ -60,6 +60,8 @@ class WorkerGroup:
     def __init__(self, name: str, actors: list[Any], timeout_s: float):
         self.name, self.actors, self.timeout_s = name, actors, timeout_s
         self.last_progress = time.monotonic()
+        self.failed = False
+        """A call to the group ran past its deadline or found an actor dead: closing it then kills, without asking."""
         self._lock = threading.Lock()
 
     def worker_name(self, index: int) -> str:
@@ -74,11 +76,13 @@ class WorkerGroup:
             try:
                 results.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0)))
             except GetTimeoutError:
+                self.failed = True
                 raise RunError(f"{self.worker_name(index)} did not answer `{call}` within cluster.timeout_s="
                                f"{self.timeout_s:g} s (waiting for {waiting_for}); the run stops here and its newest "
                                "checkpoint is intact: re-run the same command to resume from it, with a larger "
                                "cluster.timeout_s if the call was only slow") from None
             except RayActorError as error:
+                self.failed = True
                 raise RunError(f"{self.worker_name(index)} died during `{call}` (waiting for {waiting_for}): "
                                f"{error}. The run stops here; re-run the same command to resume from the newest "
                                "checkpoint") from None
@@ -161,17 +165,6 @@ def contiguous_blocks(count: int, parts: int) -> list[tuple[int, int]]:
     return blocks
 
 
-def weight_digests(weights: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    """{name: SHA-256 of the tensor's dtype, shape and bytes}: equal digests are bitwise-equal weights."""
-    digests = {}
-    for name, tensor in weights:
-        data = tensor.detach().cpu().contiguous()
-        digest = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode())
-        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-        digests[name] = digest.hexdigest()
-    return digests
-
-
 class RayGenerator:
     """The `Generator` protocol over a group of `GenerationActor`s (see the module docstring)."""
 
@@ -204,8 +197,10 @@ class RayGenerator:
                             "load_bucket", f"weight bucket {number} ({size / 2**20:.1f} MiB) of version {version}")
             del ref  # one bucket in the object store at a time
             sent += size
-        self.group.wait([(i, actor.finish_sync.remote(version)) for i, actor in enumerate(self.group.actors)],
-                        "finish_sync", f"the check of version {version}'s weights")
+        held = self.group.wait([(i, actor.finish_sync.remote(version)) for i, actor in enumerate(self.group.actors)],
+                               "finish_sync", f"the check of version {version}'s weights")
+        if held != [version] * len(held):
+            raise RunError(f"weight sync of policy version {version}: the generation workers hold versions {held}")
         self.weights_version = version
         return sent
 
@@ -278,10 +273,12 @@ class RayEnvironment:
                          for field in ("rewards", "done", "observations", "errors", "metadata")))
 
     def close(self) -> None:
-        if self.group.actors:
+        """Let each actor's environment release what it holds (reward worker processes), then kill the actors; a
+        group that already missed a deadline or lost an actor is killed at once (the run is stopping over that)."""
+        if self.group.actors and not self.group.failed:
             self.group.wait([(i, a.close.remote()) for i, a in enumerate(self.group.actors)], "close",
                             "the environment to release its workers")
-            self.group.kill()
+        self.group.kill()
 
 
 # ---- the cluster ---------------------------------------------------------------------------------------------
