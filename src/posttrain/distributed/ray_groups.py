@@ -30,11 +30,13 @@ import shutil
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -121,14 +123,19 @@ class GenerationActor:
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int) -> GenerationOutput:
         return self.generator.generate(prompts, params, num_samples)
 
-    def load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
-        """Copy one bucket of weights into the model; the bytes loaded."""
-        with torch.no_grad():
-            _, unexpected = self.generator.model.load_state_dict(dict(bucket), strict=False)
+    def load_bucket(self, bucket: list[tuple[str, str, tuple[int, ...], np.ndarray]]) -> int:
+        """Copy one bucket of weights (`bucket_payload`) into the model; the bytes loaded."""
+        with warnings.catch_warnings():
+            # The arrays are read-only views of Ray's shared memory; they are only read, by the copy into the model.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            weights = {name: torch.from_numpy(data).view(getattr(torch, dtype)).reshape(shape)
+                       for name, dtype, shape, data in bucket}
+            with torch.no_grad():
+                _, unexpected = self.generator.model.load_state_dict(weights, strict=False)
         if unexpected:
             raise ValueError(f"weights this generator's model has no place for: {unexpected[:5]}")
-        self._loaded.update(name for name, _ in bucket)
-        return sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+        self._loaded.update(weights)
+        return sum(data.nbytes for *_, data in bucket)
 
     def finish_sync(self, version: int) -> int:
         """Stamp `version` once every weight of the model has arrived since the last sync; its version."""
@@ -151,6 +158,18 @@ class GenerationActor:
         """[N, T] log-probabilities of the batch's tokens under this actor's weights, computed by the same forward
         pass a local scoring worker runs (workers/forward.py)."""
         return LocalScoringWorker(self.generator.model, trainer, role="generator").logprobs(batch, temperature)
+
+
+def bucket_payload(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, tuple[int, ...], np.ndarray]]:
+    """A bucket as (name, dtype, shape, bytes as a uint8 array) per tensor: Ray stores NumPy arrays in its shared
+    memory and an actor reads them there without a copy (a pickled tensor would be copied on both sides), and
+    every dtype, bfloat16 included, travels as bytes."""
+    payload = []
+    for name, tensor in bucket:
+        data = tensor.detach().cpu().contiguous()
+        payload.append((name, str(data.dtype).removeprefix("torch."), tuple(data.shape),
+                        data.reshape(-1).view(torch.uint8).numpy()))
+    return payload
 
 
 def contiguous_blocks(count: int, parts: int) -> list[tuple[int, int]]:
@@ -192,7 +211,7 @@ class RayGenerator:
         sent = 0
         for number, bucket in enumerate(weight_buckets(weights, self.bucket_bytes)):
             size = sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
-            ref = ray.put([(name, tensor.detach().cpu()) for name, tensor in bucket])
+            ref = ray.put(bucket_payload(bucket))
             self.group.wait([(i, actor.load_bucket.remote(ref)) for i, actor in enumerate(self.group.actors)],
                             "load_bucket", f"weight bucket {number} ({size / 2**20:.1f} MiB) of version {version}")
             del ref  # one bucket in the object store at a time
