@@ -2,6 +2,7 @@
 sync to them, deadlines. One small Ray instance per test (2 CPUs); skipped when ray is not installed."""
 
 import importlib.util
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,101 @@ def test_an_environment_worker_that_stops_answering_stops_the_run_within_the_dea
     assert [c.step for c in checkpoints] == [1, 2]
     assert verify_checkpoint(checkpoints[-1].path) is None
     assert len(read_metrics(tmp_path / "metrics.jsonl")) == 2
+
+
+# ---- faults ------------------------------------------------------------------------------------------------------
+
+
+@needs_ray
+@pytest.mark.slow  # about 60 s: an in-process run, then a Ray run whose two actors are killed after step 2
+def test_killed_actors_are_replaced_resynced_and_the_run_trains_what_an_undisturbed_one_does(tmp_path,
+                                                                                           tiny_model_dir):
+    import threading
+    import time
+
+    import ray
+
+    from posttrain.distributed import cluster as clusters
+
+    killed = []
+
+    def kill_both_after_step_two() -> None:
+        metrics = tmp_path / "ray" / "metrics.jsonl"
+        give_up = time.monotonic() + 300
+        while time.monotonic() < give_up:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                for group in clusters._started[0].groups:
+                    ray.kill(group.actors[0], no_restart=True)  # as if its process were killed
+                    killed.append(group.name)
+                return
+            time.sleep(0.02)
+
+    train_grpo(config(tmp_path / "local", "trainer.max_steps=4"))
+    killer = threading.Thread(target=kill_both_after_step_two, daemon=True)
+    killer.start()
+    train_grpo(config(tmp_path / "ray", "trainer.max_steps=4", *RAY))
+    killer.join(timeout=5)
+    assert killed == ["environment", "generation"]
+    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
+    assert len(local) == len(remote) == 4
+    for a, b in zip(local, remote):  # the replacements sampled and scored what the killed actors would have
+        for key in ("reward/mean", "loss", "grad_norm", "generator_logprob_error"):
+            assert b[key] == pytest.approx(a[key], abs=1e-5), key
+    assert remote[1]["faults/generation_restarts"] == remote[1]["faults/environment_restarts"] == 0
+    last = remote[-1]
+    assert last["faults/generation_restarts"] == last["faults/environment_restarts"] == 1
+    assert last["faults/environment_retried_samples"] == 32  # step 3's scoring call, re-sent
+    assert last["faults/generation_retried_samples"] in (0, 32)  # 0 when the death was found by the weight push
+
+
+@needs_ray
+def test_a_worker_group_replaces_dead_actors_up_to_max_restarts_and_times_out_a_stuck_one(tmp_path):
+    import ray
+
+    from posttrain.distributed.ray_groups import Call, WorkerGroup
+    from posttrain.errors import RunError
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def ready(self):
+            return True
+
+        def echo(self, value):
+            return value
+
+        def hang(self):
+            import time
+
+            time.sleep(3600)
+
+    def kill(actor) -> None:
+        """ray.kill, then wait until the actor is seen dead (the kill is asynchronous)."""
+        ray.kill(actor, no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError):
+            while True:
+                ray.get(actor.ready.remote(), timeout=30)
+
+    ray.init(num_cpus=1, _temp_dir=tempfile.mkdtemp(prefix="pt-ray-"), include_dashboard=False)
+    try:
+        caught_up = []
+        group = WorkerGroup("echo", Echo.remote, 2, timeout_s=3, max_restarts=1,
+                            on_restart=lambda index: caught_up.append(index) or [Call(index, "echo", ("synced",))])
+        assert group.call([Call(0, "echo", ("a",)), Call(1, "echo", ("b",))], "echoes") == ["a", "b"]
+        first = group.actors[1]
+        kill(first)
+        assert group.call([Call(0, "echo", ("a",)), Call(1, "echo", ("b",), samples=4)], "echoes") == ["a", "b"]
+        assert group.actors[1] is not first and caught_up == [1]
+        assert group.restarts == 1 and group.retried_samples == 4
+
+        kill(group.actors[0])
+        with pytest.raises(RunError, match=r"echo worker 0 of 2 died during `echo` \(waiting for echoes\): The "
+                                           r"actor died .*killed by `ray.kill`.*cluster.max_restarts=1 restarts"):
+            group.call([Call(0, "echo", ("a",))], "echoes")
+
+        with pytest.raises(RunError, match=r"echo worker 1 of 2 did not answer `hang` within cluster.timeout_s=3 s "
+                                           r"\(waiting for nothing in particular\)"):
+            group.call([Call(1, "hang")], "nothing in particular")
+        assert group.failed
+    finally:
+        ray.shutdown()

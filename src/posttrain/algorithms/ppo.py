@@ -145,7 +145,7 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
             metrics.update(step_timings(sampled, source, batch, logprobs=logprob_seconds, train=train_seconds,
                                         step=step_seconds))
             metrics.update(due_evaluations(step, cfg, run.data, generator, run.greedy, weights, evaluation, run_log))
-            metrics.update(run.heartbeats())  # Ray worker groups: seconds since each last answered
+            metrics.update(run.cluster_metrics())  # Ray worker groups: heartbeats, restarts
             log_step(run_log, step, metrics, trainer)
             save_if_due(run.output_dir, step, trainer, {POLICY: policy, CRITIC: critic}, source.sampler,
                         run.trainer_state(source))

@@ -282,9 +282,10 @@ class RLRun:
             self.reward_norm.load_state_dict(state["reward_norm"])
         return source, start_step
 
-    def heartbeats(self) -> dict[str, float]:
-        """heartbeat/<group>_seconds of each remote worker group (seconds since it last answered); none locally."""
-        return {} if self.cluster is None else self.cluster.heartbeats()
+    def cluster_metrics(self) -> dict[str, float]:
+        """Each Ray worker group's heartbeat/<group>_seconds (since it last answered) and faults/<group>_restarts,
+        _retried_samples; none locally."""
+        return {} if self.cluster is None else self.cluster.metrics()
 
     def trainer_state(self, source: RolloutSource) -> dict:
         """What `rollout_source` reads back: saved in every checkpoint's trainer state."""

@@ -810,6 +810,11 @@ class ClusterSection(NumericSection):
     cpus_per_environment_worker: float = Field(1.0, gt=0)
     """ray: CPUs Ray reserves for each environment actor."""
 
+    max_restarts: int = Field(3, ge=0)
+    """ray: generation or environment actors each group may replace over the run when one dies; the call it was
+    answering is re-sent to the replacement (a generation actor first loads the current weights, which for this
+    stay in Ray's object store between pushes: one copy of the model). 0: a dead actor stops the run."""
+
 
 class WeightSyncSection(NumericSection):
     """How the policy's weights reach generators that keep their own copy (Ray generation actors)."""

@@ -17,10 +17,15 @@ What this first slice builds, and where it departs from the full design:
   whole draws from one stream and goes to the first actor, so it samples what one process samples.
 - Environment actors build the environment from its config section in their own process; a step's episodes are
   divided among them in contiguous blocks, single episodes (multi-turn) go round-robin.
-- Every remote call waits at most cluster.timeout_s (actor start-up included); past it, or when an actor dies,
-  the run stops with a RunError naming the worker, the call and what it waited for. Nothing is retried yet
-  (restarts after a fault are planned), so the newest checkpoint on disk is the one to resume from.
-- `heartbeats()` gives each group's seconds since its last answered call, logged every step.
+- Every remote call waits at most cluster.timeout_s (actor start-up included); past it the run stops with a
+  RunError naming the worker, the call and what it waited for (the newest checkpoint on disk is the one to resume
+  from). A stuck actor is not restarted: it may be slow rather than dead, and its answer would come twice.
+- An actor that dies (its process killed, out of memory) is replaced, up to cluster.max_restarts per group: a
+  generation actor first loads the weights the others hold, then the call it was answering is re-sent to it with
+  the same arguments (the same seeds: it samples what the dead one would have), and the samples re-sent are
+  counted. Past the restarts the run stops naming the worker.
+- `RayCluster.metrics()` gives each group's seconds since its last answered call, its restarts and re-sent
+  samples, logged every step.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -56,41 +61,104 @@ SOCKET_PATH_ROOM = 60
 a Unix socket path holds at most 107."""
 
 
-class WorkerGroup:
-    """Actors of one role and the deadline of every call to them; remembers when the group last answered."""
+@dataclass(frozen=True)
+class Call:
+    """One remote call to a group's actor: which actor, which method, its arguments."""
 
-    def __init__(self, name: str, actors: list[Any], timeout_s: float):
-        self.name, self.actors, self.timeout_s = name, actors, timeout_s
+    index: int
+    method: str
+    args: tuple = ()
+    samples: int = 0
+    """Samples the call carries (prompts x samples, episodes): counted as retried when it is re-sent to a restarted
+    actor."""
+
+
+class WorkerGroup:
+    """Actors of one role: the deadline of every call to them, restarts of the ones that die, and when the group
+    last answered.
+
+    make: starts one actor (the same way for a replacement); max_restarts: actors the group may replace over the
+    run; on_restart: given a replacement, the calls that bring it up to date before anything is re-sent to it (the
+    generation group's weights)."""
+
+    def __init__(self, name: str, make: Callable[[], Any], count: int, timeout_s: float, max_restarts: int,
+                 on_restart: Callable[[int], list[Call]] | None = None):
+        self.name, self.make, self.timeout_s, self.max_restarts = name, make, timeout_s, max_restarts
+        self.on_restart = on_restart
+        self.actors = [make() for _ in range(count)]
         self.last_progress = time.monotonic()
+        self.restarts = 0
+        self.retried_samples = 0
         self.failed = False
-        """A call to the group ran past its deadline or found an actor dead: closing it then kills, without asking."""
-        self._lock = threading.Lock()
+        """A call to the group ran past its deadline or found an actor dead for good: closing it then kills,
+        without asking."""
+        self._lock = threading.RLock()
 
     def worker_name(self, index: int) -> str:
         return f"{self.name} worker {index} of {len(self.actors)}"
 
-    def wait(self, calls: Sequence[tuple[int, Any]], call: str, waiting_for: str) -> list[Any]:
-        """The results of `calls` ((actor index, object ref) pairs) in order, all within one cluster.timeout_s
-        deadline; RunError naming the first worker that did not answer in time or died."""
+    def call(self, calls: Sequence[Call], waiting_for: str) -> list[Any]:
+        """The results of `calls`, sent together and awaited in order within one cluster.timeout_s deadline. A call
+        whose actor died is re-sent to a replacement (`restart`) while the group has restarts left; RunError
+        naming the worker, the call and `waiting_for` past the deadline or when none are left."""
         deadline = time.monotonic() + self.timeout_s
+        sent = [(call, *self._send(call)) for call in calls]
         results = []
-        for index, ref in calls:
-            try:
-                results.append(ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0)))
-            except GetTimeoutError:
-                self.failed = True
-                raise RunError(f"{self.worker_name(index)} did not answer `{call}` within cluster.timeout_s="
-                               f"{self.timeout_s:g} s (waiting for {waiting_for}); the run stops here and its newest "
-                               "checkpoint is intact: re-run the same command to resume from it, with a larger "
-                               "cluster.timeout_s if the call was only slow") from None
-            except RayActorError as error:
-                self.failed = True
-                raise RunError(f"{self.worker_name(index)} died during `{call}` (waiting for {waiting_for}): "
-                               f"{error}. The run stops here; re-run the same command to resume from the newest "
-                               "checkpoint") from None
+        for call, actor, ref in sent:
+            while True:
+                try:
+                    results.append(self._get(ref, call, deadline, waiting_for))
+                    break
+                except RayActorError as error:
+                    self.restart(call.index, actor, error, f"`{call.method}` (waiting for {waiting_for})")
+                    with self._lock:
+                        self.retried_samples += call.samples
+                    deadline = time.monotonic() + self.timeout_s  # the re-sent call gets a deadline of its own
+                    actor, ref = self._send(call)
         with self._lock:
             self.last_progress = time.monotonic()
         return results
+
+    def _send(self, call: Call) -> tuple[Any, Any]:
+        """(the actor, the object ref of its answer); waits while a replacement catches up (`restart`)."""
+        with self._lock:
+            actor = self.actors[call.index]
+            return actor, getattr(actor, call.method).remote(*call.args)
+
+    def _get(self, ref: Any, call: Call, deadline: float, waiting_for: str) -> Any:
+        try:
+            return ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+        except GetTimeoutError:
+            self.failed = True
+            raise RunError(f"{self.worker_name(call.index)} did not answer `{call.method}` within cluster.timeout_s="
+                           f"{self.timeout_s:g} s (waiting for {waiting_for}); the run stops here and its newest "
+                           "checkpoint is intact: re-run the same command to resume from it, with a larger "
+                           "cluster.timeout_s if the call was only slow") from None
+
+    def restart(self, index: int, dead: Any, error: Exception, during: str) -> None:
+        """Replace actor `index`, found `dead` (unless another thread already replaced it), bring the replacement up
+        to date (`on_restart`) and count it; RunError when the group has used its cluster.max_restarts or the
+        replacement dies too."""
+        with self._lock:
+            if self.actors[index] is not dead:
+                return
+            if self.restarts >= self.max_restarts:
+                self.failed = True
+                raise RunError(f"{self.worker_name(index)} died during {during}: {one_line(error)} The group has "
+                               f"used its cluster.max_restarts={self.max_restarts} restarts; the run stops here: "
+                               "re-run the same command to resume from the newest checkpoint") from None
+            ray.kill(dead, no_restart=True)
+            self.actors[index] = self.make()
+            self.restarts += 1
+            deadline = time.monotonic() + self.timeout_s
+            catch_up = [Call(index, "ready"), *(self.on_restart(index) if self.on_restart is not None else [])]
+            try:  # under the lock: no other thread sends to the replacement before it has caught up
+                for call in catch_up:
+                    self._get(self._send(call)[1], call, deadline, f"the replacement of a dead {self.name} worker")
+            except RayActorError as again:
+                self.failed = True
+                raise RunError(f"the replacement of {self.worker_name(index)} died too, during `{call.method}`: "
+                               f"{one_line(again)}") from None
 
     def seconds_since_progress(self) -> float:
         return time.monotonic() - self.last_progress
@@ -160,6 +228,11 @@ class GenerationActor:
         return LocalScoringWorker(self.generator.model, trainer, role="generator").logprobs(batch, temperature)
 
 
+def one_line(error: Exception) -> str:
+    """Ray's multi-line account of a dead actor (its class, id, pid, why) on one line."""
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+
+
 def bucket_payload(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, tuple[int, ...], np.ndarray]]:
     """A bucket as (name, dtype, shape, bytes as a uint8 array) per tensor: Ray stores NumPy arrays in its shared
     memory and an actor reads them there without a copy (a pickled tensor would be copied on both sides), and
@@ -185,11 +258,23 @@ def contiguous_blocks(count: int, parts: int) -> list[tuple[int, int]]:
 
 
 class RayGenerator:
-    """The `Generator` protocol over a group of `GenerationActor`s (see the module docstring)."""
+    """The `Generator` protocol over a group of `GenerationActor`s (see the module docstring).
 
-    def __init__(self, group: WorkerGroup, bucket_bytes: int):
-        self.group, self.bucket_bytes = group, bucket_bytes
+    With restarts allowed (cluster.max_restarts > 0) the buckets of the last weight push stay in Ray's object store
+    (one copy of the weights) until the next push, so that a replacement actor loads the version the others hold
+    before the call it missed is re-sent to it."""
+
+    def __init__(self, make: Callable[[], Any], count: int, section: ClusterSection, bucket_bytes: int):
+        self.group = WorkerGroup("generation", make, count, section.timeout_s, section.max_restarts,
+                                 on_restart=self._catch_up)
+        self.bucket_bytes = bucket_bytes
         self.weights_version = 0
+        self._buckets: list[Any] = []
+        """The object refs of the weight buckets pushed so far (of the version being pushed during a push)."""
+        self._syncing = False
+
+    def _actors(self) -> range:
+        return range(len(self.group.actors))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
         started = time.perf_counter()
@@ -198,9 +283,9 @@ class RayGenerator:
         calls = []
         for index, (start, stop) in enumerate(contiguous_blocks(len(prompts), actors)):
             block_params = params if params.seeds is None else replace(params, seeds=params.seeds[start:stop])
-            calls.append((index, self.group.actors[index].generate.remote(prompts[start:stop], block_params,
-                                                                           num_samples)))
-        outputs = self.group.wait(calls, "generate", f"{len(prompts)} prompts x {num_samples} samples of up to "
+            calls.append(Call(index, "generate", (prompts[start:stop], block_params, num_samples),
+                              samples=(stop - start) * num_samples))
+        outputs = self.group.call(calls, f"{len(prompts)} prompts x {num_samples} samples of up to "
                                   f"{params.max_new_tokens} tokens")
         return GenerationOutput([samples for output in outputs for samples in output.completions],
                                 time.perf_counter() - started, sum(o.num_generated_tokens for o in outputs))
@@ -208,40 +293,47 @@ class RayGenerator:
     def update_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Send policy `version`'s weights to every actor, one bucket of weight_sync.bucket_mb in flight at a time;
         each actor checks that every weight arrived and stamps the version. The bytes sent (to each actor)."""
+        keep = self.group.max_restarts > 0
+        self._buckets, self._syncing = [], True
         sent = 0
         for number, bucket in enumerate(weight_buckets(weights, self.bucket_bytes)):
             size = sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
             ref = ray.put(bucket_payload(bucket))
-            self.group.wait([(i, actor.load_bucket.remote(ref)) for i, actor in enumerate(self.group.actors)],
-                            "load_bucket", f"weight bucket {number} ({size / 2**20:.1f} MiB) of version {version}")
-            del ref  # one bucket in the object store at a time
+            if keep:
+                self._buckets.append(ref)
+            self.group.call([Call(i, "load_bucket", (ref,)) for i in self._actors()],
+                            f"weight bucket {number} ({size / 2**20:.1f} MiB) of version {version}")
+            del ref  # without restarts, one bucket in the object store at a time
             sent += size
-        held = self.group.wait([(i, actor.finish_sync.remote(version)) for i, actor in enumerate(self.group.actors)],
-                               "finish_sync", f"the check of version {version}'s weights")
+        held = self.group.call([Call(i, "finish_sync", (version,)) for i in self._actors()],
+                               f"the check of version {version}'s weights")
         if held != [version] * len(held):
             raise RunError(f"weight sync of policy version {version}: the generation workers hold versions {held}")
-        self.weights_version = version
+        self.weights_version, self._syncing = version, False
         return sent
+
+    def _catch_up(self, index: int) -> list[Call]:
+        """What a replacement actor loads before the call it missed: the last version's buckets and its stamp, or
+        during a push the buckets of the new version sent so far (the rest and the stamp follow)."""
+        loads = [Call(index, "load_bucket", (ref,)) for ref in self._buckets]
+        return loads if self._syncing else [*loads, Call(index, "finish_sync", (self.weights_version,))]
 
     # ---- what check-weight-sync compares ----
 
     def weight_digests(self) -> list[dict[str, str]]:
         """Each actor's weight digests (`weight_digests`)."""
-        return self.group.wait([(i, a.weight_digests.remote()) for i, a in enumerate(self.group.actors)],
-                               "weight_digests", "the digests of its weights")
+        return self.group.call([Call(i, "weight_digests") for i in self._actors()], "the digests of its weights")
 
     def named_weights(self, index: int = 0) -> dict[str, torch.Tensor]:
-        return self.group.wait([(index, self.group.actors[index].named_weights.remote())], "named_weights",
-                               "a copy of its weights")[0]
+        return self.group.call([Call(index, "named_weights")], "a copy of its weights")[0]
 
     def actor_versions(self) -> list[int]:
-        return self.group.wait([(i, a.weights_version.remote()) for i, a in enumerate(self.group.actors)],
-                               "weights_version", "its weights' version")
+        return self.group.call([Call(i, "weights_version") for i in self._actors()], "its weights' version")
 
     def logprobs(self, batch: RolloutBatch, trainer: TrainerConfig, temperature: float,
                  index: int = 0) -> torch.Tensor:
-        return self.group.wait([(index, self.group.actors[index].logprobs.remote(batch, trainer, temperature))],
-                               "logprobs", f"the log-probabilities of {len(batch)} rows")[0]
+        return self.group.call([Call(index, "logprobs", (batch, trainer, temperature))],
+                               f"the log-probabilities of {len(batch)} rows")[0]
 
 
 # ---- environments --------------------------------------------------------------------------------------------
@@ -284,10 +376,9 @@ class RayEnvironment:
             order = [first]
         else:
             order = list(range(len(actors)))
-        calls = []
-        for index, (start, stop) in zip(order, contiguous_blocks(len(message_logs), len(order))):
-            calls.append((index, actors[index].step.remote(message_logs[start:stop], metadata[start:stop])))
-        results = self.group.wait(calls, "step", f"the rewards of {len(message_logs)} episodes")
+        calls = [Call(index, "step", (message_logs[start:stop], metadata[start:stop]), samples=stop - start)
+                 for index, (start, stop) in zip(order, contiguous_blocks(len(message_logs), len(order)))]
+        results = self.group.call(calls, f"the rewards of {len(message_logs)} episodes")
         return EnvStep(*([item for result in results for item in getattr(result, field)]
                          for field in ("rewards", "done", "observations", "errors", "metadata")))
 
@@ -295,7 +386,7 @@ class RayEnvironment:
         """Let each actor's environment release what it holds (reward worker processes), then kill the actors; a
         group that already missed a deadline or lost an actor is killed at once (the run is stopping over that)."""
         if self.group.actors and not self.group.failed:
-            self.group.wait([(i, a.close.remote()) for i, a in enumerate(self.group.actors)], "close",
+            self.group.call([Call(i, "close") for i in range(len(self.group.actors))],
                             "the environment to release its workers")
         self.group.kill()
 
@@ -324,34 +415,41 @@ class RayCluster:
             ray.init(num_cpus=section.num_cpus, _temp_dir=str(temp_dir), include_dashboard=False)
             self.started = True
 
-    def _group(self, name: str, actors: list[Any]) -> WorkerGroup:
-        group = WorkerGroup(name, actors, self.section.timeout_s)
+    def _start(self, group: WorkerGroup) -> WorkerGroup:
         self.groups.append(group)
-        group.wait([(i, actor.ready.remote()) for i, actor in enumerate(actors)], "start",
-                   "the actor to start and build its worker")
+        group.call([Call(i, "ready") for i in range(len(group.actors))], "the actor to start and build its worker")
         return group
 
     def generator(self, model: ModelConfig, tokenizer, *, batch_size: int, seed: int) -> RayGenerator:
         """cluster.generation_workers generation actors, each loading `model` (its weights then come from the
         policy's pushes)."""
         actor = GenerationActor.options(num_cpus=self.section.cpus_per_generation_worker)
-        actors = [actor.remote(model, tokenizer, batch_size, seed, torch.get_num_threads())
-                  for _ in range(self.section.generation_workers)]
-        return RayGenerator(self._group("generation", actors), int(self.weight_sync.bucket_mb * 2**20))
+        threads = torch.get_num_threads()
+        generator = RayGenerator(lambda: actor.remote(model, tokenizer, batch_size, seed, threads),
+                                 self.section.generation_workers, self.section, int(self.weight_sync.bucket_mb * 2**20))
+        self._start(generator.group)
+        return generator
 
     def environment(self, build: Callable[[Any], Any], section: Any) -> RayEnvironment:
         """cluster.environment_workers environment actors, each running `build(section)` (a module-level function,
         so that it travels by name)."""
         actor = EnvironmentActor.options(num_cpus=self.section.cpus_per_environment_worker)
-        group = self._group("environment", [actor.remote(build, section)
-                                            for _ in range(self.section.environment_workers)])
-        weights = group.wait([(0, group.actors[0].reward_weights.remote())], "reward_weights",
-                             "the environment's reward weights")[0]
+        group = self._start(WorkerGroup("environment", lambda: actor.remote(build, section),
+                                        self.section.environment_workers, self.section.timeout_s,
+                                        self.section.max_restarts))
+        weights = group.call([Call(0, "reward_weights")], "the environment's reward weights")[0]
         return RayEnvironment(group, weights)
 
-    def heartbeats(self) -> dict[str, float]:
-        """heartbeat/<group>_seconds: seconds since each worker group last answered a call."""
-        return {f"heartbeat/{group.name}_seconds": group.seconds_since_progress() for group in self.groups}
+    def metrics(self) -> dict[str, float]:
+        """Per worker group, logged every step: heartbeat/<group>_seconds (since it last answered a call),
+        faults/<group>_restarts and faults/<group>_retried_samples (actors replaced and samples re-sent to them,
+        over the run so far)."""
+        metrics = {}
+        for group in self.groups:
+            metrics |= {f"heartbeat/{group.name}_seconds": group.seconds_since_progress(),
+                        f"faults/{group.name}_restarts": float(group.restarts),
+                        f"faults/{group.name}_retried_samples": float(group.retried_samples)}
+        return metrics
 
     def close(self) -> None:
         for group in self.groups:
