@@ -233,3 +233,43 @@ def test_a_worker_group_replaces_dead_actors_up_to_max_restarts_and_times_out_a_
         assert group.failed
     finally:
         ray.shutdown()
+
+
+# ---- asynchronous rollouts ---------------------------------------------------------------------------------------
+
+
+ASYNC = [*RAY, "rollout.asynchronous=true", "loss.importance_correction=tis"]
+
+
+@needs_ray
+@pytest.mark.slow  # about 90 s: three Ray runs
+def test_asynchronous_rollouts_stay_within_the_staleness_bound_and_resume_exactly(tmp_path, tiny_model_dir):
+    keys = ("reward/mean", "loss", "grad_norm", "generator_logprob_error", "rollout/staleness_max")
+    train_grpo(config(tmp_path / "full", "trainer.max_steps=4", "trainer.save_every=2", *ASYNC))
+    full = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    # Every batch: sampled at most one version behind the policy that trains on it; from step 2 on exactly one
+    # (generation ran ahead while step 1 trained).
+    assert [r["rollout/staleness_max"] for r in full] == [0, 1, 1, 1]
+    assert all(r["rollout/stale_groups_dropped"] == 0 for r in full)
+    assert all(r["is_weight_mean"] > 0 for r in full)  # the importance correction weighed the older samples
+    assert full[1]["generator_logprob_error"] > 1e-4 > full[0]["generator_logprob_error"]  # one version behind
+
+    # Stopped after step 2 (its checkpoint keeps the round already sampled for step 3) and resumed: the same run.
+    train_grpo(config(tmp_path / "resumed", "trainer.max_steps=2", "trainer.save_every=2", *ASYNC))
+    train_grpo(config(tmp_path / "resumed", "trainer.max_steps=4", "trainer.save_every=2", *ASYNC))
+    resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(full, resumed):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], abs=1e-5), (a["step"], key)
+
+
+def test_asynchronous_rollouts_need_ray_the_importance_correction_and_single_turn_episodes(tmp_path):
+    from posttrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="needs cluster.backend=ray, loss.importance_correction other than none"):
+        config(tmp_path, "rollout.asynchronous=true")
+    with pytest.raises(ConfigError, match="needs rollout.max_turns=1"):
+        config(tmp_path, *ASYNC, "rollout.max_turns=2")
+    with pytest.raises(ConfigError, match="rollout.max_staleness applies only with rollout.asynchronous=true"):
+        config(tmp_path, "rollout.max_staleness=2")

@@ -96,7 +96,7 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
     # closing(): reward worker processes stop with the run, also when it fails.
     with run_logger(run.output_dir, cfg.logging, recipe="grpo", total_steps=trainer.max_steps, start_step=start_step,
                     run_config=cfg.model_dump(mode="json"), progress_metrics=PROGRESS_METRICS) as run_log, \
-            contextlib.closing(environment), contextlib.closing(evaluation):
+            contextlib.closing(environment), contextlib.closing(evaluation), contextlib.closing(source):
         announce_run(run_log, run.data.data_summary, run.resume, run.changed_keys, policy,
                      f"{rollout.prompts_per_step} prompts x {rollout.num_generations_per_prompt} samples per step, "
                      f"{updates_per_step} optimizer step(s) per rollout batch")
@@ -117,7 +117,8 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
                 if evaluation.is_due(step):
                     metrics.update(evaluation.run(step, generator, run_log))
                 log_step(run_log, step, metrics, trainer)
-                save_if_due(run.output_dir, step, trainer, {POLICY: policy}, source.sampler, run.trainer_state(source))
+                save_if_due(run.output_dir, step, trainer, {POLICY: policy}, source.sampler,
+                            lambda: run.trainer_state(source))
                 continue
             batch = rollout_batch(episodes, cfg, run, weights, metrics)
 
@@ -162,7 +163,8 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
             metrics.update(due_evaluations(step, cfg, run.data, generator, run.greedy, weights, evaluation, run_log))
             metrics.update(run.cluster_metrics())  # Ray worker groups: heartbeats, restarts
             log_step(run_log, step, metrics, trainer)
-            save_if_due(run.output_dir, step, trainer, {POLICY: policy}, source.sampler, run.trainer_state(source))
+            save_if_due(run.output_dir, step, trainer, {POLICY: policy}, source.sampler,
+                        lambda: run.trainer_state(source))
 
         final_dir = export_policy(run.output_dir, policy, run_log, cfg.hub)
     return RLResult(run.output_dir, final_dir, trainer.max_steps, metrics)

@@ -81,7 +81,7 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
 
     with run_logger(run.output_dir, cfg.logging, recipe="ppo", total_steps=trainer.max_steps, start_step=start_step,
                     run_config=cfg.model_dump(mode="json"), progress_metrics=PROGRESS_METRICS) as run_log, \
-            contextlib.closing(environment), contextlib.closing(evaluation):
+            contextlib.closing(environment), contextlib.closing(evaluation), contextlib.closing(source):
         announce_run(run_log, run.data.data_summary, run.resume, run.changed_keys, policy,
                      f"a critic of {critic.num_parameters() / 1e6:.2f}M parameters, {rollout.prompts_per_step} "
                      f"prompts x {rollout.num_generations_per_prompt} samples per step, {updates_per_step} "
@@ -148,7 +148,7 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
             metrics.update(run.cluster_metrics())  # Ray worker groups: heartbeats, restarts
             log_step(run_log, step, metrics, trainer)
             save_if_due(run.output_dir, step, trainer, {POLICY: policy, CRITIC: critic}, source.sampler,
-                        run.trainer_state(source))
+                        lambda: run.trainer_state(source))
 
         final_dir = export_policy(run.output_dir, policy, run_log, cfg.hub)
     return RLResult(run.output_dir, final_dir, trainer.max_steps, metrics)

@@ -27,7 +27,12 @@ from posttrain.algorithms.rollout import (
     run_episodes,
     to_batch,
 )
-from posttrain.algorithms.rollout_source import RolloutSource, SampledGroups, SynchronousRolloutSource
+from posttrain.algorithms.rollout_source import (
+    AsynchronousRolloutSource,
+    RolloutSource,
+    SampledGroups,
+    SynchronousRolloutSource,
+)
 from posttrain.checkpoint import Checkpoint, checkpoint_to_resume
 from posttrain.config.schema import DataConfig, GRPOConfig, ModelConfig, PromptSection, RolloutSection, TrainerConfig
 from posttrain.data.dataset import DataStats, check_not_empty, iter_rows, skip_or_raise
@@ -264,14 +269,19 @@ class RLRun:
         return self.resume.worker_dir(role) if self.resume else None
 
     def rollout_source(self, cfg: GRPOConfig, generator: Generator, weights: dict[str, float],
-                       dynamic_sampling: bool = False) -> tuple[SynchronousRolloutSource, int]:
+                       dynamic_sampling: bool = False) -> tuple[RolloutSource, int]:
         """The run's rollout source sampling from `generator`, and the last finished step (0 for a new run). Call
         it after the workers are built: a resumed run restores the RNG here, with the sampler's position, the group
         counter, the reward-error counts and the running reward statistics."""
         sampler = EpochSampler(len(self.data.prompts), seed=cfg.seed, shuffle=cfg.data.shuffle)
-        source = SynchronousRolloutSource(cfg, self.data.prompts, sampler, generator, self.data.environment,
-                                          self.data.tokenizer, self.sampling, weights,
-                                          RewardErrorBudget(cfg.environment.max_error_fraction), dynamic_sampling)
+        budget = RewardErrorBudget(cfg.environment.max_error_fraction)
+        if cfg.rollout.asynchronous:
+            source = AsynchronousRolloutSource(cfg, self.data.prompts, sampler, generator, self.data.environment,
+                                               self.data.tokenizer, self.sampling, weights, budget,
+                                               cfg.cluster.timeout_s)
+        else:
+            source = SynchronousRolloutSource(cfg, self.data.prompts, sampler, generator, self.data.environment,
+                                              self.data.tokenizer, self.sampling, weights, budget, dynamic_sampling)
         start_step, state = resume_trainer_state(self.resume, sampler)
         source.load_state_dict(state)
         if state and self.reward_norm is not None:
@@ -288,7 +298,8 @@ class RLRun:
         return {} if self.cluster is None else self.cluster.metrics()
 
     def trainer_state(self, source: RolloutSource) -> dict:
-        """What `rollout_source` reads back: saved in every checkpoint's trainer state."""
+        """What `rollout_source` reads back: saved in every checkpoint's trainer state (asked for only when one is
+        written: an asynchronous source waits for its rounds in flight to keep them)."""
         state = source.state_dict()
         if self.reward_norm is not None:
             state["reward_norm"] = self.reward_norm.state_dict()

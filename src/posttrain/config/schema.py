@@ -762,6 +762,15 @@ class RolloutSection(SamplingSection):
     max_sampling_rounds: int = Field(4, gt=0)
     """Upper bound on generation rounds per step with dynamic_sampling (the step trains on what it has)."""
 
+    asynchronous: bool = False
+    """Asynchronous RL (cluster.backend=ray, docs/ray.md): the generation actors sample the next steps' prompts while
+    the policy trains, up to max_staleness policy versions behind it; needs loss.importance_correction to correct
+    for the older sampling policy, and single-turn episodes without dynamic sampling."""
+
+    max_staleness: int = Field(1, ge=1)
+    """asynchronous: how many policy versions (optimizer steps) the weights that sampled an episode may lag the
+    policy that trains on it; max_staleness + 1 sampling rounds are in flight."""
+
     overlong_filtering: bool = False
     """DAPO overlong filtering: truncated completions (max_new_tokens reached) get no loss."""
 
@@ -1190,6 +1199,18 @@ class OnlineRLConfig(RecipeConfig):
                              f"(rollout.prompts_per_step × num_generations_per_prompt = {rollout_size})")
         if self.rollout.overlong_buffer_length >= self.rollout.max_new_tokens:
             raise ValueError("rollout.overlong_buffer_length must be smaller than rollout.max_new_tokens")
+        if self.rollout.asynchronous:
+            problems = {"cluster.backend=ray": self.cluster.backend == "ray",
+                        "rollout.max_turns=1": self.rollout.max_turns == 1,
+                        "rollout.dynamic_sampling=false": not self.rollout.dynamic_sampling,
+                        "loss.importance_correction other than none": self.loss.importance_correction != "none"}
+            if missing := [need for need, met in problems.items() if not met]:
+                raise ValueError(f"rollout.asynchronous=true needs {', '.join(missing)} (episodes sampled by an older "
+                                 "policy need the importance correction between generator and trainer; generation "
+                                 "runs ahead in Ray actors; multi-turn and dynamic-sampling rounds are not pipelined "
+                                 "yet)")
+        elif "max_staleness" in self.rollout.model_fields_set:
+            raise ValueError("rollout.max_staleness applies only with rollout.asynchronous=true")
         if self.cluster.backend == "ray":
             if self.rollout.backend != "transformers":
                 raise ValueError(f"cluster.backend=ray with rollout.backend={self.rollout.backend}: Ray generation "

@@ -101,8 +101,15 @@ class WorkerGroup:
         """The results of `calls`, sent together and awaited in order within one cluster.timeout_s deadline. A call
         whose actor died is re-sent to a replacement (`restart`) while the group has restarts left; RunError
         naming the worker, the call and `waiting_for` past the deadline or when none are left."""
+        return self.collect(self.send(calls), waiting_for)
+
+    def send(self, calls: Sequence[Call]) -> list[tuple[Call, Any, Any]]:
+        """Send `calls` now (an actor answers its calls in the order they were sent); `collect` waits for them."""
+        return [(call, *self._send(call)) for call in calls]
+
+    def collect(self, sent: list[tuple[Call, Any, Any]], waiting_for: str) -> list[Any]:
+        """The results of calls `send` sent, within one cluster.timeout_s deadline from now (see `call`)."""
         deadline = time.monotonic() + self.timeout_s
-        sent = [(call, *self._send(call)) for call in calls]
         results = []
         for call, actor, ref in sent:
             while True:
@@ -189,7 +196,9 @@ class GenerationActor:
         return True
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int) -> GenerationOutput:
-        return self.generator.generate(prompts, params, num_samples)
+        output = self.generator.generate(prompts, params, num_samples)
+        output.extra["weights_version"] = self.generator.weights_version
+        return output
 
     def load_bucket(self, bucket: list[tuple[str, str, tuple[int, ...], np.ndarray]]) -> int:
         """Copy one bucket of weights (`bucket_payload`) into the model; the bytes loaded."""
@@ -277,6 +286,13 @@ class RayGenerator:
         return range(len(self.group.actors))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
+        return self.submit(prompts, params, num_samples)()
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams,
+               num_samples: int = 1) -> Callable[[], GenerationOutput]:
+        """Send a `generate` call now and return what waits for its output: the actors answer it before any weight
+        push sent after it (asynchronous rollouts). The output's extra["weights_versions"] lists the version each
+        actor sampled its share with."""
         started = time.perf_counter()
         params.check_seeds_fit(len(prompts))
         actors = len(self.group.actors) if params.seed is None else 1  # a whole-call seed: one stream, one actor
@@ -285,10 +301,16 @@ class RayGenerator:
             block_params = params if params.seeds is None else replace(params, seeds=params.seeds[start:stop])
             calls.append(Call(index, "generate", (prompts[start:stop], block_params, num_samples),
                               samples=(stop - start) * num_samples))
-        outputs = self.group.call(calls, f"{len(prompts)} prompts x {num_samples} samples of up to "
-                                  f"{params.max_new_tokens} tokens")
-        return GenerationOutput([samples for output in outputs for samples in output.completions],
-                                time.perf_counter() - started, sum(o.num_generated_tokens for o in outputs))
+        sent = self.group.send(calls)
+
+        def output() -> GenerationOutput:
+            outputs = self.group.collect(sent, f"{len(prompts)} prompts x {num_samples} samples of up to "
+                                         f"{params.max_new_tokens} tokens")
+            return GenerationOutput([samples for output in outputs for samples in output.completions],
+                                    time.perf_counter() - started, sum(o.num_generated_tokens for o in outputs),
+                                    {"weights_versions": [o.extra["weights_version"] for o in outputs]})
+
+        return output
 
     def update_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Send policy `version`'s weights to every actor, one bucket of weight_sync.bucket_mb in flight at a time;
