@@ -44,6 +44,26 @@ def test_ray_grpo_logs_the_rewards_and_losses_of_the_in_process_run(tmp_path, ti
         assert 0 <= b["heartbeat/generation_seconds"] < 60 and 0 <= b["heartbeat/environment_seconds"] < 60
 
 
+@needs_ray
+@pytest.mark.slow  # about 45 s: two PPO runs, one starting a Ray instance and two actors
+def test_ray_ppo_logs_the_rewards_and_losses_of_the_in_process_run(tmp_path, tiny_model_dir):
+    from posttrain.algorithms.ppo import train_ppo
+    from posttrain.config.schema import PPOConfig
+
+    def ppo(output_dir: Path, *overrides: str) -> PPOConfig:
+        return load_config(PPOConfig, None, [*TINY_RL, *DIGITS, f"output_dir={output_dir}", "trainer.max_steps=3",
+                                             *overrides])
+
+    train_ppo(ppo(tmp_path / "local"))
+    train_ppo(ppo(tmp_path / "ray", *RAY))
+    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
+    assert len(local) == len(remote) == 3
+    for a, b in zip(local, remote):
+        for key in ("reward/mean", "loss", "grad_norm", "value/loss", "generator_logprob_error"):
+            assert b[key] == pytest.approx(a[key], abs=1e-5), key
+
+
 @pytest.mark.parametrize("override, message", [
     (["rollout.backend=vllm"], "Ray generation workers run the transformers backend"),
     (["cluster.generation_workers=2"], "needs rollout.seed_per_group=true"),

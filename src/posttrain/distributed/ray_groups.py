@@ -11,7 +11,11 @@ What this first slice builds, and where it departs from the full design:
 - The policy stays in the driver process (a local worker); its weights reach the generation actors through
   `RayGenerator.update_weights`: in buckets of weight_sync.bucket_mb put into Ray's object store one at a time,
   every actor loading each bucket before the next is put, then a check that every weight of the model arrived
-  and the version stamp. Policy ranks as actors forming a torch.distributed group are planned.
+  and the version stamp (with cluster.max_restarts > 0 the last push's buckets stay in the store for a
+  replacement actor: one copy of the model). Policy ranks as actors forming a torch.distributed group are planned.
+- `RayGenerator.submit` sends a generation call at once and waits for it later: an actor answers calls in the
+  order they were sent, so a call sent before a weight push samples from the weights before it (asynchronous
+  rollouts, algorithms/rollout_source.py).
 - Generation actors run the transformers backend on their own copy of the model. A call whose prompts carry
   per-prompt seeds (rollout.seed_per_group) is divided among the actors in contiguous blocks; a call seeded as a
   whole draws from one stream and goes to the first actor, so it samples what one process samples.
