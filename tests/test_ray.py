@@ -143,11 +143,11 @@ def test_an_environment_worker_that_stops_answering_stops_the_run_within_the_dea
     hangs = ["environment.kind=python",
              f"environment.options={{functions: ['{REWARDS}:digit_fraction_then_never_answers'], num_workers: 0}}"]
     cfg = load_config(GRPOConfig, None, [*TINY_RL, *hangs, f"output_dir={tmp_path}", "trainer.max_steps=4",
-                                         "trainer.save_every=1", "cluster.backend=ray", "cluster.timeout_s=10"])
+                                         "trainer.save_every=1", "cluster.backend=ray", "cluster.timeout_s=20"])
     with pytest.raises(RunError) as error:  # without the deadline this call would never return
         train_grpo(cfg)
     message = str(error.value)
-    assert "environment worker 0 of 1 did not answer `step` within cluster.timeout_s=10 s" in message
+    assert "environment worker 0 of 1 did not answer `step` within cluster.timeout_s=20 s" in message
     assert "waiting for the rewards of 32 episodes" in message
     assert not ray.is_initialized()  # the run's Ray instance was shut down on the way out
     # Steps 1 and 2 finished and were saved; step 3's scoring hung: the newest checkpoint is step 2, intact.
@@ -233,7 +233,8 @@ def test_a_worker_group_replaces_dead_actors_up_to_max_restarts_and_times_out_a_
     ray.init(num_cpus=1, _temp_dir=tempfile.mkdtemp(prefix="pt-ray-"), include_dashboard=False)
     try:
         caught_up = []
-        group = WorkerGroup("echo", Echo.remote, 2, timeout_s=3, max_restarts=1,
+        # 10 s: room for an actor's start (a new process) on a busy 2-core machine.
+        group = WorkerGroup("echo", Echo.remote, 2, timeout_s=10, max_restarts=1,
                             on_restart=lambda index: caught_up.append(index) or [Call(index, "echo", ("synced",))])
         assert group.call([Call(0, "echo", ("a",)), Call(1, "echo", ("b",))], "echoes") == ["a", "b"]
         first = group.actors[1]
@@ -247,7 +248,7 @@ def test_a_worker_group_replaces_dead_actors_up_to_max_restarts_and_times_out_a_
                                            r"actor died .*killed by `ray.kill`.*cluster.max_restarts=1 restarts"):
             group.call([Call(0, "echo", ("a",))], "echoes")
 
-        with pytest.raises(RunError, match=r"echo worker 1 of 2 did not answer `hang` within cluster.timeout_s=3 s "
+        with pytest.raises(RunError, match=r"echo worker 1 of 2 did not answer `hang` within cluster.timeout_s=10 s "
                                            r"\(waiting for nothing in particular\)"):
             group.call([Call(1, "hang")], "nothing in particular")
         assert group.failed
