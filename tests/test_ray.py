@@ -1,7 +1,9 @@
-"""Ray worker groups (cluster.backend=ray): the same GRPO loop driving generation and environment actors, weight
-sync to them, deadlines. One small Ray instance per test (2 CPUs); skipped when ray is not installed."""
+"""Ray worker groups (cluster.backend=ray): the same GRPO and PPO loops driving generation and environment actors,
+weight sync to them, deadlines, replaced actors, asynchronous rollouts. One small Ray instance per test (2 CPUs; run
+them one at a time); the Ray tests are skipped when ray is not installed."""
 
 import importlib.util
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -230,7 +232,8 @@ def test_a_worker_group_replaces_dead_actors_up_to_max_restarts_and_times_out_a_
             while True:
                 ray.get(actor.ready.remote(), timeout=30)
 
-    ray.init(num_cpus=1, _temp_dir=tempfile.mkdtemp(prefix="pt-ray-"), include_dashboard=False)
+    temp_dir = tempfile.mkdtemp(prefix="pt-ray-")  # short: Ray's socket paths must fit in 107 characters
+    ray.init(num_cpus=1, _temp_dir=temp_dir, include_dashboard=False)
     try:
         caught_up = []
         # 10 s: room for an actor's start (a new process) on a busy 2-core machine.
@@ -254,6 +257,7 @@ def test_a_worker_group_replaces_dead_actors_up_to_max_restarts_and_times_out_a_
         assert group.failed
     finally:
         ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 # ---- asynchronous rollouts ---------------------------------------------------------------------------------------
