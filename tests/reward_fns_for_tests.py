@@ -70,3 +70,16 @@ def fails_every_fourth(prompts, completions, **kwargs):
     """Masks every fourth sample of each call (None), scores the rest by digit fraction."""
     scores = digit_fraction(prompts, completions)
     return [None if i % 4 == 0 else s for i, s in enumerate(scores)]
+
+
+_scored_before_hanging = 0
+
+
+def digit_fraction_then_never_answers(prompts, completions, **kwargs):
+    """digit_fraction for the first 64 completions a process scores (two GRPO steps of 8 prompts x 4 samples), then
+    a call that never returns (a stuck judge); with num_workers=0 nothing times it out but the caller's deadline."""
+    global _scored_before_hanging
+    _scored_before_hanging += len(completions)
+    if _scored_before_hanging > 64:
+        time.sleep(3600)
+    return digit_fraction(prompts, completions, **kwargs)

@@ -53,6 +53,7 @@ HEAVY_OPTIONAL: dict[str, str] = {
     "vllm": "the vllm extra, GPU only",
     "posttrain.generation.vllm_backend": "the vLLM backend, chosen with rollout.backend=vllm (vllm extra)",
     "ray": "Ray worker groups, an optional dependency",
+    "posttrain.distributed.ray_groups": "Ray worker groups, chosen with cluster.backend=ray (ray extra)",
     "wandb": "the loggers extra",
     "mlflow": "the loggers extra",
     "torch.utils.tensorboard": "the loggers extra (tensorboard)",

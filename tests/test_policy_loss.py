@@ -314,6 +314,21 @@ def test_importance_corrections_by_hand(correction, weights, masked_fraction):
     assert metrics["is_weight_mean"].item() == pytest.approx(total / 8, abs=1e-12)
     assert metrics["is_masked_fraction"].item() == masked_fraction
     assert metrics["generator_logprob_error"].item() == pytest.approx(torch.log(MISMATCH).abs().mean().item())
+    assert metrics["generator_logprob_error_max"].item() == pytest.approx(torch.log(MISMATCH).abs().max().item())
+
+
+def test_mismatch_metrics_mean_max_and_fraction_past_the_threshold_over_valid_tokens_only():
+    # |log w| per token: row 0 [ln 3 = 1.10, ln 1.5 = 0.41], row 1 [ln 4 = 1.39, padding (w = 1000: ignored)],
+    # row 2 [ln 4 = 1.39, ln 0.6 = 0.51]; with threshold 0.5 four of the five valid tokens are past it.
+    cfg = PolicyLossConfig(logprob_mismatch_threshold=0.5)
+    logprobs = torch.full((3, 2), -2.0, dtype=torch.float64)
+    generator = logprobs - torch.log(t([3.0, 1.5], [4.0, 1000.0], [0.25, 0.6]))
+    mask = t([1, 1], [1, 0], [1, 1])
+    _, metrics, _ = _run(cfg, logprobs, logprobs.clone(), t(1.0, 1.0, 1.0), mask, generator_logprobs=generator)
+    errors = [math.log(3), math.log(1.5), math.log(4), math.log(4), -math.log(0.6)]
+    assert metrics["generator_logprob_error"].item() == pytest.approx(sum(errors) / 5)
+    assert metrics["generator_logprob_error_max"].item() == pytest.approx(math.log(4))
+    assert metrics["generator_logprob_error_fraction"].item() == pytest.approx(4 / 5)
 
 
 def test_importance_weights_ignore_padding_and_do_not_reweight_the_kl():
@@ -474,7 +489,8 @@ def test_metrics_are_detached_scalars_and_present_when_their_inputs_are():
                                       generator_logprobs=logprobs.detach(), reference_logprobs=logprobs.detach())
     assert set(metrics) == {
         "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction", "ratio_mean", "ratio_min", "ratio_max",
-        "kl", "is_weight_mean", "is_masked_fraction", "generator_logprob_error", "is_truncated_fraction",
+        "kl", "is_weight_mean", "is_masked_fraction", "generator_logprob_error", "generator_logprob_error_max",
+        "generator_logprob_error_fraction", "is_truncated_fraction",
         "is_effective_sample_size", "is_raw_weight_min", "is_raw_weight_max",
     }
     assert all(m.dim() == 0 and not m.requires_grad for m in metrics.values())

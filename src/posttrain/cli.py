@@ -79,7 +79,18 @@ def _run_sft(cfg: SFTConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_weight_sync(cfg: GRPOConfig | PPOConfig) -> int:
+    """--check-weight-sync: the comparison of algorithms/weight_check.py instead of training; 0 when it passes."""
+    from posttrain.algorithms.weight_check import check_weight_sync
+
+    check = check_weight_sync(cfg)
+    print(check.summary())
+    return 0 if check.passed else 1
+
+
 def _run_ppo(cfg: PPOConfig, args: argparse.Namespace) -> int:
+    if args.check_weight_sync:
+        return _check_weight_sync(cfg)
     from posttrain.algorithms.ppo import train_ppo
 
     _finished(cfg, train_ppo(cfg), ("reward/mean", "val/", "value/explained_variance"))
@@ -87,6 +98,8 @@ def _run_ppo(cfg: PPOConfig, args: argparse.Namespace) -> int:
 
 
 def _run_grpo(cfg: GRPOConfig, args: argparse.Namespace) -> int:
+    if args.check_weight_sync:
+        return _check_weight_sync(cfg)
     from posttrain.algorithms.grpo import train_grpo
 
     _finished(cfg, train_grpo(cfg), ("reward/mean", "val/"))
@@ -271,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                              help="data-parallel FSDP2 over N processes on this machine (starts torchrun; the "
                                   "same as `torchrun --nproc-per-node N -m posttrain ...`)")
+        if recipe.name in ("grpo", "ppo"):
+            sub.add_argument("--check-weight-sync", action="store_true",
+                             help="instead of training: push the policy's weights to the configured generator "
+                                  "(cluster.backend) after one optimizer step and compare them and the "
+                                  "log-probabilities of a sampled batch with the trainer's; exit 1 on a mismatch")
         if recipe.name == "eval":
             sub.add_argument("--model", help="shortcut for model.name_or_path=...")
             sub.add_argument("--task", help="shortcut for task=...")

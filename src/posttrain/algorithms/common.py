@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
 
@@ -292,16 +292,18 @@ def log_step(run_log: RunLogger, step: int, metrics: dict[str, float], trainer: 
 
 
 def save_if_due(output_dir: Path, step: int, trainer: TrainerConfig, workers: Mapping[str, SavesState],
-                sampler: EpochSampler, extra_state: dict | None = None, *,
+                sampler: EpochSampler, extra_state: dict | Callable[[], dict] | None = None, *,
                 run_log: RunLogger | SilentRunLogger | None = None) -> None:
     """Checkpoint every save_every steps, every save_every_minutes, at the last step, and when SIGTERM or SIGUSR1
-    arrived: each worker's folder plus the data position, then (given `run_log`) report.html. After a signal's
-    checkpoint, raise Preempted (the run ends here and the logger writes the report on its way out;
-    posttrain.preemption). Every rank calls this at the end of every step: the decision is collective."""
+    arrived: each worker's folder plus the data position and `extra_state` (or what it returns, called only when a
+    checkpoint is written), then (given `run_log`) report.html. After a signal's checkpoint, raise Preempted (the run
+    ends here and the logger writes the report on its way out; posttrain.preemption). Every rank calls this at the
+    end of every step: the decision is collective."""
     boundary = step_boundary(trainer.save_every_minutes)
     if is_save_step(step, trainer) or boundary.save_for_time or boundary.stop_signal is not None:
+        extra = extra_state() if callable(extra_state) else extra_state
         checkpoint = save_checkpoint(output_dir, step, workers,
-                                     {"sampler": sampler.state_dict(), **(extra_state or {})}, trainer.keep_last)
+                                     {"sampler": sampler.state_dict(), **(extra or {})}, trainer.keep_last)
         checkpoint_written()
         if boundary.stop_signal is not None and step < trainer.max_steps:
             raise preempted(boundary.stop_signal, step, trainer.max_steps, checkpoint.path)

@@ -60,6 +60,7 @@ from posttrain.config.schema import GRPOConfig
 from posttrain.data.types import RolloutBatch
 from posttrain.distributed.builders import build_policy, build_teacher, check_teacher_backend
 from posttrain.models.loading import load_tokenizer
+from posttrain.distributed.cluster import stops_clusters
 from posttrain.rundir import one_run_per_output_dir
 from posttrain.workers.objectives import PolicyGradientObjective
 
@@ -67,6 +68,7 @@ PROGRESS_METRICS = ("reward/mean", "accuracy", "val/accuracy", "kl", "response_l
 
 
 @one_run_per_output_dir
+@stops_clusters  # a Ray instance started for the run stops with it, also when it fails
 def train_grpo(cfg: GRPOConfig) -> RLResult:
     run = start_rl_run(cfg)  # output directory, seed, data and environment (before any model), resume
     trainer, rollout, tokenizer, environment = cfg.trainer, cfg.rollout, run.data.tokenizer, run.data.environment
@@ -88,13 +90,13 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
     if cfg.teacher is not None:
         check_same_tokenizer(tokenizer, load_tokenizer(cfg.teacher.as_model()), cfg.teacher.name_or_path)
         teacher = build_teacher(cfg.teacher, trainer, run.device)
-    generator = policy_generator(cfg, tokenizer, policy)
+    generator = policy_generator(cfg, tokenizer, policy, run.cluster)  # Ray actors with cluster.backend=ray
     source, start_step = run.rollout_source(cfg, generator, weights, dynamic_sampling=rollout.dynamic_sampling)
 
     # closing(): reward worker processes stop with the run, also when it fails.
     with run_logger(run.output_dir, cfg.logging, recipe="grpo", total_steps=trainer.max_steps, start_step=start_step,
                     run_config=cfg.model_dump(mode="json"), progress_metrics=PROGRESS_METRICS) as run_log, \
-            contextlib.closing(environment), contextlib.closing(evaluation):
+            contextlib.closing(environment), contextlib.closing(evaluation), contextlib.closing(source):
         announce_run(run_log, run.data.data_summary, run.resume, run.changed_keys, policy,
                      f"{rollout.prompts_per_step} prompts x {rollout.num_generations_per_prompt} samples per step, "
                      f"{updates_per_step} optimizer step(s) per rollout batch")
@@ -115,8 +117,8 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
                 if evaluation.is_due(step):
                     metrics.update(evaluation.run(step, generator, run_log))
                 log_step(run_log, step, metrics, trainer)
-                save_if_due(run.output_dir, step, trainer, {POLICY: policy}, source.sampler, run.trainer_state(source),
-                            run_log=run_log)
+                save_if_due(run.output_dir, step, trainer, {POLICY: policy}, source.sampler,
+                            lambda: run.trainer_state(source), run_log=run_log)
                 continue
             batch = rollout_batch(episodes, cfg, run, weights, metrics)
 
@@ -159,9 +161,10 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
             metrics.update(step_timings(sampled, source, batch, logprobs=logprob_seconds, train=train_seconds,
                                         step=step_seconds))
             metrics.update(due_evaluations(step, cfg, run.data, generator, run.greedy, weights, evaluation, run_log))
+            metrics.update(run.cluster_metrics())  # Ray worker groups: heartbeats, restarts
             log_step(run_log, step, metrics, trainer)
-            save_if_due(run.output_dir, step, trainer, {POLICY: policy}, source.sampler, run.trainer_state(source),
-                        run_log=run_log)
+            save_if_due(run.output_dir, step, trainer, {POLICY: policy}, source.sampler,
+                        lambda: run.trainer_state(source), run_log=run_log)
 
         final_dir = export_policy(run.output_dir, policy, run_log, cfg.hub)
     return RLResult(run.output_dir, final_dir, trainer.max_steps, metrics)

@@ -46,6 +46,7 @@ from posttrain.data.types import RolloutBatch
 from posttrain.distributed.builders import build_critic, build_policy
 from posttrain.losses.policy_gradient import kl_estimate
 from posttrain.losses.value import explained_variance
+from posttrain.distributed.cluster import stops_clusters
 from posttrain.rundir import one_run_per_output_dir
 from posttrain.workers.objectives import PolicyGradientObjective, ValueObjective
 from posttrain.workers.value import CRITIC
@@ -54,6 +55,7 @@ PROGRESS_METRICS = ("reward/mean", "accuracy", "val/accuracy", "value/explained_
 
 
 @one_run_per_output_dir
+@stops_clusters  # a Ray instance started for the run stops with it, also when it fails
 def train_ppo(cfg: PPOConfig) -> RLResult:
     run = start_rl_run(cfg)  # output directory, seed, data and environment (before any model), resume
     trainer, rollout, tokenizer, environment = cfg.trainer, cfg.rollout, run.data.tokenizer, run.data.environment
@@ -74,12 +76,12 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
     # The reference is the starting model, also when resuming; loaded only when a KL term needs it.
     needs_reference = loss.config.reference_kl_penalty > 0 or cfg.gae.kl_coef > 0
     reference = reference_worker(policy, cfg, run.device) if needs_reference else None
-    generator = policy_generator(cfg, tokenizer, policy)
+    generator = policy_generator(cfg, tokenizer, policy, run.cluster)  # Ray actors with cluster.backend=ray
     source, start_step = run.rollout_source(cfg, generator, weights)
 
     with run_logger(run.output_dir, cfg.logging, recipe="ppo", total_steps=trainer.max_steps, start_step=start_step,
                     run_config=cfg.model_dump(mode="json"), progress_metrics=PROGRESS_METRICS) as run_log, \
-            contextlib.closing(environment), contextlib.closing(evaluation):
+            contextlib.closing(environment), contextlib.closing(evaluation), contextlib.closing(source):
         announce_run(run_log, run.data.data_summary, run.resume, run.changed_keys, policy,
                      f"a critic of {critic.num_parameters() / 1e6:.2f}M parameters, {rollout.prompts_per_step} "
                      f"prompts x {rollout.num_generations_per_prompt} samples per step, {updates_per_step} "
@@ -143,9 +145,10 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
             metrics.update(step_timings(sampled, source, batch, logprobs=logprob_seconds, train=train_seconds,
                                         step=step_seconds))
             metrics.update(due_evaluations(step, cfg, run.data, generator, run.greedy, weights, evaluation, run_log))
+            metrics.update(run.cluster_metrics())  # Ray worker groups: heartbeats, restarts
             log_step(run_log, step, metrics, trainer)
             save_if_due(run.output_dir, step, trainer, {POLICY: policy, CRITIC: critic}, source.sampler,
-                        run.trainer_state(source), run_log=run_log)
+                        lambda: run.trainer_state(source), run_log=run_log)
 
         final_dir = export_policy(run.output_dir, policy, run_log, cfg.hub)
     return RLResult(run.output_dir, final_dir, trainer.max_steps, metrics)

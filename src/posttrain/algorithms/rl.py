@@ -28,7 +28,12 @@ from posttrain.algorithms.rollout import (
     run_episodes,
     to_batch,
 )
-from posttrain.algorithms.rollout_source import RolloutSource, SampledGroups, SynchronousRolloutSource
+from posttrain.algorithms.rollout_source import (
+    AsynchronousRolloutSource,
+    RolloutSource,
+    SampledGroups,
+    SynchronousRolloutSource,
+)
 from posttrain.checkpoint import Checkpoint, checkpoint_to_resume
 from posttrain.config.schema import DataConfig, GRPOConfig, ModelConfig, PromptSection, RolloutSection, TrainerConfig
 from posttrain.data.dataset import DataStats, check_not_empty, iter_rows, skip_or_raise
@@ -46,6 +51,7 @@ from posttrain.generation.base import Generator, SamplingParams
 from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer, resolve_model_path
 from posttrain.distributed.builders import build_scorer
+from posttrain.distributed.cluster import start_cluster
 from posttrain.workers import Metric, MetricDict, PolicyWorker, ScoringWorker, as_floats, reduce_metrics
 from posttrain.workers.metrics import materialized
 
@@ -233,15 +239,23 @@ class RLData:
     environment: Environment
 
 
-def load_rl_data(cfg: GRPOConfig) -> RLData:
+def load_rl_data(cfg: GRPOConfig, cluster: Any | None = None) -> RLData:
     """The tokenizer, the training and validation prompts (checked against the environment's columns and against
-    rollout.prompts_per_step) and the environment of an RL config (GRPO, PPO)."""
+    rollout.prompts_per_step) and the environment of an RL config (GRPO, PPO): built here, or with a `cluster`
+    (cluster.backend=ray) in its environment workers."""
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
     kind = cfg.environment.kind
     prompts, data_summary = load_prompts(cfg.data.train_files, cfg.data, cfg.prompt, kind, tokenizer)
     eval_prompts = load_prompts(cfg.data.eval_files, cfg.data, cfg.prompt, kind, tokenizer)[0]
     check_draw_fits({"rollout.prompts_per_step": cfg.rollout.prompts_per_step}, len(prompts), "training prompts")
-    environment = build_recipe_environment(cfg.environment, tokenizer)
+    if cluster is None:
+        environment = build_recipe_environment(cfg.environment, tokenizer)
+    elif cfg.environment.kind in ("tools", "swe"):
+        raise RunError(f"environment.kind={cfg.environment.kind} with cluster.backend=ray is planned, not built: its "
+                       "tools would run in the environment actors while the prompts offering them are rendered here; "
+                       "use cluster.backend=local")
+    else:
+        environment = cluster.environment(build_recipe_environment, cfg.environment)
     prompts = offer_tools(prompts, tokenizer, environment, cfg.data.max_length)
     eval_prompts = offer_tools(eval_prompts[: cfg.data.max_eval_examples], tokenizer, environment, cfg.data.max_length)
     return RLData(tokenizer, prompts, eval_prompts, data_summary, environment)
@@ -256,9 +270,15 @@ def rollout_sampling(rollout: RolloutSection) -> tuple[SamplingParams, SamplingP
     return sampling, greedy
 
 
-def policy_generator(cfg: GRPOConfig, tokenizer, policy: PolicyWorker) -> Generator:
-    """The rollout.backend generator sampling from `policy` (see build_generator)."""
+def policy_generator(cfg: GRPOConfig, tokenizer, policy: PolicyWorker, cluster: Any | None = None) -> Generator:
+    """The rollout.backend generator sampling from `policy` (see build_generator); with a `cluster`
+    (cluster.backend=ray) its generation workers, loaded with the policy's current weights."""
     rollout = cfg.rollout
+    if cluster is not None:
+        model = cfg.model.model_copy(update={"name_or_path": resolve_model_path(cfg.model.name_or_path)})
+        generator = cluster.generator(model, tokenizer, batch_size=rollout.generation_batch_size, seed=cfg.seed)
+        policy.push_weights(generator)
+        return generator
     return build_generator(cfg.model, rollout.backend, tokenizer, policy, batch_size=rollout.generation_batch_size,
                            seed=cfg.seed, vllm_gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
 
@@ -278,20 +298,27 @@ class RLRun:
     """Training sampling (rollout.temperature, top_p, top_k, stop strings)."""
     greedy: SamplingParams
     """Greedy validation sampling."""
+    cluster: Any | None = None
+    """The run's Ray cluster (cluster.backend=ray: its generation and environment workers), or None."""
 
     def worker_dir(self, role: str) -> Path | None:
         """The checkpoint folder of worker `role` to resume from, or None for a new run."""
         return self.resume.worker_dir(role) if self.resume else None
 
     def rollout_source(self, cfg: GRPOConfig, generator: Generator, weights: dict[str, float],
-                       dynamic_sampling: bool = False) -> tuple[SynchronousRolloutSource, int]:
+                       dynamic_sampling: bool = False) -> tuple[RolloutSource, int]:
         """The run's rollout source sampling from `generator`, and the last finished step (0 for a new run). Call
         it after the workers are built: a resumed run restores the RNG here, with the sampler's position, the group
         counter, the reward-error counts and the running reward statistics."""
         sampler = EpochSampler(len(self.data.prompts), seed=cfg.seed, shuffle=cfg.data.shuffle)
-        source = SynchronousRolloutSource(cfg, self.data.prompts, sampler, generator, self.data.environment,
-                                          self.data.tokenizer, self.sampling, weights,
-                                          RewardErrorBudget(cfg.environment.max_error_fraction), dynamic_sampling)
+        budget = RewardErrorBudget(cfg.environment.max_error_fraction)
+        if cfg.rollout.asynchronous:
+            source = AsynchronousRolloutSource(cfg, self.data.prompts, sampler, generator, self.data.environment,
+                                               self.data.tokenizer, self.sampling, weights, budget,
+                                               cfg.cluster.timeout_s)
+        else:
+            source = SynchronousRolloutSource(cfg, self.data.prompts, sampler, generator, self.data.environment,
+                                              self.data.tokenizer, self.sampling, weights, budget, dynamic_sampling)
         start_step, state = resume_trainer_state(self.resume, sampler)
         source.load_state_dict(state)
         if state and self.reward_norm is not None:
@@ -302,8 +329,14 @@ class RLRun:
             self.reward_norm.load_state_dict(state["reward_norm"])
         return source, start_step
 
+    def cluster_metrics(self) -> dict[str, float]:
+        """Each Ray worker group's heartbeat/<group>_seconds (since it last answered) and faults/<group>_restarts,
+        _retried_samples; none locally."""
+        return {} if self.cluster is None else self.cluster.metrics()
+
     def trainer_state(self, source: RolloutSource) -> dict:
-        """What `rollout_source` reads back: saved in every checkpoint's trainer state."""
+        """What `rollout_source` reads back: saved in every checkpoint's trainer state (asked for only when one is
+        written: an asynchronous source waits for its rounds in flight to keep them)."""
         state = source.state_dict()
         if self.reward_norm is not None:
             state["reward_norm"] = self.reward_norm.state_dict()
@@ -312,16 +345,19 @@ class RLRun:
 
 def start_rl_run(cfg: GRPOConfig) -> RLRun:
     """Torch settings, the output directory, the seed, then the data and the environment (a malformed row or
-    reward path fails before a model loads) and the checkpoint to resume from, if any."""
+    reward path fails before a model loads) and the checkpoint to resume from, if any. With cluster.backend=ray
+    the cluster starts here (before the environment, which its workers build); the recipe's entry point is
+    decorated with `stops_clusters`, which shuts it down when the run ends or fails."""
     configure_torch(cfg.trainer)
     output_dir, changed_keys = prepare_output_dir(cfg, cfg.output_dir)
     seed_everything(cfg.seed)
     device = default_device()
-    data = load_rl_data(cfg)
+    cluster = start_cluster(cfg.cluster, cfg.weight_sync, output_dir)
+    data = load_rl_data(cfg, cluster)
     sampling, greedy = rollout_sampling(cfg.rollout)
     reward_norm = RunningRewardNorm() if cfg.environment.normalize_rewards else None
     return RLRun(output_dir, changed_keys, device, data, checkpoint_to_resume(output_dir), reward_norm, sampling,
-                 greedy)
+                 greedy, cluster)
 
 
 def reference_worker(policy: PolicyWorker, cfg: GRPOConfig, device: torch.device) -> ScoringWorker:

@@ -4,9 +4,10 @@
 
 The loop neither draws prompts nor counts sampling rounds: the source does. `SynchronousRolloutSource` samples each
 step's groups when asked, from the generator's current weights (every episode records the policy version that
-sampled it), including DAPO's dynamic sampling (more rounds until enough groups carry reward variance). An
-asynchronous producer (generation running ahead of training by a bounded number of versions) and agent loops
-implement the same protocol; the loop does not change.
+sampled it), including DAPO's dynamic sampling (more rounds until enough groups carry reward variance).
+`AsynchronousRolloutSource` (rollout.asynchronous, Ray generation actors) keeps the rounds of the next
+rollout.max_staleness steps in flight while the policy trains; agent loops will implement the same protocol. The
+loop does not change.
 
 A source owns the prompt sampler's draws, the run's group counter (which seeds sampling, so a resumed run samples
 what an uninterrupted one would) and the reward-error budget; `state_dict` / `load_state_dict` carry them through
@@ -15,7 +16,11 @@ checkpoints.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
+from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
 from posttrain.algorithms.rollout import (
@@ -32,7 +37,8 @@ from posttrain.data.sampler import EpochSampler
 from posttrain.process_group import gather_divided
 from posttrain.envs.base import Environment
 from posttrain.envs.rewards import RewardErrorBudget
-from posttrain.generation.base import Generator, SamplingParams
+from posttrain.errors import RunError
+from posttrain.generation.base import GenerationOutput, Generator, SamplingParams
 
 
 @dataclass
@@ -67,6 +73,10 @@ class RolloutSource(Protocol):
         ...
 
     def load_state_dict(self, state: dict) -> None:
+        ...
+
+    def close(self) -> None:
+        """Stop what the source runs in the background (an asynchronous source's rounds in flight)."""
         ...
 
 
@@ -125,6 +135,9 @@ class SynchronousRolloutSource:
             self.budget.load_state_dict(state["reward_errors"])
             self.next_group_id = state.get("next_group_id", 0)
 
+    def close(self) -> None:
+        """Nothing runs in the background."""
+
 
 def sample_round(rows: list[PromptRow], first_group_id: int, cfg: GRPOConfig, generator: Generator,
                  environment: Environment, tokenizer, sampling: SamplingParams) -> tuple[list[Episode], RolloutTimes]:
@@ -157,3 +170,120 @@ def sample_round(rows: list[PromptRow], first_group_id: int, cfg: GRPOConfig, ge
     # The round lasts as long as its slowest rank; every rank's sampled tokens count.
     return episodes, RolloutTimes(max(t.generate for t in times), max(t.score for t in times),
                                   sum(t.generated_tokens for t in times))
+
+
+class AsynchronousRolloutSource:
+    """Generation runs ahead of training by up to rollout.max_staleness policy versions (rollout.asynchronous,
+    cluster.backend=ray).
+
+    Each call of `next_groups(step)` first keeps `max_staleness + 1` sampling rounds submitted: the rounds of steps
+    `step` to `step + max_staleness`, each drawn from the sampler and seeded from the group counter as the synchronous
+    source draws them, and sent to the generation actors at once (`generator.submit`). A Ray actor answers its calls
+    in the order they were sent, so a round submitted before the weight push that follows a step samples from the
+    weights of before that push: round `step + k` samples from the policy of step `step - 1`, whatever the timing, and
+    a run is as reproducible as a synchronous one. Scoring runs in a thread as soon as a round's completions arrive.
+    The round of `step` is then taken; a group whose oldest episode is more than max_staleness versions behind the
+    generator's weights is dropped and counted (by construction none is; a generation call re-sent to a replacement
+    actor samples from newer weights, never older).
+
+    `state_dict` waits for the rounds in flight and keeps their episodes, so a resumed run trains on exactly the
+    episodes an uninterrupted one would (it is called only when a checkpoint is written)."""
+
+    def __init__(self, cfg: GRPOConfig, prompts: list[PromptRow], sampler: EpochSampler, generator,
+                 environment: Environment, tokenizer, sampling: SamplingParams, weights: dict[str, float],
+                 budget: RewardErrorBudget, deadline_s: float):
+        self.cfg, self.prompts, self.sampler, self.generator = cfg, prompts, sampler, generator
+        self.environment, self.tokenizer, self.sampling, self.weights = environment, tokenizer, sampling, weights
+        self.budget, self.deadline_s = budget, deadline_s
+        self.max_staleness = cfg.rollout.max_staleness
+        self.next_group_id = 0
+        self.in_flight: deque[Future] = deque()
+        self.pool = ThreadPoolExecutor(max_workers=self.max_staleness + 1, thread_name_prefix="rollout")
+
+    def _submit_round(self) -> None:
+        rollout = self.cfg.rollout
+        rows = [self.prompts[i] for i in self.sampler.next_indices(rollout.prompts_per_step)]
+        first_group_id = self.next_group_id
+        self.next_group_id += len(rows)
+        seeded = replace(self.sampling, seed=self.cfg.seed * 1_000_003 + first_group_id)
+        submitted = SubmittedGeneration(self.generator, [row.prompt_ids for row in rows], seeded,
+                                        rollout.num_generations_per_prompt)
+        self.in_flight.append(self.pool.submit(self._finish_round, rows, first_group_id, submitted, seeded))
+
+    def _finish_round(self, rows: list[PromptRow], first_group_id: int, submitted: SubmittedGeneration,
+                      seeded: SamplingParams) -> tuple[list[Episode], RolloutTimes]:
+        """The round's episodes, scored (in a worker thread; every wait inside has a deadline)."""
+        episodes, times = run_episodes(rows, first_group_id, self.cfg.rollout.num_generations_per_prompt, submitted,
+                                       self.environment, self.tokenizer, seeded, max_turns=1)
+        for episode in episodes:  # the oldest weights that sampled any of the round (a replacement holds newer ones)
+            episode.policy_version = submitted.oldest_version
+        return episodes, times
+
+    def next_groups(self, step: int) -> SampledGroups:
+        while len(self.in_flight) < self.max_staleness + 1:
+            self._submit_round()
+        started = time.perf_counter()
+        try:
+            episodes, times = self.in_flight.popleft().result(timeout=3 * self.deadline_s)
+        except FuturesTimeout:
+            raise RunError(f"step {step}'s sampling round did not finish within 3 x cluster.timeout_s="
+                           f"{3 * self.deadline_s:g} s (waiting for its generation and scoring)") from None
+        waited = time.perf_counter() - started
+        current = self.generator.weights_version
+        kept, dropped = [], 0
+        for group in groups_of(episodes):
+            if current - min(e.policy_version for e in group) > self.max_staleness:
+                dropped += 1
+            else:
+                kept.append(group)
+        ages = [current - e.policy_version for group in kept for e in group]
+        metrics: dict[str, float] = {"reward/errors": self.budget.record([e.error for e in episodes]).step_errors,
+                                     "rollout/staleness_max": float(max(ages, default=0)),
+                                     "rollout/staleness_mean": sum(ages) / max(len(ages), 1),
+                                     "rollout/stale_groups_dropped": float(dropped),
+                                     "rollout/wait_seconds": waited}
+        sampled = SampledGroups(kept, episodes, metrics, times)
+        metrics.update(rollout_metrics(sampled.episodes, self.weights))
+        metrics["reward/errors_total"] = self.budget.run_errors
+        return sampled
+
+    def state_dict(self) -> dict:
+        """The counters, and the episodes of the rounds in flight (waited for: at most max_staleness rounds)."""
+        rounds = []
+        for future in self.in_flight:
+            episodes, times = future.result(timeout=3 * self.deadline_s)
+            rounds.append({"episodes": [asdict(e) for e in episodes],
+                           "times": [times.generate, times.score, times.generated_tokens]})
+        return {"reward_errors": self.budget.state_dict(), "next_group_id": self.next_group_id,
+                "rounds_in_flight": rounds}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state:
+            return
+        self.budget.load_state_dict(state["reward_errors"])
+        self.next_group_id = state.get("next_group_id", 0)
+        for saved in state.get("rounds_in_flight", []):
+            done: Future = Future()
+            done.set_result(([Episode(**e) for e in saved["episodes"]], RolloutTimes(*saved["times"])))
+            self.in_flight.append(done)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class SubmittedGeneration:
+    """A generation call sent when it was made (`generator.submit`: queued on the actors before any later weight
+    push), answered when `run_episodes` asks for it with the same prompts and parameters."""
+
+    def __init__(self, generator, prompts: list[list[int]], params: SamplingParams, num_samples: int):
+        self.weights_version = generator.weights_version
+        self.request = (prompts, params, num_samples)
+        self._answer = generator.submit(prompts, params, num_samples)
+        self.oldest_version = self.weights_version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
+        if (prompts, params, num_samples) != self.request:
+            raise ValueError("a submitted generation was asked for other prompts or parameters than it was sent with")
+        output = self._answer()
+        self.oldest_version = min(output.extra.get("weights_versions", [self.weights_version]))
+        return output

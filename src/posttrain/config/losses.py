@@ -80,6 +80,10 @@ class PolicyLossConfig(LossConfig):
     is_threshold_high: float = Field(2.0, gt=0)
     """Upper bound of the mismatch weight and truncation value (tis, seq-tis, seq-mask-tis)."""
 
+    logprob_mismatch_threshold: float = Field(0.1, gt=0)
+    """|logπ_trainer − logπ_gen| of a sampled token above which it counts in the generator_logprob_error_fraction
+    metric (logged with the mean and max of that difference whenever the generator reports log-probabilities)."""
+
     tis_lower_bound: float | None = None
     """tis and seq-tis: also truncate the weight from below at this value, max(w, bound); null: no lower bound."""
 

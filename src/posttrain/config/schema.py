@@ -765,6 +765,15 @@ class RolloutSection(SamplingSection):
     max_sampling_rounds: int = Field(4, gt=0)
     """Upper bound on generation rounds per step with dynamic_sampling (the step trains on what it has)."""
 
+    asynchronous: bool = False
+    """Asynchronous RL (cluster.backend=ray, docs/ray.md): the generation actors sample the next steps' prompts while
+    the policy trains, up to max_staleness policy versions behind it; needs loss.importance_correction to correct
+    for the older sampling policy, and single-turn episodes without dynamic sampling."""
+
+    max_staleness: int = Field(1, ge=1)
+    """asynchronous: how many policy versions (optimizer steps) the weights that sampled an episode may lag the
+    policy that trains on it; max_staleness + 1 sampling rounds are in flight."""
+
     overlong_filtering: bool = False
     """DAPO overlong filtering: truncated completions (max_new_tokens reached) get no loss."""
 
@@ -774,6 +783,57 @@ class RolloutSection(SamplingSection):
 
     overlong_penalty_factor: float = Field(1.0, ge=0)
     """Largest soft overlong penalty subtracted from the reward."""
+
+
+class ClusterSection(NumericSection):
+    """Where the online RL workers run (docs/ray.md). local: everything in this process (the default). ray: the
+    generation and environment workers are Ray actors (the policy stays in the driver process for now), started on
+    a local Ray instance sized for this machine or on the cluster at `address`; the same recipe loop drives them."""
+
+    backend: Literal["local", "ray"] = "local"
+    """local: generator and environment in this process; ray: each a group of Ray actors (needs the `ray` extra:
+    pip install 'posttrain[ray]')."""
+
+    address: str | None = None
+    """ray: the address of a running Ray cluster to join ("auto", "ray://host:10001", "host:6379"); null starts a
+    local Ray instance for this run (its temporary files under OUTPUT/ray/, shut down when the run ends or
+    fails)."""
+
+    num_cpus: int = Field(2, gt=0)
+    """ray without an address: CPUs the local Ray instance offers its actors (2 fits a 2-core laptop: the driver
+    waits while the actors work)."""
+
+    timeout_s: float = Field(900.0, gt=0)
+    """Deadline in seconds of every remote call (generation, scoring, each weight-sync bucket, actor start-up):
+    past it the run stops with an error naming the worker, the call and what it waited for. A generation call
+    samples a whole step's prompts: give it the time the slowest step may take."""
+
+    generation_workers: int = Field(1, gt=0)
+    """ray: generation actors; a step's prompts are divided among them (more than one needs
+    rollout.seed_per_group=true, so that each sample's stream does not depend on which actor draws it)."""
+
+    cpus_per_generation_worker: float = Field(1.0, gt=0)
+    """ray: CPUs Ray reserves for each generation actor (its torch threads follow the driver's trainer.num_threads
+    setting, so that its numbers equal the driver's)."""
+
+    environment_workers: int = Field(1, gt=0)
+    """ray: environment actors; a step's episodes are divided among them for scoring."""
+
+    cpus_per_environment_worker: float = Field(1.0, gt=0)
+    """ray: CPUs Ray reserves for each environment actor."""
+
+    max_restarts: int = Field(3, ge=0)
+    """ray: generation or environment actors each group may replace over the run when one dies; the call it was
+    answering is re-sent to the replacement (a generation actor first loads the current weights, which for this
+    stay in Ray's object store between pushes: one copy of the model). 0: a dead actor stops the run."""
+
+
+class WeightSyncSection(NumericSection):
+    """How the policy's weights reach generators that keep their own copy (Ray generation actors)."""
+
+    bucket_mb: float = Field(256.0, gt=0)
+    """Weights travel in buckets of about this many MiB (a tensor larger than that is a bucket of its own): one
+    bucket in flight at a time, never a second full copy of the model in the object store."""
 
 
 class AdvantageSection(NumericSection):
@@ -1120,6 +1180,12 @@ class OnlineRLConfig(RecipeConfig):
     """Evaluation sets sampled with the rollout generator during training (see docs/evaluation.md), each logged
     as eval/<name>/<metric>; none by default."""
 
+    cluster: ClusterSection = Field(default_factory=ClusterSection)
+    """Where the generation and environment workers run: this process (local) or Ray actors (docs/ray.md)."""
+
+    weight_sync: WeightSyncSection = Field(default_factory=WeightSyncSection)
+    """How weights reach generators with their own copy."""
+
     def check_online_rl(self, recipe: str) -> None:
         """ValueError (naming the keys) for what no online RL recipe takes: compiled modules, no prompts, gradient
         accumulation, minibatches that do not divide the rollout batch, an overlong buffer past the budget, epochs."""
@@ -1146,6 +1212,27 @@ class OnlineRLConfig(RecipeConfig):
                              f"(rollout.prompts_per_step × num_generations_per_prompt = {rollout_size})")
         if self.rollout.overlong_buffer_length >= self.rollout.max_new_tokens:
             raise ValueError("rollout.overlong_buffer_length must be smaller than rollout.max_new_tokens")
+        if self.rollout.asynchronous:
+            problems = {"cluster.backend=ray": self.cluster.backend == "ray",
+                        "rollout.max_turns=1": self.rollout.max_turns == 1,
+                        "rollout.dynamic_sampling=false": not self.rollout.dynamic_sampling,
+                        "loss.importance_correction other than none": self.loss.importance_correction != "none"}
+            if missing := [need for need, met in problems.items() if not met]:
+                raise ValueError(f"rollout.asynchronous=true needs {', '.join(missing)} (episodes sampled by an older "
+                                 "policy need the importance correction between generator and trainer; generation "
+                                 "runs ahead in Ray actors; multi-turn and dynamic-sampling rounds are not pipelined "
+                                 "yet)")
+        elif "max_staleness" in self.rollout.model_fields_set:
+            raise ValueError("rollout.max_staleness applies only with rollout.asynchronous=true")
+        if self.cluster.backend == "ray":
+            if self.rollout.backend != "transformers":
+                raise ValueError(f"cluster.backend=ray with rollout.backend={self.rollout.backend}: Ray generation "
+                                 "workers run the transformers backend for now; set rollout.backend=transformers")
+            if self.cluster.generation_workers > 1 and not self.rollout.seed_per_group:
+                raise ValueError(f"cluster.generation_workers={self.cluster.generation_workers} needs "
+                                 "rollout.seed_per_group=true: a round seeded as a whole draws from one stream, "
+                                 "which several actors cannot share; per-group seeds sample the same episodes "
+                                 "whichever actor draws them")
 
 
 class GRPOConfig(OnlineRLConfig):

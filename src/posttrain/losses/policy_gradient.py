@@ -319,8 +319,9 @@ def policy_gradient_loss(
     Returns (loss, metrics): detached 0-dim tensors, means over this micro-batch's valid tokens (0 when there are
     none; ratio_min/max 1): clip_fraction_low (A < 0, r < 1 − low), clip_fraction_high (A > 0, r > 1 + high),
     dual_clip_fraction (A < 0, r > c), ratio_mean, ratio_min, ratio_max; kl (the estimator's mean) when
-    reference_logprobs is given; generator_logprob_error (mean |logπ_old − logπ_gen|) when generator_logprobs is
-    given; and when the correction is on (importance_correction not "none"), of the applied weights c_t:
+    reference_logprobs is given; generator_logprob_error (mean |logπ_old − logπ_gen|), generator_logprob_error_max
+    (its largest, 0 with no valid token) and generator_logprob_error_fraction (the share of tokens past
+    cfg.logprob_mismatch_threshold) when generator_logprobs is given; and when the correction is on (importance_correction not "none"), of the applied weights c_t:
     is_weight_mean, is_masked_fraction (c_t set to 0), is_truncated_fraction (c_t moved to a truncation bound),
     is_effective_sample_size (Σc)²/(n·Σc²) over the n valid tokens (1 with no valid token, 0 when every c_t is
     0), and of the raw token weights w = exp(logπ_old − logπ_gen): is_raw_weight_min, is_raw_weight_max (1 with
@@ -346,7 +347,11 @@ def policy_gradient_loss(
         correction = importance_weights(old_logprobs, generator_logprobs, valid, cfg)
         per_token = correction.weights * per_token
         with torch.no_grad():
-            metrics["generator_logprob_error"] = _masked_mean((old_logprobs - generator_logprobs).abs(), valid)
+            mismatch = (old_logprobs - generator_logprobs).abs()
+            metrics["generator_logprob_error"] = _masked_mean(mismatch, valid)
+            metrics["generator_logprob_error_max"] = _masked_extreme(mismatch, valid, "max", empty=0.0)
+            metrics["generator_logprob_error_fraction"] = _masked_mean(mismatch > cfg.logprob_mismatch_threshold,
+                                                                       valid)
             if cfg.importance_correction != "none":
                 metrics.update(_importance_metrics(correction, old_logprobs - generator_logprobs, valid))
 

@@ -86,7 +86,7 @@ class PolicyWorker(Protocol):
 
     def push_weights(self, generator: WeightReceiver) -> dict[str, float]:
         """Give a generator the current weights stamped with `version`, streamed (never a second full copy in the
-        caller); metrics weight_sync/seconds and weight_sync/bytes."""
+        caller); metrics weight_sync/seconds, weight_sync/bytes and weight_sync/version."""
         ...
 
     def sampling_module(self) -> torch.nn.Module | None:

@@ -271,11 +271,12 @@ class LocalPolicyWorker(_LocalModel):
     def push_weights(self, generator: WeightReceiver) -> dict[str, float]:
         """Give `generator` this policy's current weights, stamped with `version`; streamed tensor by tensor (the
         generator loads them in buckets), so the caller never holds a second full copy. A generator that samples
-        from this worker's own module takes the version and reads no tensor. Metrics weight_sync/seconds and
-        weight_sync/bytes."""
+        from this worker's own module takes the version and reads no tensor. Metrics weight_sync/seconds,
+        weight_sync/bytes and weight_sync/version (the version pushed)."""
         started = time.perf_counter()
         sent = generator.update_weights(self.version, self.named_weights())
-        return {"weight_sync/seconds": time.perf_counter() - started, "weight_sync/bytes": float(sent)}
+        return {"weight_sync/seconds": time.perf_counter() - started, "weight_sync/bytes": float(sent),
+                "weight_sync/version": float(self.version)}
 
     def sampling_module(self) -> torch.nn.Module | None:
         """The module a generator in this process may sample from directly, sharing the trained weights (for a

@@ -1,0 +1,506 @@
+"""Ray worker groups: generation and environment workers as Ray actors behind the `Generator` and `Environment`
+protocols, so that `algorithms/grpo.py` and `ppo.py` drive them unchanged (docs/ray.md).
+
+    cluster = RayCluster(cfg.cluster, cfg.weight_sync, output_dir)   # a local Ray instance, or join cluster.address
+    generator = cluster.generator(model, tokenizer, batch_size=..., seed=...)   # a RayGenerator
+    environment = cluster.environment(build_recipe_environment, cfg.environment)   # a RayEnvironment
+    ...
+    cluster.close()                                                  # kill the actors, shut the instance down
+
+What this first slice builds, and where it departs from the full design:
+- The policy stays in the driver process (a local worker); its weights reach the generation actors through
+  `RayGenerator.update_weights`: in buckets of weight_sync.bucket_mb put into Ray's object store one at a time,
+  every actor loading each bucket before the next is put, then a check that every weight of the model arrived
+  and the version stamp (with cluster.max_restarts > 0 the last push's buckets stay in the store for a
+  replacement actor: one copy of the model). Policy ranks as actors forming a torch.distributed group are planned.
+- `RayGenerator.submit` sends a generation call at once and waits for it later: an actor answers calls in the
+  order they were sent, so a call sent before a weight push samples from the weights before it (asynchronous
+  rollouts, algorithms/rollout_source.py).
+- Generation actors run the transformers backend on their own copy of the model. A call whose prompts carry
+  per-prompt seeds (rollout.seed_per_group) is divided among the actors in contiguous blocks; a call seeded as a
+  whole draws from one stream and goes to the first actor, so it samples what one process samples.
+- Environment actors build the environment from its config section in their own process; a step's episodes are
+  divided among them in contiguous blocks, single episodes (multi-turn) go round-robin.
+- Every remote call waits at most cluster.timeout_s (actor start-up included); past it the run stops with a
+  RunError naming the worker, the call and what it waited for (the newest checkpoint on disk is the one to resume
+  from). A stuck actor is not restarted: it may be slow rather than dead, and its answer would come twice.
+- An actor that dies (its process killed, out of memory) is replaced, up to cluster.max_restarts per group: a
+  generation actor first loads the weights the others hold, then the call it was answering is re-sent to it with
+  the same arguments (the same seeds: it samples what the dead one would have), and the samples re-sent are
+  counted. Past the restarts the run stops naming the worker.
+- `RayCluster.metrics()` gives each group's seconds since its last answered call, its restarts and re-sent
+  samples, logged every step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from posttrain.config.schema import ClusterSection, ModelConfig, TrainerConfig, WeightSyncSection
+from posttrain.data.types import RolloutBatch
+from posttrain.envs.base import EnvStep, Message
+from posttrain.errors import RunError
+from posttrain.generation.base import GenerationOutput, SamplingParams, weight_buckets
+from posttrain.generation.transformers_backend import TransformersGenerator
+from posttrain.models.loading import load_causal_lm
+from posttrain.distributed.weight_check import weight_digests
+from posttrain.workers.local import LocalScoringWorker
+
+SOCKET_PATH_ROOM = 60
+"""Characters Ray appends to its temporary directory for a socket path (session_<date>_<pid>/sockets/plasma_store);
+a Unix socket path holds at most 107."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """One remote call to a group's actor: which actor, which method, its arguments."""
+
+    index: int
+    method: str
+    args: tuple = ()
+    samples: int = 0
+    """Samples the call carries (prompts x samples, episodes): counted as retried when it is re-sent to a restarted
+    actor."""
+
+
+class WorkerGroup:
+    """Actors of one role: the deadline of every call to them, restarts of the ones that die, and when the group
+    last answered.
+
+    make: starts one actor (the same way for a replacement); max_restarts: actors the group may replace over the
+    run; on_restart: given a replacement, the calls that bring it up to date before anything is re-sent to it (the
+    generation group's weights)."""
+
+    def __init__(self, name: str, make: Callable[[], Any], count: int, timeout_s: float, max_restarts: int,
+                 on_restart: Callable[[int], list[Call]] | None = None):
+        self.name, self.make, self.timeout_s, self.max_restarts = name, make, timeout_s, max_restarts
+        self.on_restart = on_restart
+        self.actors = [make() for _ in range(count)]
+        self.last_progress = time.monotonic()
+        self.restarts = 0
+        self.retried_samples = 0
+        self.failed = False
+        """A call to the group ran past its deadline or found an actor dead for good: closing it then kills,
+        without asking."""
+        self._lock = threading.RLock()
+
+    def worker_name(self, index: int) -> str:
+        return f"{self.name} worker {index} of {len(self.actors)}"
+
+    def call(self, calls: Sequence[Call], waiting_for: str) -> list[Any]:
+        """The results of `calls`, sent together and awaited in order within one cluster.timeout_s deadline. A call
+        whose actor died is re-sent to a replacement (`restart`) while the group has restarts left; RunError
+        naming the worker, the call and `waiting_for` past the deadline or when none are left."""
+        return self.collect(self.send(calls), waiting_for)
+
+    def send(self, calls: Sequence[Call]) -> list[tuple[Call, Any, Any]]:
+        """Send `calls` now (an actor answers its calls in the order they were sent); `collect` waits for them."""
+        return [(call, *self._send(call)) for call in calls]
+
+    def collect(self, sent: list[tuple[Call, Any, Any]], waiting_for: str) -> list[Any]:
+        """The results of calls `send` sent, within one cluster.timeout_s deadline from now (see `call`)."""
+        deadline = time.monotonic() + self.timeout_s
+        results = []
+        for call, actor, ref in sent:
+            while True:
+                try:
+                    results.append(self._get(ref, call, deadline, waiting_for))
+                    break
+                except RayActorError as error:
+                    self.restart(call.index, actor, error, f"`{call.method}` (waiting for {waiting_for})")
+                    with self._lock:
+                        self.retried_samples += call.samples
+                    deadline = time.monotonic() + self.timeout_s  # the re-sent call gets a deadline of its own
+                    actor, ref = self._send(call)
+        with self._lock:
+            self.last_progress = time.monotonic()
+        return results
+
+    def _send(self, call: Call) -> tuple[Any, Any]:
+        """(the actor, the object ref of its answer); waits while a replacement catches up (`restart`)."""
+        with self._lock:
+            actor = self.actors[call.index]
+            return actor, getattr(actor, call.method).remote(*call.args)
+
+    def _get(self, ref: Any, call: Call, deadline: float, waiting_for: str) -> Any:
+        try:
+            return ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+        except GetTimeoutError:
+            self.failed = True
+            raise RunError(f"{self.worker_name(call.index)} did not answer `{call.method}` within cluster.timeout_s="
+                           f"{self.timeout_s:g} s (waiting for {waiting_for}); the run stops here and its newest "
+                           "checkpoint is intact: re-run the same command to resume from it, with a larger "
+                           "cluster.timeout_s if the call was only slow") from None
+
+    def restart(self, index: int, dead: Any, error: Exception, during: str) -> None:
+        """Replace actor `index`, found `dead` (unless another thread already replaced it), bring the replacement up
+        to date (`on_restart`) and count it; RunError when the group has used its cluster.max_restarts or the
+        replacement dies too."""
+        with self._lock:
+            if self.actors[index] is not dead:
+                return
+            if self.restarts >= self.max_restarts:
+                self.failed = True
+                raise RunError(f"{self.worker_name(index)} died during {during}: {one_line(error)} The group has "
+                               f"used its cluster.max_restarts={self.max_restarts} restarts; the run stops here: "
+                               "re-run the same command to resume from the newest checkpoint") from None
+            ray.kill(dead, no_restart=True)
+            self.actors[index] = self.make()
+            self.restarts += 1
+            deadline = time.monotonic() + self.timeout_s
+            catch_up = [Call(index, "ready"), *(self.on_restart(index) if self.on_restart is not None else [])]
+            try:  # under the lock: no other thread sends to the replacement before it has caught up
+                for call in catch_up:
+                    self._get(self._send(call)[1], call, deadline, f"the replacement of a dead {self.name} worker")
+            except RayActorError as again:
+                self.failed = True
+                raise RunError(f"the replacement of {self.worker_name(index)} died too, during `{call.method}`: "
+                               f"{one_line(again)}") from None
+
+    def seconds_since_progress(self) -> float:
+        return time.monotonic() - self.last_progress
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+
+
+# ---- generation ----------------------------------------------------------------------------------------------
+
+
+@ray.remote
+class GenerationActor:
+    """A transformers generator on its own copy of the model, loaded from the policy's weight pushes."""
+
+    def __init__(self, model: ModelConfig, tokenizer, batch_size: int, seed: int, num_threads: int):
+        # The driver's thread count: a matrix product split over another number of threads may round differently.
+        torch.set_num_threads(num_threads)
+        self.generator = TransformersGenerator(load_causal_lm(model).eval(), tokenizer, batch_size=batch_size,
+                                               seed=seed, owns_weights=True)
+        self.generator.model.requires_grad_(False)
+        self._expected = set(self.generator.model.state_dict())
+        self._loaded: set[str] = set()
+
+    def ready(self) -> bool:
+        return True
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int) -> GenerationOutput:
+        output = self.generator.generate(prompts, params, num_samples)
+        output.extra["weights_version"] = self.generator.weights_version
+        return output
+
+    def load_bucket(self, bucket: list[tuple[str, str, tuple[int, ...], np.ndarray]]) -> int:
+        """Copy one bucket of weights (`bucket_payload`) into the model; the bytes loaded."""
+        with warnings.catch_warnings():
+            # The arrays are read-only views of Ray's shared memory; they are only read, by the copy into the model.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            weights = {name: torch.from_numpy(data).view(getattr(torch, dtype)).reshape(shape)
+                       for name, dtype, shape, data in bucket}
+            with torch.no_grad():
+                _, unexpected = self.generator.model.load_state_dict(weights, strict=False)
+        if unexpected:
+            raise ValueError(f"weights this generator's model has no place for: {unexpected[:5]}")
+        self._loaded.update(weights)
+        return sum(data.nbytes for *_, data in bucket)
+
+    def finish_sync(self, version: int) -> int:
+        """Stamp `version` once every weight of the model has arrived since the last sync; its version."""
+        missing, self._loaded = sorted(self._expected - self._loaded), set()
+        if missing:
+            raise ValueError(f"weight update of version {version} left weights unset: {missing[:5]}")
+        self.generator.weights_version = version
+        return version
+
+    def weights_version(self) -> int:
+        return self.generator.weights_version
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return {name: tensor.detach().clone() for name, tensor in self.generator.model.state_dict().items()}
+
+    def weight_digests(self) -> dict[str, str]:
+        return weight_digests(self.generator.model.state_dict().items())
+
+    def logprobs(self, batch: RolloutBatch, trainer: TrainerConfig, temperature: float) -> torch.Tensor:
+        """[N, T] log-probabilities of the batch's tokens under this actor's weights, computed by the same forward
+        pass a local scoring worker runs (workers/forward.py)."""
+        return LocalScoringWorker(self.generator.model, trainer, role="generator").logprobs(batch, temperature)
+
+
+def one_line(error: Exception) -> str:
+    """Ray's multi-line account of a dead actor (its class, id, pid, why) on one line."""
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+
+
+def bucket_payload(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, tuple[int, ...], np.ndarray]]:
+    """A bucket as (name, dtype, shape, bytes as a uint8 array) per tensor: Ray stores NumPy arrays in its shared
+    memory and an actor reads them there without a copy (a pickled tensor would be copied on both sides), and
+    every dtype, bfloat16 included, travels as bytes."""
+    payload = []
+    for name, tensor in bucket:
+        data = tensor.detach().cpu().contiguous()
+        payload.append((name, str(data.dtype).removeprefix("torch."), tuple(data.shape),
+                        data.reshape(-1).view(torch.uint8).numpy()))
+    return payload
+
+
+def contiguous_blocks(count: int, parts: int) -> list[tuple[int, int]]:
+    """(start, stop) of `count` items cut into at most `parts` contiguous, non-empty blocks of near-equal size."""
+    size, extra = divmod(count, parts)
+    blocks, start = [], 0
+    for part in range(parts):
+        stop = start + size + (part < extra)
+        if stop > start:
+            blocks.append((start, stop))
+        start = stop
+    return blocks
+
+
+class RayGenerator:
+    """The `Generator` protocol over a group of `GenerationActor`s (see the module docstring).
+
+    With restarts allowed (cluster.max_restarts > 0) the buckets of the last weight push stay in Ray's object store
+    (one copy of the weights) until the next push, so that a replacement actor loads the version the others hold
+    before the call it missed is re-sent to it."""
+
+    def __init__(self, make: Callable[[], Any], count: int, section: ClusterSection, bucket_bytes: int):
+        self.group = WorkerGroup("generation", make, count, section.timeout_s, section.max_restarts,
+                                 on_restart=self._catch_up)
+        self.bucket_bytes = bucket_bytes
+        self.weights_version = 0
+        self._buckets: list[Any] = []
+        """The object refs of the weight buckets pushed so far (of the version being pushed during a push)."""
+        self._syncing = False
+
+    def _actors(self) -> range:
+        return range(len(self.group.actors))
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
+        return self.submit(prompts, params, num_samples)()
+
+    def submit(self, prompts: list[list[int]], params: SamplingParams,
+               num_samples: int = 1) -> Callable[[], GenerationOutput]:
+        """Send a `generate` call now and return what waits for its output: the actors answer it before any weight
+        push sent after it (asynchronous rollouts). The output's extra["weights_versions"] lists the version each
+        actor sampled its share with."""
+        started = time.perf_counter()
+        params.check_seeds_fit(len(prompts))
+        actors = len(self.group.actors) if params.seed is None else 1  # a whole-call seed: one stream, one actor
+        calls = []
+        for index, (start, stop) in enumerate(contiguous_blocks(len(prompts), actors)):
+            block_params = params if params.seeds is None else replace(params, seeds=params.seeds[start:stop])
+            calls.append(Call(index, "generate", (prompts[start:stop], block_params, num_samples),
+                              samples=(stop - start) * num_samples))
+        sent = self.group.send(calls)
+
+        def output() -> GenerationOutput:
+            outputs = self.group.collect(sent, f"{len(prompts)} prompts x {num_samples} samples of up to "
+                                         f"{params.max_new_tokens} tokens")
+            return GenerationOutput([samples for output in outputs for samples in output.completions],
+                                    time.perf_counter() - started, sum(o.num_generated_tokens for o in outputs),
+                                    {"weights_versions": [o.extra["weights_version"] for o in outputs]})
+
+        return output
+
+    def update_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Send policy `version`'s weights to every actor, one bucket of weight_sync.bucket_mb in flight at a time;
+        each actor checks that every weight arrived and stamps the version. The bytes sent (to each actor)."""
+        keep = self.group.max_restarts > 0
+        self._buckets, self._syncing = [], True
+        sent = 0
+        for number, bucket in enumerate(weight_buckets(weights, self.bucket_bytes)):
+            size = sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+            ref = ray.put(bucket_payload(bucket))
+            if keep:
+                self._buckets.append(ref)
+            self.group.call([Call(i, "load_bucket", (ref,)) for i in self._actors()],
+                            f"weight bucket {number} ({size / 2**20:.1f} MiB) of version {version}")
+            del ref  # without restarts, one bucket in the object store at a time
+            sent += size
+        held = self.group.call([Call(i, "finish_sync", (version,)) for i in self._actors()],
+                               f"the check of version {version}'s weights")
+        if held != [version] * len(held):
+            raise RunError(f"weight sync of policy version {version}: the generation workers hold versions {held}")
+        self.weights_version, self._syncing = version, False
+        return sent
+
+    def _catch_up(self, index: int) -> list[Call]:
+        """What a replacement actor loads before the call it missed: the last version's buckets and its stamp, or
+        during a push the buckets of the new version sent so far (the rest and the stamp follow)."""
+        loads = [Call(index, "load_bucket", (ref,)) for ref in self._buckets]
+        return loads if self._syncing else [*loads, Call(index, "finish_sync", (self.weights_version,))]
+
+    # ---- what check-weight-sync compares ----
+
+    def weight_digests(self) -> list[dict[str, str]]:
+        """Each actor's weight digests (`weight_digests`)."""
+        return self.group.call([Call(i, "weight_digests") for i in self._actors()], "the digests of its weights")
+
+    def named_weights(self, index: int = 0) -> dict[str, torch.Tensor]:
+        return self.group.call([Call(index, "named_weights")], "a copy of its weights")[0]
+
+    def actor_versions(self) -> list[int]:
+        return self.group.call([Call(i, "weights_version") for i in self._actors()], "its weights' version")
+
+    def logprobs(self, batch: RolloutBatch, trainer: TrainerConfig, temperature: float,
+                 index: int = 0) -> torch.Tensor:
+        return self.group.call([Call(index, "logprobs", (batch, trainer, temperature))],
+                               f"the log-probabilities of {len(batch)} rows")[0]
+
+
+# ---- environments --------------------------------------------------------------------------------------------
+
+
+@ray.remote
+class EnvironmentActor:
+    """An environment built in this actor's process from its config section."""
+
+    def __init__(self, build: Callable[[Any], Any], section: Any):
+        self.environment = build(section)
+
+    def ready(self) -> bool:
+        return True
+
+    def reward_weights(self) -> dict[str, float]:
+        return dict(getattr(self.environment, "reward_weights", {}))  # only multi-component environments have it
+
+    def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:
+        return self.environment.step(message_logs, metadata)
+
+    def close(self) -> None:
+        self.environment.close()
+
+
+class RayEnvironment:
+    """The `Environment` protocol over a group of `EnvironmentActor`s (see the module docstring)."""
+
+    def __init__(self, group: WorkerGroup, reward_weights: dict[str, float]):
+        self.group = group
+        self.reward_weights = reward_weights
+        self._next = itertools.count()
+        self._lock = threading.Lock()
+
+    def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:
+        actors = self.group.actors
+        if len(message_logs) == 1:  # one episode (multi-turn): the next actor in turn
+            with self._lock:
+                first = next(self._next) % len(actors)
+            order = [first]
+        else:
+            order = list(range(len(actors)))
+        calls = [Call(index, "step", (message_logs[start:stop], metadata[start:stop]), samples=stop - start)
+                 for index, (start, stop) in zip(order, contiguous_blocks(len(message_logs), len(order)))]
+        results = self.group.call(calls, f"the rewards of {len(message_logs)} episodes")
+        return EnvStep(*([item for result in results for item in getattr(result, field)]
+                         for field in ("rewards", "done", "observations", "errors", "metadata")))
+
+    def close(self) -> None:
+        """Let each actor's environment release what it holds (reward worker processes), then kill the actors; a
+        group that already missed a deadline or lost an actor is killed at once (the run is stopping over that)."""
+        if self.group.actors and not self.group.failed:
+            self.group.call([Call(i, "close") for i in range(len(self.group.actors))],
+                            "the environment to release its workers")
+        self.group.kill()
+
+
+# ---- the cluster ---------------------------------------------------------------------------------------------
+
+
+class RayCluster:
+    """A Ray instance for one run: started locally (cluster.num_cpus, temporary files under OUTPUT/ray/) or joined
+    at cluster.address (or the one this process already initialised); `close` kills the run's actors and shuts
+    down what it started."""
+
+    def __init__(self, section: ClusterSection, weight_sync: WeightSyncSection, output_dir: Path):
+        self.section, self.weight_sync = section, weight_sync
+        self.groups: list[WorkerGroup] = []
+        self.started = False
+        self._short_temp_dir: Path | None = None
+        if ray.is_initialized():
+            return
+        if section.address is not None:
+            ray.init(address=section.address, include_dashboard=False)
+        else:
+            temp_dir = ray_temp_dir(Path(output_dir))
+            if temp_dir.parent != Path(output_dir).resolve():
+                self._short_temp_dir = temp_dir
+            ray.init(num_cpus=section.num_cpus, _temp_dir=str(temp_dir), include_dashboard=False)
+            self.started = True
+
+    def _start(self, group: WorkerGroup) -> WorkerGroup:
+        self.groups.append(group)
+        group.call([Call(i, "ready") for i in range(len(group.actors))], "the actor to start and build its worker")
+        return group
+
+    def generator(self, model: ModelConfig, tokenizer, *, batch_size: int, seed: int) -> RayGenerator:
+        """cluster.generation_workers generation actors, each loading `model` (its weights then come from the
+        policy's pushes)."""
+        actor = GenerationActor.options(num_cpus=self.section.cpus_per_generation_worker)
+        threads = torch.get_num_threads()
+        generator = RayGenerator(lambda: actor.remote(model, tokenizer, batch_size, seed, threads),
+                                 self.section.generation_workers, self.section, int(self.weight_sync.bucket_mb * 2**20))
+        self._start(generator.group)
+        return generator
+
+    def environment(self, build: Callable[[Any], Any], section: Any) -> RayEnvironment:
+        """cluster.environment_workers environment actors, each running `build(section)` (a module-level function,
+        so that it travels by name)."""
+        actor = EnvironmentActor.options(num_cpus=self.section.cpus_per_environment_worker)
+        group = self._start(WorkerGroup("environment", lambda: actor.remote(build, section),
+                                        self.section.environment_workers, self.section.timeout_s,
+                                        self.section.max_restarts))
+        weights = group.call([Call(0, "reward_weights")], "the environment's reward weights")[0]
+        return RayEnvironment(group, weights)
+
+    def metrics(self) -> dict[str, float]:
+        """Per worker group, logged every step: heartbeat/<group>_seconds (since it last answered a call),
+        faults/<group>_restarts and faults/<group>_retried_samples (actors replaced and samples re-sent to them,
+        over the run so far)."""
+        metrics = {}
+        for group in self.groups:
+            metrics |= {f"heartbeat/{group.name}_seconds": group.seconds_since_progress(),
+                        f"faults/{group.name}_restarts": float(group.restarts),
+                        f"faults/{group.name}_retried_samples": float(group.retried_samples)}
+        return metrics
+
+    def close(self) -> None:
+        for group in self.groups:
+            group.kill()
+        self.groups = []
+        if self.started:
+            ray.shutdown()
+            self.started = False
+        if self._short_temp_dir is not None:  # the stand-in for OUTPUT/ray under the system's temporary folder
+            shutil.rmtree(self._short_temp_dir, ignore_errors=True)
+            self._short_temp_dir = None
+
+
+def ray_temp_dir(output_dir: Path) -> Path:
+    """OUTPUT/ray, Ray's temporary directory for this run (its logs stay there after the run); when that path is
+    too long for Ray's socket paths, a short directory under the system's temporary folder, with OUTPUT/ray a link
+    to it while the run lasts (removed with the run's end)."""
+    wanted = output_dir.resolve() / "ray"
+    if len(str(wanted)) + SOCKET_PATH_ROOM <= 107:
+        wanted.mkdir(parents=True, exist_ok=True)
+        return wanted
+    short = Path(tempfile.mkdtemp(prefix="posttrain-ray-"))
+    if wanted.is_symlink() or wanted.is_file():
+        wanted.unlink()
+    elif wanted.is_dir():
+        shutil.rmtree(wanted)
+    wanted.symlink_to(short, target_is_directory=True)
+    return short

@@ -1,0 +1,300 @@
+"""Ray worker groups (cluster.backend=ray): the same GRPO and PPO loops driving generation and environment actors,
+weight sync to them, deadlines, replaced actors, asynchronous rollouts. One small Ray instance per test (2 CPUs; run
+them one at a time); the Ray tests are skipped when ray is not installed."""
+
+import importlib.util
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.algorithms.grpo import train_grpo
+from posttrain.config import load_config
+from posttrain.config.schema import GRPOConfig
+from posttrain.logging import read_metrics
+
+from rl_configs import DIGITS, TINY_RL
+
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason="cluster.backend=ray needs the ray extra (pip install 'posttrain[ray]')")
+
+RAY = ["cluster.backend=ray", "cluster.timeout_s=120"]
+
+
+def config(output_dir: Path, *overrides: str) -> GRPOConfig:
+    return load_config(GRPOConfig, None, [*TINY_RL, *DIGITS, f"output_dir={output_dir}", *overrides])
+
+
+@needs_ray
+@pytest.mark.slow  # about 40 s: two runs, one starting a Ray instance and two actors
+def test_ray_grpo_logs_the_rewards_and_losses_of_the_in_process_run(tmp_path, tiny_model_dir):
+    import ray
+
+    train_grpo(config(tmp_path / "local", "trainer.max_steps=3"))
+    train_grpo(config(tmp_path / "ray", "trainer.max_steps=3", *RAY))
+    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
+    assert not ray.is_initialized()  # the run's Ray instance stopped with it
+    assert len(local) == len(remote) == 3
+    for step, (a, b) in enumerate(zip(local, remote), start=1):
+        assert a["weight_sync/version"] == b["weight_sync/version"] == step  # one optimizer step per RL step
+        for key in ("reward/mean", "loss", "grad_norm", "response_length/mean", "generator_logprob_error"):
+            assert b[key] == pytest.approx(a[key], abs=1e-5), key
+        assert b["weight_sync/bytes"] > 0 == a["weight_sync/bytes"]  # the actor's own copy was refreshed
+        assert 0 <= b["heartbeat/generation_seconds"] < 60 and 0 <= b["heartbeat/environment_seconds"] < 60
+
+
+@needs_ray
+@pytest.mark.slow  # about 45 s: two PPO runs, one starting a Ray instance and two actors
+def test_ray_ppo_logs_the_rewards_and_losses_of_the_in_process_run(tmp_path, tiny_model_dir):
+    from posttrain.algorithms.ppo import train_ppo
+    from posttrain.config.schema import PPOConfig
+
+    def ppo(output_dir: Path, *overrides: str) -> PPOConfig:
+        return load_config(PPOConfig, None, [*TINY_RL, *DIGITS, f"output_dir={output_dir}", "trainer.max_steps=3",
+                                             *overrides])
+
+    train_ppo(ppo(tmp_path / "local"))
+    train_ppo(ppo(tmp_path / "ray", *RAY))
+    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
+    assert len(local) == len(remote) == 3
+    for a, b in zip(local, remote):
+        for key in ("reward/mean", "loss", "grad_norm", "value/loss", "generator_logprob_error"):
+            assert b[key] == pytest.approx(a[key], abs=1e-5), key
+
+
+@pytest.mark.parametrize("override, message", [
+    (["rollout.backend=vllm"], "Ray generation workers run the transformers backend"),
+    (["cluster.generation_workers=2"], "needs rollout.seed_per_group=true"),
+    (["cluster.timeout_s=0"], "cluster.timeout_s"),
+])
+def test_ray_settings_that_cannot_work_fail_at_load(tmp_path, override, message):
+    from posttrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        config(tmp_path, *RAY, *override)
+
+
+# ---- weight sync -------------------------------------------------------------------------------------------------
+
+
+CHECK = ["model.name_or_path=posttrain/tiny", "data.train_files=['posttrain/arithmetic[:16]']", "data.max_length=32",
+         "rollout.max_new_tokens=6"]
+
+
+def test_check_weight_sync_passes_for_an_in_process_copy_and_fails_when_the_push_is_wrong(tiny_model_dir, capsys,
+                                                                                         monkeypatch):
+    from posttrain.cli import main
+    from posttrain.distributed.weight_check import InProcessCopy
+
+    assert main(["grpo", "--check-weight-sync", *CHECK]) == 0
+    out = capsys.readouterr().out
+    assert "weight sync ok: backend=local" in out and "39/39 tensors bitwise equal" in out
+    assert "policy version 1 (generators hold [1])" in out and "bitwise equal" in out
+
+    # Control: a push that loses the last bit of one tensor is caught by both comparisons.
+    real = InProcessCopy.update_weights
+
+    def flipped(self, version, weights):
+        return real(self, version, ((name, tensor.nextafter(torch.full_like(tensor, 1e9))
+                                     if name.endswith("lm_head.weight") or name == "model.norm.weight" else tensor)
+                                    for name, tensor in weights))
+
+    monkeypatch.setattr(InProcessCopy, "update_weights", flipped)
+    assert main(["grpo", "--check-weight-sync", *CHECK]) == 1
+    out = capsys.readouterr().out
+    assert "weight sync MISMATCH" in out and "model.norm.weight" in out and "differ, max |difference|" in out
+
+
+@needs_ray
+def test_ray_weight_sync_is_versioned_bucketed_and_bitwise_and_the_actors_logprobs_equal_the_trainers(
+        tmp_path, tiny_model_dir):
+    import ray
+
+    from posttrain.algorithms.weight_check import check_weight_sync
+
+    # Two generation actors, buckets of 64 KiB (the tiny model's 4.3 MiB in many pieces).
+    cfg = config(tmp_path, *CHECK, *RAY, "cluster.generation_workers=2", "rollout.seed_per_group=true",
+                 "weight_sync.bucket_mb=0.0625")
+    check = check_weight_sync(cfg)
+    assert not ray.is_initialized()
+    assert check.passed, check.summary()
+    assert check.backend == "ray" and check.workers == 2 and check.generator_versions == [1, 1]
+    assert check.tensors == 39 and not check.differing_tensors and check.bytes_sent > 4 * 2**20
+    assert check.logprobs_bitwise_equal and check.logprob_max_difference == 0.0
+    assert check.sampled_mismatch_max < 1e-4  # the sampler's KV-cached decode, not bitwise but close
+
+
+# ---- deadlines ---------------------------------------------------------------------------------------------------
+
+
+@needs_ray
+@pytest.mark.slow  # about 35 s: a Ray instance, two actors, two steps, then the deadline
+def test_an_environment_worker_that_stops_answering_stops_the_run_within_the_deadline_naming_it(
+        tmp_path, tiny_model_dir):
+    import ray
+
+    from posttrain.checkpoint import list_checkpoints, verify_checkpoint
+    from posttrain.errors import RunError
+
+    from rl_configs import REWARDS
+
+    hangs = ["environment.kind=python",
+             f"environment.options={{functions: ['{REWARDS}:digit_fraction_then_never_answers'], num_workers: 0}}"]
+    cfg = load_config(GRPOConfig, None, [*TINY_RL, *hangs, f"output_dir={tmp_path}", "trainer.max_steps=4",
+                                         "trainer.save_every=1", "cluster.backend=ray", "cluster.timeout_s=20"])
+    with pytest.raises(RunError) as error:  # without the deadline this call would never return
+        train_grpo(cfg)
+    message = str(error.value)
+    assert "environment worker 0 of 1 did not answer `step` within cluster.timeout_s=20 s" in message
+    assert "waiting for the rewards of 32 episodes" in message
+    assert not ray.is_initialized()  # the run's Ray instance was shut down on the way out
+    # Steps 1 and 2 finished and were saved; step 3's scoring hung: the newest checkpoint is step 2, intact.
+    checkpoints = list_checkpoints(tmp_path)
+    assert [c.step for c in checkpoints] == [1, 2]
+    assert verify_checkpoint(checkpoints[-1].path) is None
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 2
+
+
+# ---- faults ------------------------------------------------------------------------------------------------------
+
+
+@needs_ray
+@pytest.mark.slow  # about 60 s: an in-process run, then a Ray run whose two actors are killed after step 2
+def test_killed_actors_are_replaced_resynced_and_the_run_trains_what_an_undisturbed_one_does(tmp_path,
+                                                                                           tiny_model_dir):
+    import threading
+    import time
+
+    import ray
+
+    from posttrain.distributed import cluster as clusters
+
+    killed = []
+
+    def kill_both_after_step_two() -> None:
+        metrics = tmp_path / "ray" / "metrics.jsonl"
+        give_up = time.monotonic() + 300
+        while time.monotonic() < give_up:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                for group in clusters._started[0].groups:
+                    ray.kill(group.actors[0], no_restart=True)  # as if its process were killed
+                    killed.append(group.name)
+                return
+            time.sleep(0.02)
+
+    train_grpo(config(tmp_path / "local", "trainer.max_steps=4"))
+    killer = threading.Thread(target=kill_both_after_step_two, daemon=True)
+    killer.start()
+    train_grpo(config(tmp_path / "ray", "trainer.max_steps=4", *RAY))
+    killer.join(timeout=5)
+    assert killed == ["environment", "generation"]
+    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
+    assert len(local) == len(remote) == 4
+    for a, b in zip(local, remote):  # the replacements sampled and scored what the killed actors would have
+        for key in ("reward/mean", "loss", "grad_norm", "generator_logprob_error"):
+            assert b[key] == pytest.approx(a[key], abs=1e-5), key
+    assert remote[1]["faults/generation_restarts"] == remote[1]["faults/environment_restarts"] == 0
+    last = remote[-1]
+    assert last["faults/generation_restarts"] == last["faults/environment_restarts"] == 1
+    assert last["faults/environment_retried_samples"] == 32  # step 3's scoring call, re-sent
+    assert last["faults/generation_retried_samples"] in (0, 32)  # 0 when the death was found by the weight push
+
+
+@needs_ray
+def test_a_worker_group_replaces_dead_actors_up_to_max_restarts_and_times_out_a_stuck_one(tmp_path):
+    import ray
+
+    from posttrain.distributed.ray_groups import Call, WorkerGroup
+    from posttrain.errors import RunError
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def ready(self):
+            return True
+
+        def echo(self, value):
+            return value
+
+        def hang(self):
+            import time
+
+            time.sleep(3600)
+
+    def kill(actor) -> None:
+        """ray.kill, then wait until the actor is seen dead (the kill is asynchronous)."""
+        ray.kill(actor, no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError):
+            while True:
+                ray.get(actor.ready.remote(), timeout=30)
+
+    temp_dir = tempfile.mkdtemp(prefix="pt-ray-")  # short: Ray's socket paths must fit in 107 characters
+    ray.init(num_cpus=1, _temp_dir=temp_dir, include_dashboard=False)
+    try:
+        caught_up = []
+        # 10 s: room for an actor's start (a new process) on a busy 2-core machine.
+        group = WorkerGroup("echo", Echo.remote, 2, timeout_s=10, max_restarts=1,
+                            on_restart=lambda index: caught_up.append(index) or [Call(index, "echo", ("synced",))])
+        assert group.call([Call(0, "echo", ("a",)), Call(1, "echo", ("b",))], "echoes") == ["a", "b"]
+        first = group.actors[1]
+        kill(first)
+        assert group.call([Call(0, "echo", ("a",)), Call(1, "echo", ("b",), samples=4)], "echoes") == ["a", "b"]
+        assert group.actors[1] is not first and caught_up == [1]
+        assert group.restarts == 1 and group.retried_samples == 4
+
+        kill(group.actors[0])
+        with pytest.raises(RunError, match=r"echo worker 0 of 2 died during `echo` \(waiting for echoes\): The "
+                                           r"actor died .*killed by `ray.kill`.*cluster.max_restarts=1 restarts"):
+            group.call([Call(0, "echo", ("a",))], "echoes")
+
+        with pytest.raises(RunError, match=r"echo worker 1 of 2 did not answer `hang` within cluster.timeout_s=10 s "
+                                           r"\(waiting for nothing in particular\)"):
+            group.call([Call(1, "hang")], "nothing in particular")
+        assert group.failed
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+# ---- asynchronous rollouts ---------------------------------------------------------------------------------------
+
+
+ASYNC = [*RAY, "rollout.asynchronous=true", "loss.importance_correction=tis"]
+
+
+@needs_ray
+@pytest.mark.slow  # about 90 s: three Ray runs
+def test_asynchronous_rollouts_stay_within_the_staleness_bound_and_resume_exactly(tmp_path, tiny_model_dir):
+    keys = ("reward/mean", "loss", "grad_norm", "generator_logprob_error", "rollout/staleness_max")
+    train_grpo(config(tmp_path / "full", "trainer.max_steps=4", "trainer.save_every=2", *ASYNC))
+    full = read_metrics(tmp_path / "full" / "metrics.jsonl")
+    # Every batch: sampled at most one version behind the policy that trains on it; from step 2 on exactly one
+    # (generation ran ahead while step 1 trained).
+    assert [r["rollout/staleness_max"] for r in full] == [0, 1, 1, 1]
+    assert all(r["rollout/stale_groups_dropped"] == 0 for r in full)
+    assert all(r["is_weight_mean"] > 0 for r in full)  # the importance correction weighed the older samples
+    assert full[1]["generator_logprob_error"] > 1e-4 > full[0]["generator_logprob_error"]  # one version behind
+
+    # Stopped after step 2 (its checkpoint keeps the round already sampled for step 3) and resumed: the same run.
+    train_grpo(config(tmp_path / "resumed", "trainer.max_steps=2", "trainer.save_every=2", *ASYNC))
+    train_grpo(config(tmp_path / "resumed", "trainer.max_steps=4", "trainer.save_every=2", *ASYNC))
+    resumed = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(full, resumed):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], abs=1e-5), (a["step"], key)
+
+
+def test_asynchronous_rollouts_need_ray_the_importance_correction_and_single_turn_episodes(tmp_path):
+    from posttrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="needs cluster.backend=ray, loss.importance_correction other than none"):
+        config(tmp_path, "rollout.asynchronous=true")
+    with pytest.raises(ConfigError, match="needs rollout.max_turns=1"):
+        config(tmp_path, *ASYNC, "rollout.max_turns=2")
+    with pytest.raises(ConfigError, match="rollout.max_staleness applies only with rollout.asynchronous=true"):
+        config(tmp_path, "rollout.max_staleness=2")
