@@ -358,8 +358,8 @@ def test_grpo_with_the_swe_environment_runs_a_step_and_rewards_the_gold_edit(tas
                                                                              monkeypatch):
     prompts = write_rows(tmp_path / "prompts.jsonl", prompt_rows([tasks["posttrain__clamp-1"]]) * 2)
     policy_generator = grpo_module.policy_generator
-    monkeypatch.setattr(grpo_module, "policy_generator", lambda cfg, tokenizer, policy: FirstTurnAppliesTheGoldEdit(
-        policy_generator(cfg, tokenizer, policy), tokenizer))
+    monkeypatch.setattr(grpo_module, "policy_generator", lambda cfg, tokenizer, policy, cluster=None:
+                        FirstTurnAppliesTheGoldEdit(policy_generator(cfg, tokenizer, policy), tokenizer))
     cfg = load_config(GRPOConfig, None, [*TINY_RL, f"data.train_files=['{prompts}']", "environment.kind=swe",
                                          "environment.options={tool_call_format: hermes}", f"output_dir={tmp_path}/run",
                                          "trainer.max_steps=1", "trainer.save_every=0", "trainer.micro_batch_size=4",

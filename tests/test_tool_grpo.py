@@ -63,7 +63,7 @@ class FirstTurnCallsTheCalculator:
 def test_grpo_with_the_calculator_tool_runs_with_masks_and_metrics(tmp_path, tiny_model_dir, monkeypatch):
     generators, batches = [], []
 
-    def forced_generator(cfg, tokenizer, policy):
+    def forced_generator(cfg, tokenizer, policy, cluster=None):
         generators.append(FirstTurnCallsTheCalculator(policy_generator(cfg, tokenizer, policy), tokenizer))
         return generators[-1]
 
@@ -101,8 +101,8 @@ def test_grpo_with_the_calculator_tool_runs_with_masks_and_metrics(tmp_path, tin
 def test_ppo_with_the_calculator_tool_runs(tmp_path, tiny_model_dir, monkeypatch):
     """PPO's critic and GAE over episodes whose responses hold tool results (masked tokens inside the response)."""
     policy_generator = ppo_module.policy_generator
-    monkeypatch.setattr(ppo_module, "policy_generator", lambda cfg, tokenizer, policy: FirstTurnCallsTheCalculator(
-        policy_generator(cfg, tokenizer, policy), tokenizer))
+    monkeypatch.setattr(ppo_module, "policy_generator", lambda cfg, tokenizer, policy, cluster=None:
+                        FirstTurnCallsTheCalculator(policy_generator(cfg, tokenizer, policy), tokenizer))
     cfg = load_config(PPOConfig, None, [*TINY_RL, *TOOLS, f"output_dir={tmp_path}", "trainer.max_steps=1",
                                         "trainer.save_every=0", "critic.learning_rate=1e-3", "critic.warmup_steps=0",
                                         "rollout.max_turns=2", "rollout.max_new_tokens=8", "data.max_length=128",
