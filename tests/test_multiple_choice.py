@@ -167,6 +167,19 @@ def test_prompt_template_sees_the_choices(tiny_model_dir):
     assert question.continuation_ids[1] == tuple(tokenizer(" 4")["input_ids"])
 
 
+def test_chat_template_prompt_is_rendered_before_the_split(tiny_model_dir):
+    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
+    row = parse_multiple_choice_row({"prompt": "12+34=", "choices": ["46", "47"], "answer": 0}, "t.jsonl:1")
+    question = encode_question(row, PromptSection(use_chat_template=True), tokenizer, "", 1024)
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "12+34="}], tokenize=False,
+                                             add_generation_prompt=True)
+    assert question.prompt == rendered and rendered != "12+34="
+    # The template's trailing newline moves to the front of each continuation (lm-eval's whitespace rule).
+    assert rendered.endswith("\n")
+    assert question.context_ids == tuple(tokenizer(rendered.rstrip(), add_special_tokens=False)["input_ids"])
+    assert question.continuation_ids[0] == tuple(tokenizer("\n46", add_special_tokens=False)["input_ids"])
+
+
 # ---- posttrain eval --------------------------------------------------------------------------------------------
 
 
