@@ -70,11 +70,13 @@ def run_harness(cfg: EvalConfig) -> HarnessReport:
     tokenizer = load_tokenizer(cfg.model)
     model = load_causal_lm(cfg.model, device=default_device()).eval()
     harness_model = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg.batch_size)
+    # lm-eval's own seeds unless seed is set: the same few-shot examples as a plain `lm_eval` run picks.
+    seeds = {f"{kind}_seed": cfg.seed for kind in ("random", "numpy_random", "torch_random", "fewshot_random")
+             } if "seed" in cfg.model_fields_set else {}
     output = lm_eval.simple_evaluate(
         model=harness_model, tasks=list(cfg.lm_eval_tasks), num_fewshot=cfg.lm_eval_num_fewshot,
         limit=cfg.num_examples, task_manager=manager, log_samples=cfg.output is not None,
-        apply_chat_template=cfg.prompt.use_chat_template, system_instruction=cfg.prompt.system_prompt,
-        random_seed=cfg.seed, numpy_random_seed=cfg.seed, torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed)
+        apply_chat_template=cfg.prompt.use_chat_template, system_instruction=cfg.prompt.system_prompt, **seeds)
     results = {task: harness_metrics(values, output["n-samples"].get(task)) for task, values in
                output["results"].items()}
     if cfg.output is not None:

@@ -180,8 +180,8 @@ def score_questions(questions: list[EncodedQuestion], scorer: ScoringWorker, pad
     return MultipleChoiceReport(metrics, records, time.perf_counter() - started)
 
 
-def encode_questions(rows: list[MultipleChoiceRow], cfg: EvalConfig, tokenizer, stats: DataStats
-                     ) -> list[EncodedQuestion]:
+def encode_questions(rows: list[MultipleChoiceRow], cfg: EvalConfig, tokenizer, stats: DataStats,
+                     sources: list[str]) -> list[EncodedQuestion]:
     """Every row encoded (encode_question); a malformed one raises, or with data.on_error=skip is counted in stats."""
     questions = []
     for row in rows:
@@ -191,7 +191,7 @@ def encode_questions(rows: list[MultipleChoiceRow], cfg: EvalConfig, tokenizer, 
             skip_or_raise(error, cfg.data.on_error, stats)
     stats.examples = len(questions)
     if not questions:
-        raise DataError(", ".join(cfg.data.files), f"no usable rows ({stats.counts()})")
+        raise DataError(", ".join(sources), f"no usable rows ({stats.counts()})")
     return questions
 
 
@@ -212,7 +212,7 @@ def evaluate_multiple_choice(cfg: EvalConfig) -> MultipleChoiceReport:
     rows, stats = load_multiple_choice_rows(sources, cfg.data.column_map, cfg.data.on_error,
                                             limit=cfg.num_examples if cfg.data.files else None)
     tokenizer = load_tokenizer(cfg.model)
-    questions = encode_questions(rows, cfg, tokenizer, stats)
+    questions = encode_questions(rows, cfg, tokenizer, stats, sources)
     scorer = build_scorer(cfg.model, TrainerConfig(), default_device(), role="multiple_choice")
     report = score_questions(questions, scorer, pad_token_id_of(tokenizer), cfg.batch_size)
     if cfg.output is not None:

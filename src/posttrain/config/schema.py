@@ -1008,7 +1008,8 @@ class EvalConfig(EvaluationSettings):
     (`--lm-eval-include-path DIR`)."""
 
     lm_eval_num_fewshot: int | None = Field(None, ge=0)
-    """Few-shot examples per lm-eval question (null: each task's own setting)."""
+    """Few-shot examples per lm-eval question (null: each task's own setting). With lm_eval_tasks, `seed` (when
+    set) seeds lm-eval's few-shot draws; unset, lm-eval's own seeds apply, as in a plain `lm_eval` run."""
 
     num_examples: int | None = Field(None, gt=0)
     """Score only the first this-many prompts of data.files (null: all), or this many held-out problems of the
