@@ -975,7 +975,9 @@ class ArithmeticEvalSection(Section):
 
 class EvalConfig(EvaluationSettings):
     """Evaluate a model: on prompt files scored by an environment (`--data FILES --environment KIND`: mean
-    reward, accuracy, pass@k, lengths, truncation, reward errors), or on a built-in task's held-out split
+    reward, accuracy, pass@k, lengths, truncation, reward errors), on multiple-choice questions by log-likelihood
+    (`--data FILES --multiple-choice`, or the bundled `--task arithmetic_mc`: acc, acc_norm), on
+    lm-evaluation-harness tasks (`--lm-eval-tasks TASKS`, the lm-eval extra), or on a built-in task's held-out split
     (`--task arithmetic`, greedy exact match; the default when no data.files are given). A prompt reaches the
     model as its text, as in `posttrain generate`; `--chat-template` (prompt.use_chat_template=true) sends it
     through the tokenizer's chat template as a user message (instruct models)."""
@@ -1013,20 +1015,22 @@ class EvalConfig(EvaluationSettings):
 
     num_examples: int | None = Field(None, gt=0)
     """Score only the first this-many prompts of data.files (null: all), or this many held-out problems of the
-    task (null: 200)."""
+    task (null: 200); with lm_eval_tasks, lm-eval's limit (documents per task; null: all)."""
 
     max_new_tokens: int | None = Field(None, gt=0)
     """Completion budget in tokens per turn (null: 256 with data.files, 8 for the task)."""
 
     batch_size: int = Field(200, gt=0)
-    """Sequences generated together (transformers backend)."""
+    """Sequences generated together (transformers backend); with multiple_choice, sequences (prompt + one choice)
+    scored per forward pass; with lm_eval_tasks, lm-eval's batch size."""
 
     seed: int = 0
     """Seed of the sampling with data.files (temperature > 0 repeats exactly); of the held-out split for the task."""
 
     output: str | None = None
     """With data.files: write one JSON line per sample (prompt, completion, reward, components, correct, error)
-    to this .jsonl file."""
+    to this .jsonl file; with multiple_choice one per question (choices, loglikelihoods, prediction, correct);
+    with lm_eval_tasks lm-eval's record of each document."""
 
     backend: Literal["transformers", "vllm"] = "transformers"
     """Generator: transformers (CPU or GPU) or vllm (GPU extra)."""
