@@ -158,6 +158,16 @@ def test_acc_and_acc_norm_on_a_constructed_case(tiny_model_dir):
     assert report.metrics == {"acc": pytest.approx(1 / 3), "acc_norm": pytest.approx(2 / 3), "count": 3}
 
 
+def test_acc_norm_divides_by_characters_not_tokens():
+    tokenizer = load_tokenizer(ModelConfig(name_or_path="posttrain/tiny-bpe"))  # "10" is one token of two characters
+    row = parse_multiple_choice_row({"prompt": "q=", "choices": ["7", "10"], "answer": 1}, "c.jsonl:1")
+    question = encode_question(row, PromptSection(), tokenizer, "", 1024)
+    assert [len(ids) for ids in question.continuation_ids] == [1, 1]
+    record = score_questions([question], ConstantScorer(), tokenizer.pad_token_id, batch_size=2).records[0]
+    # -1 and -1: acc's tie goes to the first (wrong); per character -1 and -0.5: acc_norm picks "10" (right)
+    assert (record.prediction, record.prediction_norm) == (0, 1)
+
+
 def test_prompt_template_sees_the_choices(tiny_model_dir):
     tokenizer = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
     row = parse_multiple_choice_row({"question": "Sum?", "choices": ["3", "4"], "answer": "B"}, "t.jsonl:1")
