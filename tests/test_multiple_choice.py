@@ -257,12 +257,13 @@ def test_lm_eval_tasks_flag_splits_on_commas():
 @pytest.mark.slow
 def test_trained_arithmetic_model_beats_the_untrained_one(tiny_model_dir):
     """The embedded arithmetic model (built on first use: minutes) against posttrain/tiny on 200 held-out
-    questions; thresholds from the measured worst case (docs/evaluation.md)."""
+    questions. Measured on the default and the AVX2 code path alike: acc and acc_norm 1.0 against 0.21 and 0.20
+    (docs/evaluation.md); the thresholds leave room for a model rebuilt on another CPU."""
     def scores(model: str) -> dict:
         cfg = load_config(EvalConfig, None, [f"model.name_or_path={model}", "task=arithmetic_mc"])
         return evaluate_multiple_choice(cfg).metrics
 
     trained, untrained = scores("posttrain/tiny-arithmetic-sft"), scores(str(tiny_model_dir))
-    assert trained["acc"] >= 0.9 and trained["acc_norm"] >= 0.9
-    assert untrained["acc"] <= 0.4
+    assert trained["acc"] >= 0.95 and trained["acc_norm"] >= 0.95
+    assert untrained["acc"] <= 0.4 and untrained["acc_norm"] <= 0.4
     assert trained["acc"] - untrained["acc"] >= 0.5
