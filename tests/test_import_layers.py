@@ -58,6 +58,7 @@ HEAVY_OPTIONAL: dict[str, str] = {
     "mlflow": "the loggers extra",
     "torch.utils.tensorboard": "the loggers extra (tensorboard)",
     "trl": "the bench extra, for comparisons only",
+    "lm_eval": "the lm-eval extra, for `posttrain eval --lm-eval-tasks` only",
     "peft": "LoRA runs only; importing peft costs about 2 s, which every other command would pay",
     "torch.distributed.checkpoint": "sharded (FSDP2) checkpoints only; importing it costs about 1.3 s",
     "datasets": "hub datasets only (local files are read without it); importing it costs about 0.7 s",

@@ -130,9 +130,20 @@ def _run_distill(cfg: DistillConfig, args: argparse.Namespace) -> int:
 
 
 def _run_eval(cfg: EvalConfig, args: argparse.Namespace) -> int:
-    from posttrain.algorithms.evaluate import EvalReport, describe_report, run_eval
+    from posttrain.algorithms.evaluate import (EvalReport, HarnessReport, MultipleChoiceReport, describe_harness,
+                                               describe_multiple_choice, describe_report, run_eval)
 
     result = run_eval(cfg)
+    if isinstance(result, HarnessReport):  # lm-eval's tasks
+        print(json.dumps({"model": cfg.model.name_or_path, **result.to_json()}) if args.json
+              else describe_harness(result, cfg.model.name_or_path))
+        return 0
+    if isinstance(result, MultipleChoiceReport):  # multiple-choice questions scored by log-likelihood
+        print(f"data: {result.data_summary}", file=sys.stderr)
+        what = f"{cfg.model.name_or_path} on {', '.join(cfg.data.files) or 'arithmetic_mc'} (multiple choice)"
+        print(json.dumps({"model": cfg.model.name_or_path, "scoring": "multiple_choice", **result.to_json()})
+              if args.json else describe_multiple_choice(result, what))
+        return 0
     if isinstance(result, EvalReport):  # data.files scored by an environment
         print(f"data: {result.data_summary}", file=sys.stderr)
         what = f"{cfg.model.name_or_path} on {', '.join(cfg.data.files)} ({cfg.environment.kind})"
@@ -301,6 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--chat-template", action="store_true", help="send each prompt through the tokenizer's "
                              "chat template as a user message: prompt.use_chat_template=true (default: the prompt "
                              "text as it is, as in generate)")
+            sub.add_argument("--multiple-choice", action="store_true", help="score the rows of --data as "
+                             "multiple-choice questions by log-likelihood (acc, acc_norm): scoring=multiple_choice")
+            sub.add_argument("--lm-eval-tasks", metavar="TASKS", help="run these lm-evaluation-harness tasks "
+                             "(comma-separated) on the model: lm_eval_tasks (needs pip install 'posttrain[lm-eval]')")
+            sub.add_argument("--lm-eval-include-path", metavar="DIR", help="a folder of lm-eval task YAML files: "
+                             "lm_eval_include_path")
         if recipe.name == "generate":
             sub.add_argument("--model", help="shortcut for model.name_or_path=...")
             sub.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt to complete (repeatable)")
@@ -545,6 +562,10 @@ def _flag_settings(args: argparse.Namespace) -> dict[str, Any]:
         flags |= {"environment": {"kind": args.environment}} if args.environment else {}
         flags |= {"output": args.output} if args.output else {}
         flags |= {"prompt": {"use_chat_template": True}} if args.chat_template else {}
+        flags |= {"scoring": "multiple_choice"} if args.multiple_choice else {}
+        if args.lm_eval_tasks:
+            flags["lm_eval_tasks"] = [task.strip() for task in args.lm_eval_tasks.split(",") if task.strip()]
+        flags |= {"lm_eval_include_path": args.lm_eval_include_path} if args.lm_eval_include_path else {}
         return flags
     flags |= {"model": {"name_or_path": args.model}} if args.model else {}
     flags |= {"prompts": args.prompt} if args.prompt else {}

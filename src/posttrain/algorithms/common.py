@@ -162,6 +162,22 @@ def configure_torch(cfg: TrainerConfig) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+def check_writable_file(path: Path, key: str) -> None:
+    """Refuse (RunError), before any work, a `key` path that is a folder or cannot be written: the samples are
+    written at the end, and finding out then would lose the whole evaluation."""
+    if path.is_dir() or str(path).endswith("/"):
+        raise RunError(f"{key}={str(path)!r} is a folder; give a file name, such as {path / 'samples.jsonl'}")
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as error:
+        raise RunError(f"{key}={str(path)!r} cannot be written: {error.strerror or error}") from None
+    if not existed:
+        path.unlink()
+
+
 def chunks(items: list, size: int) -> Iterator[list]:
     for start in range(0, len(items), size):
         yield items[start : start + size]

@@ -14,7 +14,9 @@ scores them with an `Environment` (`rollout.run_episodes`, the path GRPO's rollo
 and one `SampleRecord` per sample. `posttrain eval --data FILES --environment KIND` runs it on a model loaded for
 the purpose (`run_eval`); the training recipes run it on their evaluation sets with the current policy
 (`TrainingEvaluation`). `evaluate_arithmetic` is the fixed greedy measurement the quickstart and
-`posttrain eval --task arithmetic` report, kept as it was measured.
+`posttrain eval --task arithmetic` report, kept as it was measured. `posttrain eval` also scores multiple-choice
+questions by log-likelihood (algorithms/multiple_choice.py) and runs lm-evaluation-harness tasks
+(algorithms/lm_harness.py); `run_eval` picks among them.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from posttrain.algorithms.common import chunks, evaluation_sampling
+from posttrain.algorithms.common import check_writable_file, chunks, evaluation_sampling
+from posttrain.algorithms.lm_harness import HarnessReport, describe_harness, run_harness
+from posttrain.algorithms.multiple_choice import (MultipleChoiceReport, describe_multiple_choice,
+                                                  evaluate_multiple_choice)
 from posttrain.algorithms.rl import build_generator, load_prompts, offer_tools
 from posttrain.algorithms.rollout import Episode, PromptRow, rollout_metrics, run_episodes, scalar_reward
 from posttrain.config.schema import EvalConfig, EvaluationSet, ModelConfig
@@ -220,8 +225,13 @@ def reward_weights(environment: Environment) -> dict[str, float]:
     return dict(getattr(environment, "reward_weights", {}))
 
 
-def run_eval(cfg: EvalConfig) -> EvalResult | EvalReport:
-    """`posttrain eval`: the built-in task when no data.files are given, otherwise `evaluate_files`."""
+def run_eval(cfg: EvalConfig) -> EvalResult | EvalReport | MultipleChoiceReport | HarnessReport:
+    """`posttrain eval`: lm-eval's tasks (lm_eval_tasks), multiple-choice questions (scoring=multiple_choice or
+    the arithmetic_mc task), the built-in task when no data.files are given, otherwise `evaluate_files`."""
+    if cfg.lm_eval_tasks:
+        return run_harness(cfg)
+    if cfg.scoring == "multiple_choice" or cfg.task == "arithmetic_mc":
+        return evaluate_multiple_choice(cfg)
     if not cfg.data.files:
         tokenizer = load_tokenizer(cfg.model)
         model = load_causal_lm(cfg.model, device=default_device())
@@ -272,22 +282,6 @@ def describe_report(report: EvalReport, what: str, shown_samples: int = 3) -> st
             "" if sample.correct is None else ", correct" if sample.correct else ", wrong")
         lines.append(f"  {sample.prompt!r} -> {sample.completion!r}  ({verdict})")
     return "\n".join(lines)
-
-
-def check_writable_file(path: Path, key: str) -> None:
-    """Refuse (RunError), before any work, a `key` path that is a folder or cannot be written: the samples are
-    written at the end, and finding out then would lose the whole evaluation."""
-    if path.is_dir() or str(path).endswith("/"):
-        raise RunError(f"{key}={str(path)!r} is a folder; give a file name, such as {path / 'samples.jsonl'}")
-    existed = path.exists()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8"):
-            pass
-    except OSError as error:
-        raise RunError(f"{key}={str(path)!r} cannot be written: {error.strerror or error}") from None
-    if not existed:
-        path.unlink()
 
 
 def write_sample_records(path: Path, samples: list[SampleRecord]) -> None:

@@ -1045,7 +1045,9 @@ class ArithmeticEvalSection(Section):
 
 class EvalConfig(EvaluationSettings):
     """Evaluate a model: on prompt files scored by an environment (`--data FILES --environment KIND`: mean
-    reward, accuracy, pass@k, lengths, truncation, reward errors), or on a built-in task's held-out split
+    reward, accuracy, pass@k, lengths, truncation, reward errors), on multiple-choice questions by log-likelihood
+    (`--data FILES --multiple-choice`, or the bundled `--task arithmetic_mc`: acc, acc_norm), on
+    lm-evaluation-harness tasks (`--lm-eval-tasks TASKS`, the lm-eval extra), or on a built-in task's held-out split
     (`--task arithmetic`, greedy exact match; the default when no data.files are given). A prompt reaches the
     model as its text, as in `posttrain generate`; `--chat-template` (prompt.use_chat_template=true) sends it
     through the tokenizer's chat template as a user message (instruct models)."""
@@ -1053,26 +1055,52 @@ class EvalConfig(EvaluationSettings):
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The model to evaluate (model.name_or_path; `--model` is a shortcut)."""
 
-    task: Literal["arithmetic"] | None = None
-    """Built-in task whose held-out split is scored by greedy exact match; used when data.files is empty (then
-    arithmetic when not given). Not combined with data.files."""
+    task: Literal["arithmetic", "arithmetic_mc"] | None = None
+    """Built-in task, used when data.files is empty (then arithmetic when not given); not combined with data.files.
+    arithmetic: held-out additions scored by greedy exact match. arithmetic_mc: held-out additions as four-choice
+    questions (posttrain/arithmetic-mc) scored by log-likelihood, as scoring=multiple_choice scores files."""
+
+    scoring: Literal["generation", "multiple_choice"] = "generation"
+    """How data.files are scored. generation: completions sampled and scored by the environment. multiple_choice
+    (`--multiple-choice`): rows with a question (prompt or question), choices and the right one (answer: index,
+    letter, label or text); each choice's log-likelihood as a continuation of the prompt, the highest is the
+    model's answer: acc, acc_norm (per character, as lm-eval) and count."""
+
+    target_delimiter: str = " "
+    """multiple_choice: text put between the prompt and each choice (lm-eval's target_delimiter, one space by
+    default); "" for prompts that end where the answer starts ("12+34=", as the arithmetic_mc task, whose default
+    is "")."""
+
+    lm_eval_tasks: list[str] = Field(default_factory=list)
+    """Run these lm-evaluation-harness tasks on the model instead (`--lm-eval-tasks gsm8k,mmlu`; the lm-eval
+    extra: pip install 'posttrain[lm-eval]'); its results are the report, its samples go to output."""
+
+    lm_eval_include_path: str | None = None
+    """A folder of lm-eval task YAML files to find lm_eval_tasks in, besides lm-eval's own tasks
+    (`--lm-eval-include-path DIR`)."""
+
+    lm_eval_num_fewshot: int | None = Field(None, ge=0)
+    """Few-shot examples per lm-eval question (null: each task's own setting). With lm_eval_tasks, `seed` (when
+    set) seeds lm-eval's few-shot draws; unset, lm-eval's own seeds apply, as in a plain `lm_eval` run."""
 
     num_examples: int | None = Field(None, gt=0)
     """Score only the first this-many prompts of data.files (null: all), or this many held-out problems of the
-    task (null: 200)."""
+    task (null: 200); with lm_eval_tasks, lm-eval's limit (documents per task; null: all)."""
 
     max_new_tokens: int | None = Field(None, gt=0)
     """Completion budget in tokens per turn (null: 256 with data.files, 8 for the task)."""
 
     batch_size: int = Field(200, gt=0)
-    """Sequences generated together (transformers backend)."""
+    """Sequences generated together (transformers backend); with multiple_choice, sequences (prompt + one choice)
+    scored per forward pass; with lm_eval_tasks, lm-eval's batch size."""
 
     seed: int = 0
     """Seed of the sampling with data.files (temperature > 0 repeats exactly); of the held-out split for the task."""
 
     output: str | None = None
     """With data.files: write one JSON line per sample (prompt, completion, reward, components, correct, error)
-    to this .jsonl file."""
+    to this .jsonl file; with multiple_choice one per question (choices, loglikelihoods, prediction, correct);
+    with lm_eval_tasks lm-eval's record of each document."""
 
     backend: Literal["transformers", "vllm"] = "transformers"
     """Generator: transformers (CPU or GPU) or vllm (GPU extra)."""
@@ -1082,6 +1110,13 @@ class EvalConfig(EvaluationSettings):
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:
+        if self.lm_eval_tasks or self.model_fields_set & {"lm_eval_include_path", "lm_eval_num_fewshot"}:
+            return self._check_lm_eval()
+        if self.scoring == "multiple_choice" or self.task == "arithmetic_mc":
+            return self._check_multiple_choice()
+        if "target_delimiter" in self.model_fields_set:
+            raise ValueError("target_delimiter is for multiple-choice scoring; set scoring=multiple_choice "
+                             "(--multiple-choice) or drop it")
         if not self.data.files:
             task_keys = {"model", "task", "num_examples", "max_new_tokens", "batch_size", "seed"}
             extra = sorted(self.model_fields_set - task_keys)
@@ -1093,6 +1128,38 @@ class EvalConfig(EvaluationSettings):
         if self.task is not None:
             raise ValueError(f"task={self.task!r} and data.files are two different evaluations; give one")
         self.check_sampling()
+        return self
+
+    def _check_multiple_choice(self) -> EvalConfig:
+        if self.task == "arithmetic_mc" and self.data.files:
+            raise ValueError("task='arithmetic_mc' and data.files are two different evaluations; give one (for your "
+                             "own questions: --data FILE --multiple-choice)")
+        if self.scoring == "multiple_choice" and not self.data.files and self.task != "arithmetic_mc":
+            raise ValueError("scoring=multiple_choice scores the questions of data.files: give --data FILE (or "
+                             "--task arithmetic_mc for the bundled questions)")
+        generation_only = {"environment", "temperature", "top_p", "top_k", "max_new_tokens", "stop_strings",
+                           "num_samples", "pass_k", "max_turns", "correct_threshold", "backend",
+                           "vllm_gpu_memory_utilization"}
+        extra = sorted(self.model_fields_set & generation_only)
+        if extra:
+            raise ValueError(f"{', '.join(extra)}: sampling and environment keys, but multiple-choice scoring samples "
+                             "nothing (it compares the choices' log-likelihoods); drop them")
+        return self
+
+    def _check_lm_eval(self) -> EvalConfig:
+        if not self.lm_eval_tasks:
+            raise ValueError("lm_eval_include_path / lm_eval_num_fewshot without lm_eval_tasks: name the tasks to run "
+                             "(--lm-eval-tasks TASKS)")
+        allowed = {"model", "lm_eval_tasks", "lm_eval_include_path", "lm_eval_num_fewshot", "num_examples",
+                   "batch_size", "seed", "output", "prompt"}
+        extra = sorted(self.model_fields_set - allowed)
+        if extra:
+            raise ValueError(f"{', '.join(extra)}: not used by an lm-eval run (lm_eval_tasks), which takes the model, "
+                             "num_examples (lm-eval's limit), batch_size, seed, output, lm_eval_include_path, "
+                             "lm_eval_num_fewshot and prompt.use_chat_template / prompt.system_prompt; run the other "
+                             "evaluation separately")
+        if "template" in self.prompt.model_fields_set:
+            raise ValueError("prompt.template: lm-eval tasks format their own prompts (doc_to_text); drop it")
         return self
 
     @property

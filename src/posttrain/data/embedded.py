@@ -15,6 +15,10 @@
                                          "46 vs 46. Score: 1", and the same for one wrong reply (a plausible wrong sum,
                                          or a quarter of the time any number to 199) -> "46 vs 47. Score: 0"; same
                                          splits, [:N] is the first N rows
+    posttrain/arithmetic-mc              the same problems as multiple-choice questions: prompt "12+34=", four
+                                         choices (the sum and three plausible wrong sums, in a fixed order per
+                                         problem) and the 0-based index of the sum in `answer`; same splits and
+                                         [:N] limits. The bundled task of `posttrain eval --task arithmetic_mc`
     posttrain/subtraction                2-digit subtractions a-b with a >= b (prompt "57-23=", completion "34",
                                          answer); their own train/heldout splits, [:N] limits as for arithmetic
     posttrain/arithmetic-two-tasks       additions and subtractions alternating, each row with a `task` column
@@ -42,7 +46,7 @@ from posttrain.envs import arithmetic
 from posttrain.envs.arithmetic import Problem
 
 _NAME = re.compile(r"^posttrain/(?P<task>[a-z_-]+)(?::(?P<split>[a-z]+))?(?:\[:(?P<count>\d+)\])?$")
-TASKS = ("arithmetic", "arithmetic-preference", "arithmetic-preference-dense", "arithmetic-judge", "subtraction",
+TASKS = ("arithmetic", "arithmetic-mc", "arithmetic-preference", "arithmetic-preference-dense", "arithmetic-judge", "subtraction",
          "arithmetic-two-tasks", "bench-lengths", "bench-lengths-messages", "bench-lengths-preference")
 BENCH_ROWS = 4096
 BENCH_LENGTHS = (16, 1024)
@@ -122,6 +126,9 @@ def _rows(task: str, problems: list[Problem]) -> Iterator[dict[str, Any]]:
         elif task == "arithmetic-judge":
             for question, verdict in arithmetic.judge_rows(problem):
                 yield {"prompt": question, "completion": verdict}
+        elif task == "arithmetic-mc":
+            choices = arithmetic.multiple_choices(problem)
+            yield {"prompt": problem.prompt, "choices": choices, "answer": choices.index(problem.answer)}
         elif task == "arithmetic-two-tasks":
             yield {"prompt": problem.prompt, "completion": problem.answer, "answer": problem.answer,
                    "task": problem.task}

@@ -146,6 +146,15 @@ def _tokenizer_name(tokenizer: PreTrainedTokenizerBase) -> str:
     return repr(tokenizer.name_or_path) if tokenizer.name_or_path else type(tokenizer).__name__
 
 
+def render_generation_prompt(messages: Messages, tokenizer: PreTrainedTokenizerBase) -> str:
+    """A conversation rendered with the chat template and its generation prompt, as the text `tokenize_prompt`
+    encodes (without special tokens: the template writes its own)."""
+    if tokenizer.chat_template is None:
+        raise ValueError(f"tokenizer {_tokenizer_name(tokenizer)} has no chat template, so conversational prompts "
+                         "cannot be rendered; give prompts as strings, or set tokenizer.chat_template")
+    return _render(tokenizer, messages, add_generation_prompt=True)
+
+
 def tokenize_prompt(prompt: str | Messages, tokenizer: PreTrainedTokenizerBase,
                     tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
     """Token ids a model is asked to continue, encoded as the SFT path encodes prompts.

@@ -110,6 +110,15 @@ def wrong_answers(problem: Problem, every_digit: bool = False) -> list[str]:
     return [str(c) for c in sorted(c for c in candidates if c >= 0 and c != total)]
 
 
+def multiple_choices(problem: Problem, count: int = 4) -> list[str]:
+    """The answer and `count` - 1 plausible wrong sums (`wrong_answers`), in an order fixed per problem: the
+    choices of posttrain/arithmetic-mc."""
+    rng = random.Random(f"arithmetic-mc/{problem.a}{problem.op}{problem.b}")
+    choices = [problem.answer, *rng.sample(wrong_answers(problem), count - 1)]
+    rng.shuffle(choices)
+    return choices
+
+
 def preference_rng(problem: Problem) -> random.Random:
     """The seeded RNG that fixes the rejected completion of `problem` (independent of order and split size)."""
     return random.Random(f"arithmetic-preference/{problem.a}+{problem.b}")
