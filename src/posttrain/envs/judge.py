@@ -133,6 +133,32 @@ class JudgeModel(Protocol):
         ...
 
 
+class CachedJudge:
+    """The judge's replies to conversations, cached by the exact messages (transport failures are not cached, so a
+    conversation is asked again next time); `counts` gains `judged` and `cache_hits`."""
+
+    def __init__(self, backend: JudgeBackend, counts: Counter[str]):
+        self.backend, self.counts = backend, counts
+        self.cache: dict[str, JudgeReply] = {}
+
+    def ask(self, conversations: list[list[Message]]) -> list[JudgeReply]:
+        keys = [hashlib.sha256(json.dumps(c, sort_keys=True).encode()).hexdigest() for c in conversations]
+        fresh: dict[str, list[Message]] = {}
+        for key, conversation in zip(keys, conversations):
+            if key in self.cache or key in fresh:
+                self.counts["cache_hits"] += 1
+            else:
+                fresh[key] = conversation
+        failed: dict[str, JudgeReply] = {}
+        for key, reply in zip(fresh, self.backend.complete(list(fresh.values()))):
+            self.counts["judged"] += 1
+            if reply.text is None:
+                failed[key] = reply
+            else:
+                self.cache[key] = reply
+        return [failed.get(key) or self.cache[key] for key in keys]
+
+
 class JudgeEnvironment:
     """Single turn. Reward: a judge model's score of the reply (see the module docstring for every option).
 
@@ -170,31 +196,18 @@ class JudgeEnvironment:
         self.min_score, self.max_score, self.normalize = min_score, max_score, normalize
         self.backend = judge_backend(local_model, base_url, model, api_key_env, max_new_tokens, timeout_s,
                                      max_response_bytes, max_retries, retry_backoff_s, concurrency)
-        self.cache: dict[str, Verdict] = {}
         self.counts: Counter[str] = Counter()
         """Failure kinds, `judged` and `cache_hits`, over the environment's life."""
+        self.replies = CachedJudge(self.backend, self.counts)
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:
         check_batch(message_logs, metadata)
         conversations = [self._judge_messages(log, row, index)
                          for index, (log, row) in enumerate(zip(message_logs, metadata))]
-        keys = [hashlib.sha256(json.dumps(c, sort_keys=True).encode()).hexdigest() for c in conversations]
-        fresh: dict[str, list[Message]] = {}
-        for key, conversation in zip(keys, conversations):
-            if key in self.cache or key in fresh:
-                self.counts["cache_hits"] += 1
-            else:
-                fresh[key] = conversation
-        transport_failures: dict[str, Verdict] = {}
-        for key, reply in zip(fresh, self.backend.complete(list(fresh.values()))):
-            self.counts["judged"] += 1
-            if reply.text is None:
-                transport_failures[key] = Verdict(None, reply.failure, reply.error)
-            else:
-                self.cache[key] = parse_score(reply.text, self.pattern, self.min_score, self.max_score)
         rewards, errors, metadata_out = [], [], []
-        for key, row in zip(keys, metadata):
-            verdict = transport_failures.get(key) or self.cache[key]
+        for reply, row in zip(self.replies.ask(conversations), metadata):
+            verdict = (Verdict(None, reply.failure, reply.error) if reply.text is None
+                       else parse_score(reply.text, self.pattern, self.min_score, self.max_score))
             if verdict.failure is not None:
                 self.counts[verdict.failure] += 1
             rewards.append(None if verdict.score is None else self._reward(verdict.score))

@@ -23,15 +23,13 @@ judge reads, as the judge environment does; transport failures are asked again.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import re
 from collections import Counter
 from typing import Any
 
 from posttrain.config.environments import DEFAULT_SCORE_PATTERN
 from posttrain.envs.base import EnvStep, Message, check_batch, prompt_of, reply_of, single_turn_step
-from posttrain.envs.judge import QUOTED_REPLY_CHARS, JudgeBackend, JudgeReply, parse_score
+from posttrain.envs.judge import QUOTED_REPLY_CHARS, CachedJudge, JudgeBackend, JudgeReply, parse_score
 from posttrain.envs.judged.tasks import GdpvalTask, HleTaskSet
 
 HLE_JUDGE_TEMPLATE = """\
@@ -102,31 +100,6 @@ def parse_hle_verdict(text: str) -> tuple[bool | None, str | None, str | None]:
     return verdicts.pop() == "yes", answer, None
 
 
-class _Verdicts:
-    """The judge's replies to conversations, cached by the exact messages (transport failures are not cached)."""
-
-    def __init__(self, backend: JudgeBackend, counts: Counter[str]):
-        self.backend, self.counts = backend, counts
-        self.cache: dict[str, JudgeReply] = {}
-
-    def ask(self, conversations: list[list[Message]]) -> list[JudgeReply]:
-        keys = [hashlib.sha256(json.dumps(c, sort_keys=True).encode()).hexdigest() for c in conversations]
-        fresh: dict[str, list[Message]] = {}
-        for key, conversation in zip(keys, conversations):
-            if key in self.cache or key in fresh:
-                self.counts["cache_hits"] += 1
-            else:
-                fresh[key] = conversation
-        failed: dict[str, JudgeReply] = {}
-        for key, reply in zip(fresh, self.backend.complete(list(fresh.values()))):
-            self.counts["judged"] += 1
-            if reply.text is None:
-                failed[key] = reply
-            else:
-                self.cache[key] = reply
-        return [failed.get(key) or self.cache[key] for key in keys]
-
-
 def _task_of(row: dict[str, Any], column: str, tasks: dict[str, Any], index: int, environment: str,
              extra: str = "") -> Any:
     if column not in row:
@@ -152,7 +125,7 @@ class HleEnvironment:
         self.tasks, self.backend = tasks, backend
         self.counts: Counter[str] = Counter()
         """Failure kinds, `judged` and `cache_hits`, over the environment's life."""
-        self.verdicts = _Verdicts(backend, self.counts)
+        self.verdicts = CachedJudge(backend, self.counts)
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:
         check_batch(message_logs, metadata)
@@ -201,7 +174,7 @@ class GdpvalEnvironment:
         self.tasks, self.backend = tasks, backend
         self.counts: Counter[str] = Counter()
         """Failure kinds, `judged` and `cache_hits`, over the environment's life."""
-        self.verdicts = _Verdicts(backend, self.counts)
+        self.verdicts = CachedJudge(backend, self.counts)
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:
         check_batch(message_logs, metadata)
