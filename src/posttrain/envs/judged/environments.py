@@ -29,7 +29,7 @@ from typing import Any
 
 from posttrain.config.environments import DEFAULT_SCORE_PATTERN
 from posttrain.envs.base import EnvStep, Message, check_batch, prompt_of, reply_of, single_turn_step
-from posttrain.envs.judge import QUOTED_REPLY_CHARS, CachedJudge, JudgeBackend, JudgeReply, parse_score
+from posttrain.envs.judge import QUOTED_REPLY_CHARS, CachedJudge, JudgeBackend, parse_score
 from posttrain.envs.judged.tasks import GdpvalTask, HleTaskSet
 
 HLE_JUDGE_TEMPLATE = """\
