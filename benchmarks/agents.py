@@ -217,17 +217,21 @@ def episodes_per_second(tokenizer, tool: str, concurrency: int, num_episodes: in
 def model_generator_of(name: str, threads: int):
     """A transformers-backend generator for embedded model `name`, which must already be in the cache (building a
     model here would be timed as part of nothing and can take long)."""
-    import torch
+    import torch  # here, not at the top: only --model loads a model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from posttrain.generation.transformers_backend import TransformersGenerator
     from posttrain.models.tiny import EMBEDDED_MODELS, cache_dir
+    from posttrain.models.trained import TRAINED_MODELS
 
     torch.set_num_threads(threads)
-    prefix = name.replace("/", "--") + f"-v{EMBEDDED_MODELS[name].version}"
-    path = cache_dir() / "models" / prefix
-    if not path.is_dir():
-        raise SystemExit(f"--model {name}: {path} is not built; this benchmark does not build models")
+    specs = {**EMBEDDED_MODELS, **TRAINED_MODELS}
+    if name not in specs:
+        raise SystemExit(f"--model {name!r} is not an embedded model; they are: {', '.join(sorted(specs))}")
+    path = cache_dir() / "models" / f"{name.replace('/', '--')}-v{specs[name].version}"  # as build_into_cache names it
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--model {name}: {path} is not built; this benchmark does not build models (building a "
+                         "trained one takes long): run anything that uses the model once, then this")
     tokenizer = AutoTokenizer.from_pretrained(path)
     tokenizer.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(path).eval()
@@ -277,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--episode-tools takes {', '.join(EPISODE_CALLS)}; --calls, --episodes and --concurrency are "
                      f"at least 1 (unknown tools: {sorted(unknown)})")
 
+    model = model_generator_of(args.model, args.threads) if args.model else None  # refused before anything runs
     started = time.perf_counter()
     tokenizer = build_tokenizer()
     results: dict[str, Any] = {
@@ -287,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         "episodes": [episodes_per_second(tokenizer, tool, c, args.episodes) for tool in tools for c in concurrency],
         "model": args.model, "model_episodes": [],
     }
-    if args.model:
-        generator, model_tokenizer = model_generator_of(args.model, args.threads)
+    if model is not None:
+        generator, model_tokenizer = model
         results["model_episodes"] = [
             episodes_per_second(model_tokenizer, "calculator", c, args.episodes, generator, args.model_new_tokens)
             for c in concurrency]
