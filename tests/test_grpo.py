@@ -193,6 +193,7 @@ def test_gdpo_needs_named_reward_components(tmp_path, tiny_model_dir):
         train_grpo(config(tmp_path, "trainer.max_steps=1", "advantage.estimator=gdpo"))
 
 
+@pytest.mark.slow  # 800 GRPO steps and two 800-problem evaluations: about two minutes of the default suite's 15
 def test_grpo_raises_held_out_arithmetic_accuracy(tmp_path):
     # From the embedded model SFT'd on 500 labelled additions (26-30% held-out), GRPO on unlabelled training
     # prompts with the exact-match verifier only, 800 steps. Measured with benchmarks/seeds.py (--start embedded,

@@ -91,6 +91,7 @@ def test_lm_eval_agrees_with_posttrain_multiple_choice(tmp_path, monkeypatch, ca
         assert sample["acc"] == float(record["correct"]) and sample["acc_norm"] == float(record["correct_norm"])
 
 
+@pytest.mark.slow  # an unknown task makes lm-eval index its ~15k built-in task definitions: 15-90 s on 2 cores
 def test_an_unknown_task_is_named(tmp_path, capsys):
     pytest.importorskip("lm_eval", reason=SKIP_REASON)
     write_task(tmp_path / "tasks", "arith_mc_local", MERGING_ROWS, "{{prompt}}", "")

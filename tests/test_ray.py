@@ -20,7 +20,7 @@ from rl_configs import DIGITS, TINY_RL
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason="cluster.backend=ray needs the ray extra (pip install 'posttrain[ray]')")
 
-RAY = ["cluster.backend=ray", "cluster.timeout_s=120"]
+RAY = ["cluster.backend=ray", "cluster.timeout_s=600"]  # generous: actors start slowly on a loaded 2-core machine
 
 
 def config(output_dir: Path, *overrides: str) -> GRPOConfig:
