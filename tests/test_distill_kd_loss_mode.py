@@ -102,7 +102,9 @@ def test_precomputed_chunks_of_several_teachers_give_the_live_losses(tmp_path, t
     cached = run(tmp_path / "cached", both(same, bpe, precompute=True), "kd_loss_mode=average", steps=3)
     for name in ("same", "bpe"):
         assert (tmp_path / "cached" / "teacher_topk" / name / "chunks.safetensors").exists()
-    assert [r["loss"] for r in cached] == pytest.approx([r["loss"] for r in live], abs=1e-6)
+    # The teacher scores other batches (other padding) when precomputing: equal up to float rounding, which on the
+    # AVX2 code path reached 2e-6 relative at step 2.
+    assert [r["loss"] for r in cached] == pytest.approx([r["loss"] for r in live], rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
