@@ -28,6 +28,7 @@ from posttrain.envs.tools import ToolCall, ToolContext, parser_of
 from posttrain.generation.base import Completion, GenerationOutput, SamplingParams
 from posttrain.logging import read_metrics
 from posttrain.models.tiny import build_tokenizer
+from forced_tool_calls import FirstTurnForced
 from rl_configs import TINY_RL
 from tool_templates import QWEN25
 
@@ -322,35 +323,14 @@ def test_swe_eval_writes_a_report_per_instance_and_names_an_unknown_instance(tas
             "'posttrain__clamp-1'?") in capsys.readouterr().err
 
 
-class FirstTurnAppliesTheGoldEdit:
+GOLD_EDIT = ToolCall("str_replace", {"path": "numbers_util.py", "old_str": "        return low\n",
+                                     "new_str": "        return low\n    if value > high:\n        return high\n"})
+
+
+def FirstTurnAppliesTheGoldEdit(inner, tokenizer) -> FirstTurnForced:
     """The policy's generator, except that a first turn is the clamp task's gold edit through str_replace; later
     turns are the model's own (the embedded model calls no tool, so its reply ends the episode)."""
-
-    def __init__(self, inner, tokenizer):
-        self.inner, self.tokenizer = inner, tokenizer
-        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        call = parser_of("hermes").render([ToolCall("str_replace", {
-            "path": "numbers_util.py", "old_str": "        return low\n",
-            "new_str": "        return low\n    if value > high:\n        return high\n"})])
-        self.call, self.ids = call, tokenizer(call, add_special_tokens=False)["input_ids"] + [self.im_end]
-
-    @property
-    def weights_version(self):
-        return self.inner.weights_version
-
-    def update_weights(self, version, weights):
-        return self.inner.update_weights(version, weights)
-
-    def generate(self, prompts, params, num_samples=1):
-        output = self.inner.generate(prompts, params, num_samples)
-        completions = []
-        for prompt, samples in zip(prompts, output.completions):
-            if "<|im_start|>tool" in self.tokenizer.decode(prompt):
-                completions.append(samples)
-            else:
-                completions.append([Completion(prompt, self.ids, [-1.0] * len(self.ids), self.call, "stop")]
-                                   * len(samples))
-        return GenerationOutput(completions, output.seconds, sum(len(c.token_ids) for s in completions for c in s))
+    return FirstTurnForced(inner, tokenizer, lambda text: GOLD_EDIT)
 
 
 @pytest.mark.slow  # about 30 s: the embedded model's step on 1,000-token prompts

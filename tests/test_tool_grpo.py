@@ -21,43 +21,22 @@ from posttrain.algorithms.grpo import train_grpo
 from posttrain.algorithms.ppo import train_ppo
 from posttrain.config import ConfigError, load_config
 from posttrain.config.schema import EvalConfig, GRPOConfig, PPOConfig
-from posttrain.envs.tools import ToolCall, parser_of
-from posttrain.generation.base import Completion, GenerationOutput
+from posttrain.envs.tools import ToolCall
 from posttrain.logging import read_metrics
+from forced_tool_calls import FirstTurnForced
 from rl_configs import TINY_RL
 
 TOOLS = ["environment.kind=tools", "environment.options={tools: [calculator], task: {kind: arithmetic}}"]
 
 
-class FirstTurnCallsTheCalculator:
+def calculator_call(text: str) -> ToolCall:
+    a, b = re.findall(r"(\d+)\+(\d+)", text)[-1]
+    return ToolCall("calculator", {"expression": f"{a}+{b}"})
+
+
+def FirstTurnCallsTheCalculator(inner, tokenizer) -> FirstTurnForced:
     """The policy's generator, except that a first turn is a calculator call on the prompt's two numbers."""
-
-    def __init__(self, inner, tokenizer):
-        self.inner, self.tokenizer = inner, tokenizer
-        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self.forced = 0
-
-    @property
-    def weights_version(self):
-        return self.inner.weights_version
-
-    def update_weights(self, version, weights):
-        return self.inner.update_weights(version, weights)
-
-    def generate(self, prompts, params, num_samples=1):
-        output = self.inner.generate(prompts, params, num_samples)
-        completions = []
-        for prompt, samples in zip(prompts, output.completions):
-            text = self.tokenizer.decode(prompt)
-            if "<|im_start|>tool" in text:  # a later turn: the model's own
-                completions.append(samples)
-                continue
-            a, b = re.findall(r"(\d+)\+(\d+)", text)[-1]
-            call = parser_of("hermes").render([ToolCall("calculator", {"expression": f"{a}+{b}"})])
-            ids = self.tokenizer(call, add_special_tokens=False)["input_ids"] + [self.im_end]
-            completions.append([Completion(prompt, ids, [-1.0] * len(ids), call, "stop")] * len(samples))
-            self.forced += len(samples)
-        return GenerationOutput(completions, output.seconds, sum(len(c.token_ids) for s in completions for c in s))
+    return FirstTurnForced(inner, tokenizer, calculator_call)
 
 
 def test_grpo_with_the_calculator_tool_runs_with_masks_and_metrics(tmp_path, tiny_model_dir, monkeypatch):

@@ -1,0 +1,40 @@
+"""A stand-in generator for tool-using runs: the policy's generator, except that every first turn is a given tool
+call (the embedded models call no tools of their own). Later turns, those after a tool message, are the model's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from posttrain.envs.tools import ToolCall, parser_of
+from posttrain.generation.base import Completion, GenerationOutput
+
+
+class FirstTurnForced:
+    """`call_for(prompt_text)`: the ToolCall a first turn makes, rendered in the Hermes format and ended with
+    <|im_end|>. `forced` counts the samples replaced."""
+
+    def __init__(self, inner, tokenizer, call_for: Callable[[str], ToolCall]):
+        self.inner, self.tokenizer, self.call_for = inner, tokenizer, call_for
+        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.forced = 0
+
+    @property
+    def weights_version(self):
+        return self.inner.weights_version
+
+    def update_weights(self, version, weights):
+        return self.inner.update_weights(version, weights)
+
+    def generate(self, prompts, params, num_samples=1):
+        output = self.inner.generate(prompts, params, num_samples)
+        completions = []
+        for prompt, samples in zip(prompts, output.completions):
+            text = self.tokenizer.decode(prompt)
+            if "<|im_start|>tool" in text:  # a later turn: the model's own
+                completions.append(samples)
+                continue
+            call = parser_of("hermes").render([self.call_for(text)])
+            ids = self.tokenizer(call, add_special_tokens=False)["input_ids"] + [self.im_end]
+            completions.append([Completion(prompt, ids, [-1.0] * len(ids), call, "stop")] * len(samples))
+            self.forced += len(samples)
+        return GenerationOutput(completions, output.seconds, sum(len(c.token_ids) for s in completions for c in s))
