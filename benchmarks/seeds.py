@@ -88,6 +88,10 @@ class Preset:
     student's exact match (the start preset's model, or `untrained` for a preset without one)."""
     untrained: str = "posttrain/tiny"
     """The untrained student of a distillation preset without a start preset, scored on the same code path."""
+    eval_args: tuple[str, ...] = ()
+    """How `posttrain eval` scores this preset's models instead of greedy exact match on the built-in 2-digit
+    additions (e.g. the tool-use word problems, with the tools environment); the eval's tool-call metrics are
+    reported beside exact_match."""
     held_out: tuple[str, ...] = ()
     """More held-out sets of the arithmetic environment (embedded dataset names, e.g. posttrain/subtraction:heldout),
     each reported as exact_match/<task>: the greedy exact match of the run's model on its prompts."""
@@ -146,7 +150,14 @@ PRESETS: dict[str, Preset] = {
         Claim("grpo_minus_control", "GRPO above the equal-step SFT control", lambda v: v > 0),
     )),
 }
-START_MODELS = {"sft_arithmetic": "posttrain/tiny-arithmetic-sft",
+TOOLS_EVAL = ("--data", "posttrain/arithmetic-tools:heldout[:400]", "environment.kind=tools",
+              "environment.options={tools: [calculator], task: {kind: arithmetic}, tool_call_format: hermes}",
+              "max_turns=2", "max_new_tokens=96")
+"""Held-out accuracy of the tool-use presets: 400 word problems, greedy, the calculator offered, two turns."""
+PRESETS["sft_tools_arithmetic"] = Preset("sft", eval_args=TOOLS_EVAL)
+PRESETS["grpo_tools_arithmetic"] = Preset("grpo", "sft_tools_arithmetic", GRPO_CLAIMS, eval_args=TOOLS_EVAL)
+START_MODELS = {"sft_tools_arithmetic": "posttrain/tiny-tools-sft",
+                "sft_arithmetic": "posttrain/tiny-arithmetic-sft",
                 "sft_arithmetic_small": "posttrain/tiny-arithmetic-sft-small"}
 
 
@@ -172,12 +183,17 @@ class Sweep:
             raise RuntimeError(f"posttrain {args[0]} failed (exit {process.returncode}); see {log}:\n{tail}")
         return process.stdout
 
-    def exact_match(self, code_path: str, model: str, log: Path, data: str | None = None) -> float:
-        """Greedy exact match of `model` on the built-in task's held-out problems, or on the prompts of `data`
-        scored by the arithmetic environment."""
+    def exact_match(self, code_path: str, model: str, log: Path, data: str | None = None,
+                    eval_args: tuple[str, ...] = (), metrics: dict[str, Any] | None = None) -> float:
+        """Greedy exact match of `model` on the built-in task's held-out problems, on the prompts of `data`
+        scored by the arithmetic environment, or as `eval_args` say (a preset's own evaluation). `metrics`, when
+        given, receives the evaluation's tool-call metrics (tools/...) and turns/mean."""
         where = ["--data", data, "--environment", "arithmetic"] if data else [f"num_examples={HELD_OUT_PROBLEMS}"]
-        out = self.posttrain(code_path, ["eval", "--model", model, "--json", *where], log)
-        return json.loads(out.strip().splitlines()[-1])["accuracy"]
+        out = self.posttrain(code_path, ["eval", "--model", model, "--json", *(eval_args or where)], log)
+        report = json.loads(out.strip().splitlines()[-1])
+        if metrics is not None:
+            metrics.update({k: v for k, v in report.items() if k.startswith("tools/") or k == "turns/mean"})
+        return report["accuracy"]
 
     def run(self, name: str, code_path: str, seed: int, overrides: list[str], label: str = "") -> dict[str, Any]:
         """One seeded run of preset `name` on `code_path` (cached in its result.json, reused while the overrides
@@ -233,7 +249,8 @@ class Sweep:
                 result["reward_gain"] = validated[-1]["val/reward_mean"] - validated[0]["val/reward_mean"]
                 result["reward_minus_accuracy"] = validated[-1]["val/reward_mean"] - validated[-1]["val/accuracy"]
             if preset.recipe in ("sft", "dpo", "grpo", "ppo", "distill"):
-                result["exact_match"] = self.exact_match(code_path, result["model"], log)
+                result["exact_match"] = self.exact_match(code_path, result["model"], log,
+                                                         eval_args=preset.eval_args, metrics=result)
             for data in preset.held_out:
                 task = data.removeprefix("posttrain/").split(":")[0]
                 result[f"exact_match/{task}"] = self.exact_match(code_path, result["model"], log, data)
@@ -244,7 +261,8 @@ class Sweep:
                               gap_closed=gap_closed(result["exact_match"], untrained, teacher))
             if preset.start and preset.recipe != "rm":
                 if start_accuracy is None:
-                    start_accuracy = self.exact_match(code_path, result["start_model"], log)
+                    start_accuracy = self.exact_match(code_path, result["start_model"], log,
+                                                      eval_args=preset.eval_args)
                 result["start_exact_match"] = start_accuracy
                 result["exact_match_gain"] = result["exact_match"] - start_accuracy
                 if preset.teacher:

@@ -24,6 +24,12 @@
     posttrain/arithmetic-two-tasks       additions and subtractions alternating, each row with a `task` column
                                          ("addition" or "subtraction"): the data for routing samples to one
                                          teacher per task; same splits, [:N] is the first N rows
+    posttrain/arithmetic-tools           word problems around two 5-digit numbers, to solve with the calculator tool
+                                         (envs.word_problems): prompt = [the user's question], answer = the result;
+                                         20,000 training and 2,000 held-out rows (their own hash-decided splits),
+                                         [:N] limits as for arithmetic
+    posttrain/arithmetic-tools-sft       the same problems as worked tool-use episodes (messages: the question, a
+                                         Hermes-format calculator call, the tool's result, the answer)
     posttrain/bench-lengths              benchmark rows with real-world length spread: prompt and completion
                                          each 16-1,024 characters (one token each for the byte-level
                                          tokenizer), log-normal (median ~128), random words; 4,096 rows per
@@ -42,13 +48,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from posttrain.data.errors import DataError
-from posttrain.envs import arithmetic
+from posttrain.envs import arithmetic, word_problems
 from posttrain.envs.arithmetic import Problem
 
 _NAME = re.compile(r"^posttrain/(?P<task>[a-z_-]+)(?::(?P<split>[a-z]+))?(?:\[:(?P<count>\d+)\])?$")
 TASKS = ("arithmetic", "arithmetic-mc", "arithmetic-preference", "arithmetic-preference-dense", "arithmetic-judge", "subtraction",
-         "arithmetic-two-tasks", "bench-lengths", "bench-lengths-messages", "bench-lengths-preference")
+         "arithmetic-two-tasks", "arithmetic-tools", "arithmetic-tools-sft", "bench-lengths", "bench-lengths-messages", "bench-lengths-preference")
 BENCH_ROWS = 4096
+WORD_PROBLEM_ROWS = {"train": 20_000, "heldout": 2_000}
 BENCH_LENGTHS = (16, 1024)
 """Shortest and longest prompt or completion of posttrain/bench-lengths, in characters."""
 BENCH_MEDIAN, BENCH_SIGMA = 128, 1.0
@@ -72,6 +79,11 @@ def iter_embedded(source: str) -> Iterator[tuple[str, dict[str, Any]]]:
     count = int(match["count"]) if match["count"] else None
     if match["task"].startswith("bench-lengths"):
         yield from _limited(source, _bench_rows(match["task"], split), count, split)
+        return
+    if match["task"].startswith("arithmetic-tools"):
+        stories = itertools.islice(word_problems.problems(split), WORD_PROBLEM_ROWS[split])
+        rows = (story.sft_row() if match["task"].endswith("-sft") else story.rl_row() for story in stories)
+        yield from _limited(source, rows, count, split)
         return
     dense = match["task"] in ("arithmetic-preference-dense", "arithmetic-judge")  # several rows per problem
     limit = None if dense else count
