@@ -35,7 +35,7 @@ from typing import Any
 
 from posttrain.envs.base import EnvStep, Message, check_batch, reply_of
 from posttrain.envs.cua.actions import ACTION_TYPES, TERMINAL, Action, ActionError, parse_action, perform
-from posttrain.envs.cua.desktop import DEFAULT_SCREEN, Desktop, DesktopError, python_program
+from posttrain.envs.cua.desktop import DEFAULT_SCREEN, Desktop, DesktopError, missing_programs, python_program
 from posttrain.envs.cua.tasks import CuaTask, evaluate
 
 APP_SCRIPT = Path(str(resources.files("posttrain.envs.cua") / "app.py"))
@@ -154,6 +154,10 @@ class CuaEnvironment:
     def __init__(self, tasks: list[CuaTask], *, episodes_dir: str | Path | None = None, max_steps: int = 10,
                  screen: tuple[int, int] = DEFAULT_SCREEN, start_timeout_s: float = 10.0,
                  action_timeout_s: float = 10.0, save_screenshots: bool = True, xvfb: str = "Xvfb"):
+        missing = missing_programs()
+        if missing:
+            raise ValueError(f"the cua environment needs {' and '.join(missing)} on PATH (Debian/Ubuntu: apt-get "
+                             "install -y xvfb xdotool)")
         if max_steps < 1:
             raise ValueError(f"max_steps must be at least 1, got {max_steps}")
         if start_timeout_s <= 0 or action_timeout_s <= 0:
