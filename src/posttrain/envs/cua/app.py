@@ -5,8 +5,9 @@ The form has a Name and an Email entry, a Subscribe check box, a Category list (
 entry, a Save button that writes the form to WORKDIR/contact.json (and says "Saved" in the status line) and a Clear
 button. `--initial-state FILE` fills the form from such a JSON file before it shows.
 
-Accessibility tree: Tk exposes no AT-SPI, so the app describes its own widgets. It listens on the Unix socket
-WORKDIR/.a11y.sock; a client sends one line, `tree`, and gets one JSON line back: a list of nodes, each {role,
+Accessibility tree: Tk exposes no AT-SPI, so the app describes its own widgets. It listens on the Unix socket in
+Linux's abstract namespace named by `--socket NAME` (no file, so no limit from a long work directory path, and
+nothing left behind); a client sends one line, `tree`, and gets one JSON line back: a list of nodes, each {role,
 name, text, states, x, y, width, height} with screen coordinates. This is the app's own introspection, not what an
 accessibility bus would report for a real desktop (OSWorld reads AT-SPI through pyatspi).
 """
@@ -22,7 +23,6 @@ from pathlib import Path
 
 CATEGORIES = ("Personal", "Work", "Family")
 STATE_FILE = "contact.json"
-SOCKET_FILE = ".a11y.sock"
 WINDOW = (420, 330)
 """Width and height of the app's window, placed at the screen's top-left corner (Xvfb runs no window manager)."""
 
@@ -181,16 +181,14 @@ def serve(form: ContactForm, server: socket.socket) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description="The computer-use tasks' contact form.")
     parser.add_argument("--workdir", required=True, type=Path)
+    parser.add_argument("--socket", required=True, help="the abstract Unix socket's name (without the leading NUL)")
     parser.add_argument("--initial-state", type=Path)
     args = parser.parse_args()
     initial = json.loads(args.initial_state.read_text(encoding="utf-8")) if args.initial_state else {}
     root = tk.Tk()
     form = ContactForm(root, args.workdir, initial)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    path = args.workdir / SOCKET_FILE
-    if path.exists():
-        path.unlink()
-    server.bind(str(path))
+    server.bind("\0" + args.socket)
     server.listen(4)
     server.setblocking(False)
     root.after(10, serve, form, server)

@@ -28,6 +28,7 @@ import socket
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -40,8 +41,6 @@ from posttrain.envs.cua.tasks import CuaTask, evaluate
 
 APP_SCRIPT = Path(str(resources.files("posttrain.envs.cua") / "app.py"))
 """The bundled app, run as a program of its own (it imports tkinter, which this process never needs)."""
-SOCKET_FILE = ".a11y.sock"
-"""Where the app answers for its tree, in the episode's work directory (app.SOCKET_FILE; a test checks they agree)."""
 TREE_HEADER = "role\tname\ttext\tstates\tposition (top-left x&y)\tsize (w&h)"
 """The header of a tree rendered as text (OSWorld's linearized tree has the same layout, with class and
 description columns instead of states)."""
@@ -85,6 +84,8 @@ class CuaEpisode:
     workdir: Path
     desktop: Desktop
     tree_timeout_s: float
+    socket_name: str = field(default_factory=lambda: f"posttrain-cua-{uuid.uuid4().hex}")
+    """The app's abstract Unix socket, where it answers for its tree."""
     steps: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     screenshots: list[str] = field(default_factory=list)
@@ -101,7 +102,7 @@ class CuaEpisode:
             elif step.type == "sleep":
                 time.sleep(step.parameters["seconds"])
             else:
-                arguments = ["--workdir", str(self.workdir)]
+                arguments = ["--workdir", str(self.workdir), "--socket", self.socket_name]
                 initial = step.parameters.get("initial_state")
                 if initial is not None:
                     (self.workdir / "initial_state.json").write_text(json.dumps(initial), encoding="utf-8")
@@ -111,13 +112,13 @@ class CuaEpisode:
 
     def tree(self) -> list[dict[str, Any]]:
         """The app's accessibility tree, asked over its socket; DesktopError after tree_timeout_s."""
-        path = str(self.workdir / SOCKET_FILE)
+        address = "\0" + self.socket_name
         deadline = time.monotonic() + self.tree_timeout_s
         while True:
             try:
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
                     connection.settimeout(max(0.05, deadline - time.monotonic()))
-                    connection.connect(path)
+                    connection.connect(address)
                     connection.sendall(b"tree\n")
                     answer = b""
                     while not answer.endswith(b"\n"):
