@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.envs.base import EnvStep, Message, check_batch, reply_of
-from posttrain.envs.cua.actions import ACTION_TYPES, TERMINAL, Action, ActionError, parse_action, perform
+from posttrain.envs.cua.actions import TERMINAL, ActionError, parse_action, perform
 from posttrain.envs.cua.desktop import DEFAULT_SCREEN, Desktop, DesktopError, missing_programs, python_program
 from posttrain.envs.cua.tasks import CuaTask, evaluate
 
@@ -288,5 +288,4 @@ def prompt_rows(tasks: list[CuaTask], *, screen: tuple[int, int] = DEFAULT_SCREE
             for task in tasks]
 
 
-__all__ = ["ACTION_TYPES", "Action", "CuaEnvironment", "CuaEpisode", "initial_tree", "prompt_rows", "task_prompt",
-           "tree_text"]
+__all__ = ["CuaEnvironment", "CuaEpisode", "initial_tree", "prompt_rows", "task_prompt", "tree_text"]
