@@ -7,9 +7,11 @@ runs as root with apt-get)."""
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,21 +40,21 @@ needs_desktop = pytest.mark.skipif(bool(missing_programs()), reason=(
 
 @pytest.mark.parametrize("reply, action_type, parameters, xdotool", [
     ('{"action_type": "MOVE_TO", "parameters": {"x": 10, "y": 20}}', "MOVE_TO", {"x": 10, "y": 20},
-     ["mousemove", "--sync", "10", "20"]),
+     ["mousemove", "10", "20"]),
     ('{"action_type": "CLICK", "x": 10.4, "y": 20.6}', "CLICK", {"x": 10, "y": 21},
-     ["mousemove", "--sync", "10", "21", "click", "--repeat", "1", "1"]),
+     ["mousemove", "10", "21", "click", "--repeat", "1", "--delay", "10", "1"]),
     ('{"action_type": "CLICK", "parameters": {"button": "right", "num_clicks": 2}}', "CLICK",
-     {"button": "right", "num_clicks": 2}, ["click", "--repeat", "2", "3"]),
+     {"button": "right", "num_clicks": 2}, ["click", "--repeat", "2", "--delay", "10", "3"]),
     ('{"action_type": "MOUSE_DOWN"}', "MOUSE_DOWN", {}, ["mousedown", "1"]),
     ('{"action_type": "MOUSE_UP", "parameters": {"button": "middle"}}', "MOUSE_UP", {"button": "middle"},
      ["mouseup", "2"]),
     ('{"action_type": "RIGHT_CLICK", "parameters": {"x": 5, "y": 6}}', "RIGHT_CLICK", {"x": 5, "y": 6},
-     ["mousemove", "--sync", "5", "6", "click", "3"]),
-    ('{"action_type": "DOUBLE_CLICK"}', "DOUBLE_CLICK", {}, ["click", "--repeat", "2", "1"]),
+     ["mousemove", "5", "6", "click", "--delay", "10", "3"]),
+    ('{"action_type": "DOUBLE_CLICK"}', "DOUBLE_CLICK", {}, ["click", "--repeat", "2", "--delay", "10", "1"]),
     ('{"action_type": "DRAG_TO", "parameters": {"x": 100, "y": 200}}', "DRAG_TO", {"x": 100, "y": 200},
-     ["mousedown", "1", "mousemove", "--sync", "100", "200", "mouseup", "1"]),
+     ["mousedown", "1", "mousemove", "100", "200", "mouseup", "1"]),
     ('{"action_type": "SCROLL", "parameters": {"dx": -1, "dy": 3}}', "SCROLL", {"dx": -1, "dy": 3},
-     ["click", "--repeat", "3", "4", "click", "--repeat", "1", "6"]),
+     ["click", "--repeat", "3", "--delay", "0", "4", "click", "--repeat", "1", "--delay", "0", "6"]),
     ('{"action_type": "TYPING", "parameters": {"text": "-rf /"}}', "TYPING", {"text": "-rf /"},
      ["type", "--delay", "0", "--", "-rf /"]),
     ('{"action_type": "PRESS", "parameters": {"key": "enter"}}', "PRESS", {"key": "enter"}, ["key", "--", "Return"]),
@@ -273,7 +275,7 @@ def test_screenshots_are_pngs_of_the_screen_that_change_after_typing(tmp_path):
         nodes = episode.tree()
         entry = next(n for n in nodes if n["role"] == "entry" and n["name"] == "Name")
         # Xvfb draws the pointer into its framebuffer: put it over the entry first, so only typing changes the screen
-        episode.desktop.xdotool("mousemove", "--sync", str(entry["x"] + 20), str(entry["y"] + 10))
+        episode.desktop.xdotool("mousemove", str(entry["x"] + 20), str(entry["y"] + 10))
         episode.tree()
         before = Image.open(io.BytesIO(episode.desktop.screenshot_png()))
         assert before.format == "PNG" and before.size == (480, 360) and before.mode == "RGB"
@@ -333,7 +335,7 @@ def test_the_scripted_policy_completes_every_bundled_task_and_the_evaluator_conf
 
 @needs_desktop
 def test_wrong_actions_score_zero_and_invalid_ones_are_counted(tmp_path):
-    environment = CuaEnvironment(load_tasks(), episodes_dir=tmp_path, max_steps=4)
+    environment = CuaEnvironment(load_tasks(), episodes_dir=tmp_path, max_steps=5)
     name_entry = '{"action_type": "CLICK", "parameters": {"x": 150, "y": 15}}'
     save = '{"action_type": "CLICK", "parameters": {"x": 120, "y": 213}}'
     try:
@@ -341,16 +343,17 @@ def test_wrong_actions_score_zero_and_invalid_ones_are_counted(tmp_path):
         steps = _episode(environment, "contact-name",
                          [name_entry, '{"action_type": "TYPING", "parameters": {"text": "Ada Byron"}}', save, "DONE"])
         assert [s.rewards[0] for s in steps] == [0, 0, 0, 0] and steps[-1].done[0]
-        # the right name, never saved: cut off at max_steps (4 actions), still scored
+        # the right name, never saved: cut off at max_steps (5 actions), still scored
         steps = _episode(environment, "contact-name",
                          [name_entry, '{"action_type": "TYPING", "parameters": {"text": "Ada Lovelace"}}', "WAIT",
-                          "WAIT", "WAIT"])
-        assert len(steps) == 4 and steps[-1].done[0] and steps[-1].rewards == [0.0]
-        assert steps[-1].metadata[0]["cua_actions"] == 4
+                          "WAIT", "WAIT", "WAIT"])
+        assert len(steps) == 5 and steps[-1].done[0] and steps[-1].rewards == [0.0]
+        assert steps[-1].metadata[0]["cua_actions"] == 5
         # the right name, saved, then FAIL: a feasible task given up scores 0
-        steps = _episode(environment, "contact-name",
-                         [name_entry, '{"action_type": "TYPING", "parameters": {"text": "Ada Lovelace"}}', save, "FAIL"])
-        assert [s.rewards[0] for s in steps] == [0, 0, 1, 0]
+        steps = _episode(environment, "contact-name",  # clicking where the pointer already is (no wait for a move)
+                         [name_entry, name_entry, '{"action_type": "TYPING", "parameters": {"text": "Ada Lovelace"}}',
+                          save, "FAIL"])
+        assert [s.rewards[0] for s in steps] == [0, 0, 0, 1, 0]
         # an infeasible task answered DONE
         assert _episode(environment, "contact-send-email", ["DONE"])[-1].rewards == [0.0]
         # invalid actions: answered with the error and the tree, counted by kind, the episode goes on
@@ -433,3 +436,19 @@ def test_eval_drives_the_cua_environment_to_the_evaluator(tmp_path, tiny_model_d
     assert report.metrics["accuracy"] == 1.0
     assert report.metrics["cua/actions_mean"] == 2.5  # click, click, click, DONE; FAIL
     assert report.metrics["cua/action_errors_mean"] == 0.0
+
+
+@pytest.mark.slow  # about 10 s on 2 loaded cores
+@needs_desktop
+def test_the_benchmark_times_every_part(tmp_path):
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "cua.py"
+    spec = importlib.util.spec_from_file_location("cua_benchmark", script)
+    benchmark = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(benchmark)
+    output = tmp_path / "cua.json"
+    assert benchmark.main(["--episodes", "1", "--repeats", "3", "--output", str(output)]) == 0
+    results = json.loads(output.read_text())
+    assert results["startup"]["n"] == 1 and all(row["n"] == 3 for row in results["parts"].values())
+    assert len(results["parts"]) == 7
+    assert results["steps_with_screenshots"]["steps"] == 3
+    assert results["steps_without_screenshots"]["actions_per_second"] > 0

@@ -77,6 +77,9 @@ _SPEC: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 ACTION_TYPES = tuple(_SPEC)
 """The 16 action types of OSWorld's computer_13 space."""
 TERMINAL = ("DONE", "FAIL")
+CLICK_DELAY_MS = 10
+"""xdotool's pause after each click (its default, 100 ms, is also spent after a single click); the clicks of a
+double or triple click stay far inside any toolkit's multi-click interval."""
 """Actions that end the episode."""
 
 
@@ -186,28 +189,31 @@ def keysym(key: str) -> str:
 
 
 def xdotool_arguments(action: Action) -> list[str]:
-    """The xdotool command line (chained commands) that performs `action`; [] for WAIT, DONE and FAIL."""
+    """The xdotool command line (chained commands) that performs `action`; [] for WAIT, DONE and FAIL. mousemove
+    goes without --sync, which waits for the pointer to move and so never returns when it is already there; the
+    server handles XTEST events in order, so a click after the move lands at the new point anyway."""
     p = action.parameters
-    move = ["mousemove", "--sync", str(p["x"]), str(p["y"])] if "x" in p else []
+    move = ["mousemove", str(p["x"]), str(p["y"])] if "x" in p else []
     kind = action.action_type
     if kind == "MOVE_TO":
         return move
     if kind == "CLICK":
-        return [*move, "click", "--repeat", str(p.get("num_clicks", 1)), BUTTONS[p.get("button", "left")]]
+        return [*move, "click", "--repeat", str(p.get("num_clicks", 1)), "--delay", str(CLICK_DELAY_MS),
+                BUTTONS[p.get("button", "left")]]
     if kind in ("MOUSE_DOWN", "MOUSE_UP"):
         return ["mousedown" if kind == "MOUSE_DOWN" else "mouseup", BUTTONS[p.get("button", "left")]]
     if kind == "RIGHT_CLICK":
-        return [*move, "click", "3"]
+        return [*move, "click", "--delay", str(CLICK_DELAY_MS), "3"]
     if kind == "DOUBLE_CLICK":
-        return [*move, "click", "--repeat", "2", "1"]
+        return [*move, "click", "--repeat", "2", "--delay", str(CLICK_DELAY_MS), "1"]
     if kind == "DRAG_TO":
-        return ["mousedown", "1", "mousemove", "--sync", str(p["x"]), str(p["y"]), "mouseup", "1"]
+        return ["mousedown", "1", "mousemove", str(p["x"]), str(p["y"]), "mouseup", "1"]
     if kind == "SCROLL":
         arguments = []
         if p["dy"]:
-            arguments += ["click", "--repeat", str(abs(p["dy"])), "4" if p["dy"] > 0 else "5"]
+            arguments += ["click", "--repeat", str(abs(p["dy"])), "--delay", "0", "4" if p["dy"] > 0 else "5"]
         if p["dx"]:
-            arguments += ["click", "--repeat", str(abs(p["dx"])), "7" if p["dx"] > 0 else "6"]
+            arguments += ["click", "--repeat", str(abs(p["dx"])), "--delay", "0", "7" if p["dx"] > 0 else "6"]
         return arguments
     if kind == "TYPING":
         return ["type", "--delay", "0", "--", p["text"]]
