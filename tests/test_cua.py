@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import math
 import time
 from pathlib import Path
 
@@ -18,7 +19,10 @@ import pytest
 from PIL import Image
 
 from posttrain.algorithms import evaluate as evaluate_module
+from posttrain.algorithms import grpo as grpo_module
 from posttrain.algorithms.evaluate import evaluate_files
+from posttrain.algorithms.grpo import train_grpo
+from posttrain.logging import read_metrics
 from posttrain.config import ConfigError, load_config
 from posttrain.config.schema import EvalConfig, GRPOConfig
 from posttrain.envs.cua.actions import ACTION_TYPES, Action, ActionError, parse_action, xdotool_arguments
@@ -392,9 +396,9 @@ class ScriptedGenerator:
     """A stand-in generator whose every sample is the scripted policy's next action for the prompt's task (the
     embedded models have not learned to operate a desktop)."""
 
-    def __init__(self, inner, tokenizer, tasks):
+    def __init__(self, inner, tokenizer, tasks, second_sample_fails: bool = False):
         self.inner, self.tokenizer = inner, tokenizer
-        self.tasks = tasks
+        self.tasks, self.second_sample_fails = tasks, second_sample_fails
         self.policy = ScriptedPolicy(load_scripts())
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
@@ -412,9 +416,14 @@ class ScriptedGenerator:
             task = next(task for task in self.tasks if f"Task: {task.instruction}" in text)
             turns = text.count("The screen's accessibility tree:") - 1  # the prompt's, then one per observation
             messages = [{"role": "assistant", "content": ""}] * turns + [{"role": "user", "content": text}]
-            reply = self.policy.reply(task.id, messages)
-            ids = self.tokenizer(reply, add_special_tokens=False)["input_ids"] + [self.im_end]
-            completions.append([Completion(prompt, ids, [-1.0] * len(ids), reply, "stop")] * num_samples)
+            replies = [self.policy.reply(task.id, messages)] * num_samples
+            if self.second_sample_fails and num_samples > 1:
+                replies[1] = "FAIL"  # gives up at once: 0 on a feasible task, 1 on the infeasible one
+            samples = []
+            for reply in replies:
+                ids = self.tokenizer(reply, add_special_tokens=False)["input_ids"] + [self.im_end]
+                samples.append(Completion(prompt, ids, [-1.0] * len(ids), reply, "stop"))
+            completions.append(samples)
         return GenerationOutput(completions, 0.0, sum(len(c.token_ids) for s in completions for c in s))
 
 
@@ -438,7 +447,29 @@ def test_eval_drives_the_cua_environment_to_the_evaluator(tmp_path, tiny_model_d
     assert report.metrics["cua/action_errors_mean"] == 0.0
 
 
-@pytest.mark.slow  # about 10 s on 2 loaded cores
+@pytest.mark.slow  # about 40 s on 2 loaded cores: a step trains on episodes of about 5,000 tokens
+@needs_desktop
+def test_a_grpo_step_on_cua_tasks_logs_the_evaluators_rewards(tmp_path, tiny_model_dir, monkeypatch):
+    tasks = load_tasks()
+    policy_generator = grpo_module.policy_generator
+    monkeypatch.setattr(grpo_module, "policy_generator", lambda cfg, tokenizer, policy, cluster=None: ScriptedGenerator(
+        policy_generator(cfg, tokenizer, policy), tokenizer, tasks, second_sample_fails=True))
+    data = tmp_path / "cua.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in prompt_rows(
+        [task for task in tasks if task.id in ("contact-subscribe-work", "contact-send-email")])))
+    cfg = load_config(GRPOConfig, None, [
+        *TINY_RL, f"output_dir={tmp_path / 'run'}", f"data.train_files=['{data}']", "data.max_length=2048",
+        "environment.kind=cua", "environment.options={max_steps: 5}", "rollout.max_turns=5",
+        "rollout.max_new_tokens=4", "rollout.prompts_per_step=2", "rollout.num_generations_per_prompt=2",
+        "trainer.max_steps=1", "trainer.save_every=0", "trainer.micro_batch_size=4"])
+    train_grpo(cfg)
+    record = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    # subscribe-work: the script (4 actions) earns 1, FAIL 0; send-email: FAIL earns 1 both times
+    assert record["reward/mean"] == 0.75 and record["cua/actions_mean"] == 1.75
+    assert record["cua/action_errors_mean"] == 0.0 and record["turns/max"] == 4
+    assert record["tokens/observation_mean"] > 0 and math.isfinite(record["loss"])
+
+
 @needs_desktop
 def test_the_benchmark_times_every_part(tmp_path):
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "cua.py"
