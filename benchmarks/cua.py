@@ -31,11 +31,11 @@ from PIL import Image
 
 from posttrain.envs.cua.actions import parse_action, perform
 from posttrain.envs.cua.desktop import missing_programs
-from posttrain.envs.cua.environment import CuaEnvironment
+from posttrain.envs.cua.environment import CuaEnvironment, initial_tree
+from posttrain.envs.cua.scripted import resolve
 from posttrain.envs.cua.tasks import evaluate, load_tasks
 
 TASK = "contact-name"
-CLICK = '{"action_type": "CLICK", "parameters": {"x": 150, "y": 15}}'
 TYPING = '{"action_type": "TYPING", "parameters": {"text": "Ada Lovelace"}}'
 PRESS = '{"action_type": "PRESS", "parameters": {"key": "end"}}'
 
@@ -67,11 +67,18 @@ def startups(environment: CuaEnvironment, count: int) -> list[float]:
     return seconds
 
 
+def click_on_name(environment: CuaEnvironment) -> str:
+    """A CLICK on the Name entry, wherever the machine's fonts put it."""
+    return resolve({"action_type": "CLICK", "target": {"role": "entry", "name": "Name"}},
+                   initial_tree(environment.tasks[TASK], screen=environment.screen))
+
+
 def parts(environment: CuaEnvironment, repeats: int) -> dict[str, dict[str, float]]:
+    click = click_on_name(environment)
     key, episode = environment.open_episode(TASK)
     try:
         actions = {name: parse_action(reply, environment.screen)
-                   for name, reply in (("CLICK", CLICK), ("TYPING 12 characters", TYPING), ("PRESS", PRESS))}
+                   for name, reply in (("CLICK", click), ("TYPING 12 characters", TYPING), ("PRESS", PRESS))}
         results = {f"xdotool {name}": summary_ms(timed(lambda a=action: perform(a, episode.desktop), repeats))
                    for name, action in actions.items()}
         results["accessibility tree"] = summary_ms(timed(episode.tree, repeats))
@@ -86,11 +93,12 @@ def parts(environment: CuaEnvironment, repeats: int) -> dict[str, dict[str, floa
 
 
 def actions_per_second(environment: CuaEnvironment, steps: int) -> dict[str, Any]:
+    click = click_on_name(environment)
     messages = [{"role": "user", "content": "benchmark"}]
     row: dict[str, Any] = {"task_id": TASK}
     started = time.perf_counter()
     for index in range(steps):
-        messages.append({"role": "assistant", "content": CLICK if index % 2 == 0 else TYPING})
+        messages.append({"role": "assistant", "content": click if index % 2 == 0 else TYPING})
         result = environment.step([messages], [row])
         if result.errors[0] is not None or result.metadata[0]["cua_errors"]:
             raise RuntimeError(f"step {index} failed: {result.errors[0] or result.metadata[0]['cua_error_kinds']}")

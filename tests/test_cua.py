@@ -11,6 +11,7 @@ import importlib.util
 import io
 import json
 import math
+import re
 import time
 from pathlib import Path
 
@@ -27,7 +28,14 @@ from posttrain.config import ConfigError, load_config
 from posttrain.config.schema import EvalConfig, GRPOConfig
 from posttrain.envs.cua.actions import ACTION_TYPES, Action, ActionError, parse_action, xdotool_arguments
 from posttrain.envs.cua.desktop import Desktop, DesktopError, missing_programs, read_xwd
-from posttrain.envs.cua.environment import TREE_HEADER, CuaEnvironment, prompt_rows, task_prompt, tree_text
+from posttrain.envs.cua.environment import (
+    TREE_HEADER,
+    CuaEnvironment,
+    initial_tree,
+    prompt_rows,
+    task_prompt,
+    tree_text,
+)
 from posttrain.envs.cua.scripted import ScriptedPolicy, load_scripts, parse_tree, resolve, run_tasks
 from posttrain.envs.cua.tasks import CuaTaskError, evaluate, load_tasks
 from posttrain.envs.registry import EnvironmentOptionError, build_environment
@@ -340,8 +348,9 @@ def test_the_scripted_policy_completes_every_bundled_task_and_the_evaluator_conf
 @needs_desktop
 def test_wrong_actions_score_zero_and_invalid_ones_are_counted(tmp_path):
     environment = CuaEnvironment(load_tasks(), episodes_dir=tmp_path, max_steps=5)
-    name_entry = '{"action_type": "CLICK", "parameters": {"x": 150, "y": 15}}'
-    save = '{"action_type": "CLICK", "parameters": {"x": 120, "y": 213}}'
+    nodes = initial_tree(environment.tasks["contact-name"])  # where the widgets are depends on the machine's fonts
+    name_entry = resolve({"action_type": "CLICK", "target": {"role": "entry", "name": "Name"}}, nodes)
+    save = resolve({"action_type": "CLICK", "target": {"role": "push button", "name": "Save"}}, nodes)
     try:
         # the wrong name, saved
         steps = _episode(environment, "contact-name",
@@ -366,7 +375,7 @@ def test_wrong_actions_score_zero_and_invalid_ones_are_counted(tmp_path):
         assert not first.done[0] and first.rewards == [0.0] and first.errors == [None]
         assert first.observations[0]["content"].startswith("error: no action found")
         assert TREE_HEADER in first.observations[0]["content"]
-        assert "entry\tName\t\t\t(92, 4)" in first.observations[0]["content"]
+        assert re.search(r"\nentry\tName\t\t\t\(\d+, \d+\)\t\(\d+, \d+\)\n", first.observations[0]["content"])
         assert steps[-1].metadata[0]["cua_errors"] == 2
         assert steps[-1].metadata[0]["cua_error_kinds"] == {"malformed": 1, "unknown_action": 1}
         assert not environment._episodes
@@ -483,3 +492,34 @@ def test_the_benchmark_times_every_part(tmp_path):
     assert len(results["parts"]) == 7
     assert results["steps_with_screenshots"]["steps"] == 3
     assert results["steps_without_screenshots"]["actions_per_second"] > 0
+
+
+@needs_desktop
+def test_cua_run_runs_a_users_tasks_and_scripts_and_writes_reports(tmp_path, capsys):
+    from posttrain.cli import main
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps(_task_row(id="notes", evaluator={
+        "func": "exact_match", "result": {"type": "json_field", "path": "contact.json", "key": "notes"},
+        "expected": {"type": "rule", "rules": {"expected": "tea at five"}}})) + "\n")
+    scripts = tmp_path / "scripts.json"
+    scripts.write_text(json.dumps({"notes": [
+        {"action_type": "CLICK", "target": {"role": "entry", "name": "Notes"}},
+        {"action_type": "TYPING", "parameters": {"text": "tea at five"}},
+        {"action_type": "CLICK", "target": {"role": "push button", "name": "Save"}}]}))  # then DONE by itself
+    output = tmp_path / "out"
+    assert main(["cua-run", "--tasks", str(tasks), "--scripts", str(scripts), "--output", str(output)]) == 0
+    assert "notes: solved, 4 actions" in capsys.readouterr().out
+    assert json.loads((output / "report.json").read_text())["solved_ids"] == ["notes"]
+    report = json.loads((output / "tasks" / "notes.json").read_text())
+    assert report["reward"] == 1.0 and report["actions"] == 4 and report["action_errors"] == 0
+    assert sorted(p.name for p in Path(report["workdir"]).glob("step_*.png"))[-1] == "step_004.png"
+    scripts.write_text(json.dumps({"other": []}))
+    assert main(["cua-run", "--tasks", str(tasks), "--scripts", str(scripts), "--output", str(output)]) == 1
+    assert "no script for task 'notes'" in capsys.readouterr().err
+    assert main(["cua-run", "--tasks", str(tmp_path / "none.jsonl"), "--output", str(output)]) == 1
+    assert "none.jsonl: no such task file or folder" in capsys.readouterr().err
+    prompts = tmp_path / "prompts.jsonl"
+    assert main(["cua-run", "--tasks", str(tasks), "--write-prompts", str(prompts)]) == 0
+    row = json.loads(prompts.read_text())
+    assert row["task_id"] == "notes" and re.search(r"\nentry\tNotes\t\t\t\(\d+, \d+\)\t\(\d+, \d+\)\n", row["prompt"])
