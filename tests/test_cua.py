@@ -7,6 +7,7 @@ runs as root with apt-get)."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import io
 import json
@@ -523,3 +524,14 @@ def test_cua_run_runs_a_users_tasks_and_scripts_and_writes_reports(tmp_path, cap
     assert main(["cua-run", "--tasks", str(tasks), "--write-prompts", str(prompts)]) == 0
     row = json.loads(prompts.read_text())
     assert row["task_id"] == "notes" and re.search(r"\nentry\tNotes\t\t\t\(\d+, \d+\)\t\(\d+, \d+\)\n", row["prompt"])
+
+
+@needs_desktop
+def test_an_environment_dropped_without_close_stops_its_desktops_and_removes_its_folder():
+    environment = CuaEnvironment(load_tasks())
+    _, episode = environment.open_episode("contact-name")
+    server, folder = episode.desktop._server, environment.episodes_dir
+    assert server.poll() is None and folder.is_dir()
+    del environment, episode
+    gc.collect()
+    assert server.poll() is not None and not folder.exists()

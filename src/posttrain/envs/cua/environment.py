@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -174,6 +175,10 @@ class CuaEnvironment:
         self._episodes: dict[str, CuaEpisode] = {}
         self._lock = threading.Lock()
         self._numbers = itertools.count()
+        # Also at garbage collection and interpreter exit: a recipe that never calls close() leaves no X server
+        # running and no temporary folder behind.
+        self._finalizer = weakref.finalize(self, _shutdown, self._episodes, self._lock,
+                                           self.episodes_dir if self._temporary else None)
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:
         check_batch(message_logs, metadata)
@@ -261,12 +266,17 @@ class CuaEnvironment:
 
     def close(self) -> None:
         """Stop every episode's desktop; remove the episodes' folder when it is a temporary one."""
-        with self._lock:
-            keys = list(self._episodes)
-        for key in keys:
-            self._close_episode(key)
-        if self._temporary:
-            shutil.rmtree(self.episodes_dir, ignore_errors=True)
+        self._finalizer()
+
+
+def _shutdown(episodes: dict[str, CuaEpisode], lock: threading.Lock, temporary_dir: Path | None) -> None:
+    with lock:
+        open_episodes = list(episodes.values())
+        episodes.clear()
+    for episode in open_episodes:
+        episode.desktop.close()
+    if temporary_dir is not None:
+        shutil.rmtree(temporary_dir, ignore_errors=True)
 
 
 def initial_tree(task: CuaTask, *, screen: tuple[int, int] = DEFAULT_SCREEN,
