@@ -309,7 +309,8 @@ def _expected(func: str, expected: Any, field: str, folder: Path, fail: Callable
     for name in needed - set(rules):
         raise fail(f"{field}.rules.{name}", f"is missing ({func} needs it)")
     for name in set(rules) - needed - allowed:
-        raise fail(f"{field}.rules.{name}", f"is not a rule of {func} (its rules: {', '.join(sorted(needed | allowed))})")
+        known = ", ".join(sorted(needed | allowed))
+        raise fail(f"{field}.rules.{name}", f"is not a rule of {func} (its rules: {known})")
     for name in allowed & set(rules):
         if not isinstance(rules[name], list) or not all(isinstance(item, str) for item in rules[name]):
             raise fail(f"{field}.rules.{name}", "must be a list of strings")
