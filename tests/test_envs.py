@@ -291,8 +291,8 @@ def test_build_environment():
     env = build_environment(PythonOptions(functions=[f"{FNS}:length"], num_workers=0))
     assert env.step(logs("abc"), [{}]).rewards == [3.0]
     assert build_environment(MathOptions(num_workers=0, timeout_s=2.0)).timeout_s == 2.0
-    with pytest.raises(ValueError, match="environment kind must be one of arithmetic, code, gdpval, hle, judge, math, "
-                                         "mixture, python, reward_model"):
+    with pytest.raises(ValueError, match="environment kind must be one of arithmetic, code, cua, gdpval, hle, judge, "
+                                         "math, mixture, python, reward_model"):
         environment_section({"kind": "chess"})
     with pytest.raises(ValueError, match="timeout_seconds"):
         MathOptions(timeout_seconds=3)

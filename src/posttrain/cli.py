@@ -39,6 +39,10 @@ from posttrain.config.trl import TRL_NAMES
 from posttrain.config.schema import GRPOConfig, PPOConfig, Section
 from posttrain.data.errors import DataError
 from posttrain.envs.rewards import RewardError, RewardFunctionImportError
+from posttrain.envs.cua.environment import CuaEnvironment, prompt_rows
+from posttrain.envs.cua.scripted import ScriptedPolicy, load_scripts, run_tasks, write_reports
+from posttrain.envs.cua.tasks import CuaTaskError
+from posttrain.envs.cua.tasks import load_tasks as load_cua_tasks
 from posttrain.envs.swe.bundled import ensure_bundled_tasks
 from posttrain.envs.swe.evaluate import check_predictions, evaluate, gold_predictions, summary_line
 from posttrain.envs.swe.tasks import SweTaskError, load_predictions, load_tasks
@@ -352,7 +356,56 @@ def build_parser() -> argparse.ArgumentParser:
     swe.add_argument("--output", metavar="DIR", default="swe-eval", help="where the reports go (default: swe-eval)")
     swe.add_argument("--test-timeout", type=float, default=120.0, metavar="S",
                      help="wall-clock limit of one instance's test run (default: 120)")
+    cua = subparsers.add_parser("cua-run", help=CUA_RUN_SUMMARY, description=_run_cua.__doc__)
+    cua.add_argument("--tasks", metavar="TASKS", help="OSWorld-style tasks: a .jsonl file, a .json file or a folder "
+                     "of .json files (default: the bundled tasks)")
+    cua.add_argument("--scripts", metavar="SCRIPTS.json", help="the scripted policy's steps per task id (default: "
+                     "the bundled tasks' solutions)")
+    cua.add_argument("--output", metavar="DIR", default="cua-run", help="where the reports and episodes go "
+                     "(default: cua-run)")
+    cua.add_argument("--max-steps", type=int, default=10, metavar="N", help="actions per episode (default: 10)")
+    cua.add_argument("--write-prompts", metavar="FILE.jsonl", help="instead of running: write the tasks' data rows "
+                     "({prompt, task_id}, the prompt holding the first accessibility tree) for posttrain eval or grpo "
+                     "with environment.kind=cua")
     return parser
+
+
+CUA_RUN_SUMMARY = "run computer-use tasks on an Xvfb desktop with a scripted policy (or write their prompts)"
+
+
+def _run_cua(args: argparse.Namespace) -> int:
+    """Run each task's episode with the scripted policy: a desktop per task, the task's setup, the script's actions
+    (widgets named by role and name are found in the accessibility tree), the task's evaluator at the end. Writes
+    OUTPUT/tasks/ID.json per task, OUTPUT/report.json, and each episode's folder (screenshots, the app's files)
+    under OUTPUT/episodes/. With --write-prompts, writes the tasks' data rows instead. See docs/agents.md."""
+    try:
+        tasks = load_cua_tasks(args.tasks)
+        if args.write_prompts:
+            rows = prompt_rows(tasks)
+            with open(args.write_prompts, "w", encoding="utf-8") as file:
+                file.writelines(json.dumps(row) + "\n" for row in rows)
+            print(f"wrote {len(rows)} prompts to {args.write_prompts}")
+            return 0
+        policy = ScriptedPolicy(load_scripts(args.scripts))
+        environment = CuaEnvironment(tasks, episodes_dir=Path(args.output) / "episodes", max_steps=args.max_steps)
+    except (CuaTaskError, ValueError) as err:
+        print(f"posttrain cua-run: {err}", file=sys.stderr)
+        return 1
+    try:
+        reports = run_tasks(tasks, policy, environment)
+    except (CuaTaskError, RunError) as err:
+        print(f"posttrain cua-run: {err}", file=sys.stderr)
+        return 1
+    finally:
+        environment.close()
+    write_reports(reports, Path(args.output))
+    for report in reports:
+        outcome = "solved" if report.correct else ("error" if report.reward is None else "not solved")
+        print(f"{report.task_id}: {outcome}, {report.actions} actions ({report.seconds:.2f} s)"
+              + (f": {report.error}" if report.error else ""))
+    print(f"{sum(r.correct for r in reports)} of {len(reports)} tasks solved; report: "
+          f"{os.path.join(args.output, 'report.json')}")
+    return 0
 
 
 SWE_EVAL_SUMMARY = "score patches on SWE-style repository tasks (SWE-bench's predictions format) in the sandbox"
@@ -484,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides after an option (`key=v --nproc-per-node 2 other=w`): argparse gives a positional list one run of
     # arguments, and would blame the later ones as unrecognized.
     unknown = [item for item in extra
-               if item.startswith("-") or "=" not in item or args.recipe in (None, "report", "push", "swe-eval")]
+               if item.startswith("-") or "=" not in item or args.recipe in (None, "report", "push", "swe-eval", "cua-run")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
@@ -498,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_push(args)
     if args.recipe == "swe-eval":
         return _run_swe_eval(args)
+    if args.recipe == "cua-run":
+        return _run_cua(args)
     recipe = RECIPES[args.recipe]
     nproc = getattr(args, "nproc_per_node", None)
     if nproc is not None:

@@ -406,7 +406,8 @@ def tool_metrics(episodes: list[Episode]) -> dict[str, float]:
     """Per-episode means of what a multi-turn or tool-using step did: tokens by role (sampled by the model,
     appended by the environment), turns (max too), and where the environment calls tools (its metadata has
     tool_calls): tool calls, tool errors, each error kind, calls per turn, and the share of episodes stopped by
-    their token budget. Empty for single-turn steps without tools."""
+    their token budget; where the environment is computer use (its metadata has cua_actions): actions, invalid
+    actions and each kind of them. Empty for single-turn steps without tools."""
     if not any(e.num_turns > 1 or "tool_calls" in e.metadata for e in episodes):
         return {}
     n = len(episodes)
@@ -426,4 +427,11 @@ def tool_metrics(episodes: list[Episode]) -> dict[str, float]:
         for kind in kinds:
             metrics[f"tools/errors/{kind}"] = sum(e.metadata["tool_error_kinds"].get(kind, 0)
                                                   for e in with_tools) / len(with_tools)
+    with_actions = [e for e in episodes if "cua_actions" in e.metadata]
+    if with_actions:
+        metrics["cua/actions_mean"] = sum(e.metadata["cua_actions"] for e in with_actions) / len(with_actions)
+        metrics["cua/action_errors_mean"] = sum(e.metadata["cua_errors"] for e in with_actions) / len(with_actions)
+        for kind in sorted({kind for e in with_actions for kind in e.metadata["cua_error_kinds"]}):
+            metrics[f"cua/action_errors/{kind}"] = sum(e.metadata["cua_error_kinds"].get(kind, 0)
+                                                       for e in with_actions) / len(with_actions)
     return metrics

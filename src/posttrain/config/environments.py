@@ -373,6 +373,41 @@ class SweOptions(EnvironmentOptions):
     """Budget of tokens after the prompt per episode; null: none besides rollout.max_turns x max_new_tokens."""
 
 
+class CuaOptions(EnvironmentOptions):
+    """cua: computer-use tasks in OSWorld's task format on an Xvfb desktop; each reply is one computer_13 action
+    (JSON), each observation the accessibility tree as text, the reward the task's evaluator (each data row names
+    its task by a task_id column; see docs/agents.md)."""
+
+    kind: ClassVar[str] = "cua"
+
+    tasks: str | None = None
+    """The tasks: a .jsonl file, a .json file or a folder of .json files in OSWorld's format (null: the bundled
+    contact-form tasks)."""
+
+    episodes_dir: str | None = None
+    """Where each episode's folder (screenshots step_NNN.png, the app's files and logs) is kept; null: a temporary
+    folder removed when the run ends."""
+
+    max_steps: int = Field(10, ge=1)
+    """Actions per episode: the episode ends after this many (and is scored); rollout.max_turns must be at least
+    this."""
+
+    screen_width: int = Field(640, ge=200, le=4096)
+    """Width of the desktop in pixels."""
+
+    screen_height: int = Field(480, ge=200, le=4096)
+    """Height of the desktop in pixels."""
+
+    start_timeout_s: float = Field(10.0, gt=0)
+    """How long the desktop and the task's app may take to come up (and the app to answer for its tree)."""
+
+    action_timeout_s: float = Field(10.0, gt=0)
+    """How long one action (an xdotool call) may take."""
+
+    save_screenshots: bool = True
+    """Save a PNG screenshot after every action in the episode's folder."""
+
+
 JUDGE_VERDICT_OPTIONS = ("template", "system_prompt", "score_pattern", "min_score", "max_score", "normalize")
 """Judge options that say how a verdict reads: the hle and gdpval environments write their own judge prompts."""
 
@@ -481,7 +516,9 @@ class ArithmeticEnvironment(_EnvironmentSettings):
     weighted reward component; options {components: [{name, kind, weight, options}, ...]}), tools (tool calls run
     between turns, the final answer scored by a task environment; options {tools: [calculator], task: {kind:
     arithmetic}}, see docs/agents.md), swe (repository tasks: bash, view and str_replace tools in a sandboxed
-    checkout, reward 1 when the task's tests pass; options {tasks: TASKS.jsonl}, see docs/agents.md), hle (HLE-format
+    checkout, reward 1 when the task's tests pass; options {tasks: TASKS.jsonl}, see docs/agents.md), cua (computer-use
+    tasks on an Xvfb desktop, one OSWorld action per reply, scored by the task's evaluator; options {tasks:
+    TASKS.jsonl, max_steps: 10}), hle (HLE-format
     questions, the final answer judged against the reference; options {tasks: hle.jsonl, judge: {base_url, model}}),
     gdpval (GDPval-format tasks, rubric items judged and summed; options {tasks: gdpval.jsonl, judge: {...}}); see
     docs/rl.md."""
@@ -671,6 +708,16 @@ class SweEnvironment(_EnvironmentSettings):
     """The tasks, their repositories, limits."""
 
 
+class CuaEnvironment(_EnvironmentSettings):
+    """What scores the completions: computer-use tasks, scored by their evaluator functions."""
+
+    kind: Literal["cua"]
+    """cua."""
+
+    options: CuaOptions = Field(default_factory=CuaOptions)
+    """The tasks, the desktop, limits."""
+
+
 class HleEnvironment(_EnvironmentSettings):
     """What scores the completions: HLE-format questions, the final answer judged against the reference."""
 
@@ -716,17 +763,19 @@ EnvironmentSection = Annotated[
         Annotated[MixtureEnvironment, Tag("mixture")],
         Annotated[ToolsEnvironment, Tag("tools")],
         Annotated[SweEnvironment, Tag("swe")],
+        Annotated[CuaEnvironment, Tag("cua")],
         Annotated[HleEnvironment, Tag("hle")],
         Annotated[GdpvalEnvironment, Tag("gdpval")],
     ],
     Discriminator(_section_kind, custom_error_type="environment_kind", custom_error_message=(
-        "environment kind must be one of arithmetic, code, gdpval, hle, judge, math, mixture, python, reward_model, "
-        "swe, tools")),
+        "environment kind must be one of arithmetic, code, cua, gdpval, hle, judge, math, mixture, python, "
+        "reward_model, swe, tools")),
 ]
 """The environment section: a union discriminated on `kind` (arithmetic when left out)."""
 
 AnyEnvironmentOptions = Union[ArithmeticOptions, MathOptions, PythonOptions, CodeOptions, RewardModelOptions,
-                              JudgeOptions, MixtureOptions, ToolsOptions, SweOptions, HleOptions, GdpvalOptions]
+                              JudgeOptions, MixtureOptions, ToolsOptions, SweOptions, CuaOptions, HleOptions,
+                              GdpvalOptions]
 
 _SECTION_ADAPTER: TypeAdapter = TypeAdapter(EnvironmentSection)
 

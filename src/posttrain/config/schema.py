@@ -965,7 +965,7 @@ class EvaluationSettings(Section):
     def check_sampling(self) -> None:
         """ValueError (naming the keys) for pass_k above num_samples, several greedy samples, or pass_k without a
         notion of correct."""
-        check_tool_turns(self.environment.kind, self.max_turns, "max_turns")
+        check_tool_turns(self.environment, self.max_turns, "max_turns")
         too_large = [k for k in self.pass_k if k > self.num_samples]
         if too_large:
             raise ValueError(f"pass_k={self.pass_k}: k={too_large[0]} is more than num_samples={self.num_samples}; "
@@ -1001,8 +1001,15 @@ class EvaluationSet(EvaluationSettings):
         return self
 
 
-def check_tool_turns(environment_kind: str, max_turns: int, key: str) -> None:
-    """ValueError for a tools environment with one turn: the model's tool calls would never get their results."""
+def check_tool_turns(environment: Any, max_turns: int, key: str) -> None:
+    """ValueError for a tools environment with one turn: the model's tool calls would never get their results; and
+    for a cua environment whose episodes the rollout would cut off before its max_steps (their desktops would stay
+    up until the run ends)."""
+    environment_kind = environment.kind
+    if environment_kind == "cua" and max_turns < max(2, environment.options.max_steps):
+        raise ValueError(f"environment.kind=cua with {key}={max_turns}: an episode takes up to "
+                         f"environment.options.max_steps={environment.options.max_steps} actions, one per turn; set "
+                         f"{key} to at least that, or lower max_steps")
     if environment_kind in ("tools", "swe") and max_turns < 2:
         raise ValueError(f"environment.kind={environment_kind} with {key}={max_turns}: tool results come back in "
                          f"the next turn, so a tool-using episode needs {key} of at least 2 (one per tool round, plus "
@@ -1257,7 +1264,7 @@ class OnlineRLConfig(RecipeConfig):
         """ValueError (naming the keys) for what no online RL recipe takes: compiled modules, no prompts, gradient
         accumulation, minibatches that do not divide the rollout batch, an overlong buffer past the budget, epochs."""
         check_evaluation_names(self.evaluation)
-        check_tool_turns(self.environment.kind, self.rollout.max_turns, "rollout.max_turns")
+        check_tool_turns(self.environment, self.rollout.max_turns, "rollout.max_turns")
         if self.trainer.num_epochs is not None:
             raise ValueError(f"trainer.num_epochs does not apply to {recipe}: a step samples rollout.prompts_per_step "
                              "prompts, however many the data holds; set trainer.max_steps")

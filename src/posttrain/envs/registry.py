@@ -26,6 +26,7 @@ from posttrain.config.environments import (
     AnyEnvironmentOptions,
     ArithmeticOptions,
     CodeOptions,
+    CuaOptions,
     EnvironmentOptions,
     GdpvalOptions,
     HleOptions,
@@ -40,6 +41,8 @@ from posttrain.config.environments import (
 from posttrain.envs.arithmetic_env import ArithmeticEnvironment
 from posttrain.envs.base import Environment
 from posttrain.envs.code import CodeEnvironment
+from posttrain.envs.cua.environment import CuaEnvironment
+from posttrain.envs.cua.tasks import load_tasks as load_cua_tasks
 from posttrain.envs.judge import JudgeEnvironment, JudgeModel, judge_backend
 from posttrain.envs.judged.environments import GdpvalEnvironment, HleEnvironment
 from posttrain.envs.judged.tasks import bundled_gdpval_tasks, bundled_hle_tasks, load_gdpval_tasks, load_hle_tasks
@@ -63,6 +66,7 @@ NEEDED_COLUMNS: dict[str, tuple[str, ...]] = {
     "math": ("answer",),
     "code": ("tests", "assert_code"),
     "swe": ("instance_id",),
+    "cua": ("task_id",),
     "hle": ("id",),
     "gdpval": ("task_id",),
 }
@@ -201,6 +205,14 @@ def _gdpval(options: GdpvalOptions, worker_memory_mb: int, model: JudgeModel | N
     return GdpvalEnvironment(tasks, _judge_backend(options.judge, model))
 
 
+def _cua(options: CuaOptions, worker_memory_mb: int, model: Any) -> CuaEnvironment:
+    tasks = load_cua_tasks(options.tasks)  # CuaTaskError names the file, line and field
+    return CuaEnvironment(tasks, episodes_dir=options.episodes_dir, max_steps=options.max_steps,
+                          screen=(options.screen_width, options.screen_height),
+                          start_timeout_s=options.start_timeout_s, action_timeout_s=options.action_timeout_s,
+                          save_screenshots=options.save_screenshots)
+
+
 def _reward_model(options: RewardModelOptions, worker_memory_mb: int, model: RewardScorer) -> RewardModelEnvironment:
     return RewardModelEnvironment(model, conversational=options.conversational)
 
@@ -216,5 +228,6 @@ _BUILDERS: dict[type, Callable[[Any, int, Any], Environment]] = {
     JudgeOptions: _judge,
     HleOptions: _hle,
     GdpvalOptions: _gdpval,
+    CuaOptions: _cua,
 }
 """How each kind of options becomes its environment (mixtures: `_mixture`)."""

@@ -1,0 +1,1 @@
+"""Computer use: OSWorld-style tasks on an Xvfb desktop (see environment.py and docs/agents.md)."""
