@@ -27,6 +27,7 @@ bash scripts/setup.sh test
 if ! command -v Xvfb >/dev/null || ! command -v xdotool >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     echo "installing Xvfb and xdotool for the computer-use tests: apt-get install -y xvfb xdotool"
+    export DEBIAN_FRONTEND=noninteractive
     apt-get install -y xvfb xdotool || { apt-get update && apt-get install -y xvfb xdotool; } \
       || echo "could not install Xvfb and xdotool; the computer-use tests will be skipped" >&2
   else
