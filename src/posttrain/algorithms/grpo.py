@@ -43,7 +43,7 @@ from posttrain.algorithms.common import (
     run_logger,
     save_if_due,
 )
-from posttrain.algorithms.evaluate import TrainingEvaluation, reward_weights, sample_record
+from posttrain.algorithms.evaluate import TrainingEvaluation, reward_weights, train_sample
 from posttrain.algorithms.rl import (
     RLResult,
     due_evaluations,
@@ -109,7 +109,7 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
             sampled = source.next_groups(step)
             episodes, metrics = sampled.episodes, dict(sampled.metrics)
             # The first episodes as they came (no draw), for a look at what the policy writes.
-            run_log.log_samples(step, "train", [sample_record(e, tokenizer, weights).to_json()
+            run_log.log_samples(step, "train", [train_sample(e, tokenizer, weights)
                                                 for e in (episodes or sampled.last_round)[: cfg.logging.samples_per_step]])
             if not episodes:
                 run_log.message(f"step {step}: every group of {metrics.get('sampling/rounds', 1)} sampling round(s) had "

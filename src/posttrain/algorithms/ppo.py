@@ -28,7 +28,7 @@ import torch
 
 from posttrain.advantages import gae_advantages, token_level_rewards, whiten
 from posttrain.algorithms.common import NonFiniteGuard, announce_run, export_policy, log_step, run_logger, save_if_due
-from posttrain.algorithms.evaluate import TrainingEvaluation, reward_weights, sample_record
+from posttrain.algorithms.evaluate import TrainingEvaluation, reward_weights, train_sample
 from posttrain.algorithms.rl import (
     RLResult,
     due_evaluations,
@@ -94,7 +94,7 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
             # 1-2. Sample and score.
             sampled = source.next_groups(step)
             episodes, metrics = sampled.episodes, dict(sampled.metrics)
-            run_log.log_samples(step, "train", [sample_record(e, tokenizer, weights).to_json()
+            run_log.log_samples(step, "train", [train_sample(e, tokenizer, weights)
                                                 for e in episodes[: cfg.logging.samples_per_step]])
             batch = rollout_batch(episodes, cfg, run, weights, metrics)
 
