@@ -168,6 +168,25 @@ def test_chunked_generation_records_the_weights_version_of_each_span_of_tokens()
     assert chunked.oldest_version == 0 and output.extra["weights_versions"] == [0, 1, 2]
 
 
+def test_a_chunk_masked_for_a_dead_generation_worker_masks_its_samples():
+    class DiesOnTheSecondCall(VersionStampingGenerator):
+        def submit(self, prompts, params, num_samples=1):
+            answer = super().submit(prompts, params, num_samples)
+            if len(self.calls) != 2:
+                return answer
+            masked = [[Completion(list(p), [], [], "", "stop", error="generation worker 0 of 1 died")] * num_samples
+                      for p in prompts]
+            return lambda: GenerationOutput(masked, extra=answer().extra)
+
+    prompts = [[1, 0], [5, 0]]
+    chunked = ChunkedGeneration(DiesOnTheSecondCall(push_after={}), prompts, SamplingParams(max_new_tokens=6, seed=3),
+                                1, chunk_tokens=2, first_group_id=0, tokenizer=_Decoder())
+    first, second = (samples[0] for samples in chunked.generate(prompts, SamplingParams(max_new_tokens=6, seed=3),
+                                                                1).completions)
+    assert first.error is None and first.token_ids == [100]  # ended in the first chunk
+    assert second.error == "generation worker 0 of 1 died" and second.token_ids == [100, 100]  # not continued
+
+
 def test_in_flight_rounds_record_their_spans_and_stay_within_the_staleness_bound(tmp_path):
     cfg = load_config(GRPOConfig, None, [*TINY_RL, f"output_dir={tmp_path}", "cluster.backend=ray",
                                          "rollout.asynchronous=true", "loss.importance_correction=tis",

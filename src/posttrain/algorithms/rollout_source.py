@@ -368,6 +368,7 @@ class ChunkedGeneration:
         tokens = [list(c.token_ids) for c in firsts]
         logprobs = [list(c.logprobs) for c in firsts]
         finish = [c.finish_reason for c in firsts]
+        errors = [c.error for c in firsts]  # a chunk masked for a dead generation worker masks its sample
         self._spans = [[(0, version)] for _ in firsts]
         generated = output.num_generated_tokens
         chunk = 1
@@ -388,9 +389,10 @@ class ChunkedGeneration:
                 tokens[i] += completion.token_ids
                 logprobs[i] += completion.logprobs
                 finish[i] = completion.finish_reason
+                errors[i] = completion.error
             chunk += 1
         completions = [Completion(prompt_of[i], tokens[i], logprobs[i],
-                                  self.tokenizer.decode(tokens[i], skip_special_tokens=True), finish[i])
+                                  self.tokenizer.decode(tokens[i], skip_special_tokens=True), finish[i], errors[i])
                        for i in range(len(tokens))]
         grouped = [completions[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
         self.oldest_version = min(v for spans in self._spans for _, v in spans)
