@@ -83,3 +83,16 @@ def digit_fraction_then_never_answers(prompts, completions, **kwargs):
     if _scored_before_hanging > 64:
         time.sleep(3600)
     return digit_fraction(prompts, completions, **kwargs)
+
+
+_calls_before_straggling = 0
+
+
+def digit_fraction_third_call_straggles(prompts, completions, **kwargs):
+    """digit_fraction, but the third call a process makes takes 12 s (a judge that straggles once): with
+    rollout.group_timeout_s each group of a round is scored by a call of its own, so one group straggles."""
+    global _calls_before_straggling
+    _calls_before_straggling += 1
+    if _calls_before_straggling == 3:
+        time.sleep(12)
+    return digit_fraction(prompts, completions, **kwargs)

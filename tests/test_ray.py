@@ -289,6 +289,24 @@ def test_asynchronous_rollouts_stay_within_the_staleness_bound_and_resume_exactl
             assert b[key] == pytest.approx(a[key], abs=1e-5), (a["step"], key)
 
 
+@needs_ray
+@pytest.mark.slow  # about 40 s: a Ray run
+def test_in_flight_weight_updates_sample_in_chunks_and_stay_within_the_staleness_bound(tmp_path, tiny_model_dir):
+    from posttrain.logging.samples import read_samples
+
+    train_grpo(config(tmp_path, "trainer.max_steps=4", "logging.samples_per_step=32", *ASYNC,
+                      "rollout.in_flight_updates=true", "rollout.in_flight_chunk_tokens=2"))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for record in records:  # every batch within the bound, counted from each episode's oldest token
+        assert record["rollout/staleness_max"] <= 1 and record["rollout/stale_groups_dropped"] == 0
+        assert 0 <= record["rollout/in_flight_updated_fraction"] <= 1
+        assert record["is_weight_mean"] > 0
+    samples = read_samples(tmp_path / "samples.jsonl")
+    assert len(samples) == 4 * 32
+    assert all(s["step"] - 2 <= s["policy_version"] <= s["step"] - 1 for s in samples)
+
+
 def test_asynchronous_rollouts_need_ray_the_importance_correction_and_single_turn_episodes(tmp_path):
     from posttrain.config import ConfigError
 
@@ -298,3 +316,128 @@ def test_asynchronous_rollouts_need_ray_the_importance_correction_and_single_tur
         config(tmp_path, *ASYNC, "rollout.max_turns=2")
     with pytest.raises(ConfigError, match="rollout.max_staleness applies only with rollout.asynchronous=true"):
         config(tmp_path, "rollout.max_staleness=2")
+    for key in ("in_flight_updates=true", "group_timeout_s=5"):
+        with pytest.raises(ConfigError, match=f"rollout.{key.split('=')[0]} applies only with rollout.asynchronous"):
+            config(tmp_path, f"rollout.{key}")
+    with pytest.raises(ConfigError, match="rollout.in_flight_chunk_tokens applies only with rollout.in_flight_updates"):
+        config(tmp_path, *ASYNC, "rollout.in_flight_chunk_tokens=4")
+    with pytest.raises(ConfigError, match="stop string that spans two chunks"):
+        config(tmp_path, *ASYNC, "rollout.in_flight_updates=true", "rollout.stop_strings=['\\n']")
+    with pytest.raises(ConfigError, match="cluster.on_actor_failure=mask needs rollout.max_turns=1"):
+        config(tmp_path, *RAY, "cluster.on_actor_failure=mask", "rollout.max_turns=2")
+
+
+@needs_ray
+@pytest.mark.slow  # about 60 s: a Ray run whose environment straggles for 12 s once
+def test_groups_whose_scoring_straggles_past_the_group_timeout_are_dropped_counted_and_not_sampled_again(
+        tmp_path, tiny_model_dir):
+    from posttrain.logging.samples import read_samples
+
+    from rl_configs import REWARDS
+
+    straggles = ["environment.kind=python", "environment.options={functions: ['" + REWARDS +
+                 ":digit_fraction_third_call_straggles'], num_workers: 0}"]
+    steps = 6
+    cfg = load_config(GRPOConfig, None, [*TINY_RL, *straggles, *ASYNC, f"output_dir={tmp_path}",
+                                         f"trainer.max_steps={steps}", "rollout.group_timeout_s=4",
+                                         "logging.samples_per_step=32"])
+    train_grpo(cfg)  # returns: nothing waits on the straggler past its group's timeout
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    trained = {}
+    for sample in read_samples(tmp_path / "samples.jsonl"):
+        trained.setdefault(sample["step"], set()).add(sample["group_id"])
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    total = 0
+    for record in records:
+        groups = trained.get(record["step"], set())
+        # Whole groups only: every step trains on the groups that were not dropped, all 4 samples of each.
+        assert len(groups) + record["rollout/timed_out_groups"] == 8, record["step"]
+        total += record["rollout/timed_out_groups"]
+        assert record["rollout/timed_out_groups_total"] == total
+    # The straggling group at least; the groups queued behind it on the one environment worker (this round's and
+    # the next rounds') time out with it, until it answers: then the run trains again.
+    assert 1 <= total < steps * 8 and trained
+    ids = sorted(g for groups in trained.values() for g in groups)
+    assert len(ids) == len(set(ids)) == steps * 8 - total and set(ids) <= set(range(steps * 8))
+
+
+@needs_ray
+def test_a_worker_group_masks_the_samples_of_a_dead_actor_when_asked_and_resends_calls_without_samples(tmp_path):
+    import ray
+
+    from posttrain.distributed.ray_groups import Call, WorkerGroup
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def ready(self):
+            return True
+
+        def echo(self, value):
+            return value
+
+    def kill(actor) -> None:
+        """ray.kill, then wait until the actor is seen dead (the kill is asynchronous)."""
+        ray.kill(actor, no_restart=True)
+        with pytest.raises(ray.exceptions.RayActorError):
+            while True:
+                ray.get(actor.ready.remote(), timeout=30)
+
+    temp_dir = tempfile.mkdtemp(prefix="pt-ray-")
+    ray.init(num_cpus=1, _temp_dir=temp_dir, include_dashboard=False)
+    try:
+        group = WorkerGroup("echo", Echo.remote, 1, timeout_s=60, max_restarts=2,
+                            mask=lambda call, why: ("masked", call.args[0], why))
+        first = group.actors[0]
+        kill(first)
+        answer = group.call([Call(0, "echo", ("a",), samples=4)], "echoes")[0]
+        assert answer[:2] == ("masked", "a") and "echo worker 0 of 1 died during `echo`" in answer[2]
+        assert group.restarts == 1 and group.masked_samples == 4 and group.retried_samples == 0
+        assert group.actors[0] is not first
+        kill(group.actors[0])  # a call that carries no samples (a weight bucket) is re-sent
+        assert group.call([Call(0, "echo", ("b",))], "echoes") == ["b"]
+        assert group.restarts == 2 and group.masked_samples == 4 and group.retried_samples == 0
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@needs_ray
+@pytest.mark.slow  # about 60 s: a Ray run one of whose environment actors is killed after step 2, then its resume
+def test_the_samples_of_a_killed_actor_are_masked_and_counted_and_the_counts_survive_a_resume(tmp_path,
+                                                                                            tiny_model_dir):
+    import threading
+    import time
+
+    import ray
+
+    from posttrain.distributed import cluster as clusters
+
+    def kill_one_after_step_two() -> None:
+        metrics = tmp_path / "metrics.jsonl"
+        give_up = time.monotonic() + 300
+        while time.monotonic() < give_up:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                environment = next(g for g in clusters._started[0].groups if g.name == "environment")
+                ray.kill(environment.actors[0], no_restart=True)
+                return
+            time.sleep(0.02)
+
+    # Two environment actors, each scoring half of a step's 32 episodes.
+    masked = [*RAY, "cluster.on_actor_failure=mask", "cluster.environment_workers=2",
+              "cluster.cpus_per_environment_worker=0.5", "trainer.save_every=1", "environment.max_error_fraction=1.0"]
+    killer = threading.Thread(target=kill_one_after_step_two, daemon=True)
+    killer.start()
+    train_grpo(config(tmp_path, "trainer.max_steps=3", *masked))
+    killer.join(timeout=5)
+    train_grpo(config(tmp_path, "trainer.max_steps=4", *masked))  # resumed from step 3's checkpoint
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[1]["faults/environment_restarts"] == records[1]["faults/environment_masked_samples"] == 0
+    third, fourth = records[2], records[3]
+    # Step 3's scoring call to the dead actor: its 16 episodes masked and counted as reward errors, not re-sent.
+    assert third["faults/environment_restarts"] == 1 and third["faults/environment_masked_samples"] == 16
+    assert third["faults/environment_retried_samples"] == 0 and third["reward/errors"] == 16
+    assert third["faults/generation_restarts"] == third["faults/generation_masked_samples"] == 0
+    # The resumed run goes on from the checkpoint's counts (max_restarts bounds the whole run) and scores normally.
+    assert fourth["faults/environment_restarts"] == 1 and fourth["faults/environment_masked_samples"] == 16
+    assert fourth["reward/errors"] == 0 and fourth["reward/errors_total"] == 16

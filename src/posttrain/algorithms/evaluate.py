@@ -220,6 +220,14 @@ def sample_record(episode: Episode, tokenizer, weights: dict[str, float],
                         reference_text(episode.metadata))
 
 
+def train_sample(episode: Episode, tokenizer, weights: dict[str, float]) -> dict[str, Any]:
+    """A training episode as a samples.jsonl record: `sample_record`'s fields, plus its group id (the run's group
+    counter: which prompt draw it answers) and the policy version that sampled it, from which a run's records show
+    which prompts each step trained on and how stale they were."""
+    return {**sample_record(episode, tokenizer, weights).to_json(), "group_id": episode.group_id,
+            "policy_version": episode.policy_version}
+
+
 def reward_weights(environment: Environment) -> dict[str, float]:
     """How the environment's named reward components sum to one reward (python, math with components)."""
     return dict(getattr(environment, "reward_weights", {}))

@@ -43,7 +43,7 @@ from posttrain.algorithms.common import (
     run_logger,
     save_if_due,
 )
-from posttrain.algorithms.evaluate import TrainingEvaluation, reward_weights, sample_record
+from posttrain.algorithms.evaluate import TrainingEvaluation, reward_weights, train_sample
 from posttrain.algorithms.rl import (
     RLResult,
     due_evaluations,
@@ -75,7 +75,7 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
     weights = {**reward_weights(environment), **cfg.advantage.component_weights}
     evaluation = TrainingEvaluation(cfg.evaluation, tokenizer, trainer.max_steps)
     loss = PolicyGradientObjective(cfg.loss.resolved(max_completion_tokens=rollout.max_new_tokens * rollout.max_turns),
-                                   temperature=rollout.temperature)
+                                   temperature=rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p)
 
     updates_per_step = cfg.update.ppo_epochs * cfg.update.num_minibatches
     if cfg.teacher is not None:
@@ -109,11 +109,13 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
             sampled = source.next_groups(step)
             episodes, metrics = sampled.episodes, dict(sampled.metrics)
             # The first episodes as they came (no draw), for a look at what the policy writes.
-            run_log.log_samples(step, "train", [sample_record(e, tokenizer, weights).to_json()
+            run_log.log_samples(step, "train", [train_sample(e, tokenizer, weights)
                                                 for e in (episodes or sampled.last_round)[: cfg.logging.samples_per_step]])
             if not episodes:
-                run_log.message(f"step {step}: every group of {metrics.get('sampling/rounds', 1)} sampling round(s) had "
-                                "equal rewards; no update this step")
+                run_log.message(f"step {step}: every group was dropped (timed out or too stale); no update this step"
+                                if rollout.asynchronous else f"step {step}: every group of "
+                                f"{metrics.get('sampling/rounds', 1)} sampling round(s) had equal rewards; no update "
+                                "this step")
                 if evaluation.is_due(step):
                     metrics.update(evaluation.run(step, generator, run_log))
                 log_step(run_log, step, metrics, trainer)

@@ -28,7 +28,7 @@ import torch
 
 from posttrain.advantages import gae_advantages, token_level_rewards, whiten
 from posttrain.algorithms.common import NonFiniteGuard, announce_run, export_policy, log_step, run_logger, save_if_due
-from posttrain.algorithms.evaluate import TrainingEvaluation, reward_weights, sample_record
+from posttrain.algorithms.evaluate import TrainingEvaluation, reward_weights, train_sample
 from posttrain.algorithms.rl import (
     RLResult,
     due_evaluations,
@@ -62,7 +62,7 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
     weights = reward_weights(environment)
     evaluation = TrainingEvaluation(cfg.evaluation, tokenizer, trainer.max_steps)
     loss = PolicyGradientObjective(cfg.loss.resolved(max_completion_tokens=rollout.max_new_tokens * rollout.max_turns),
-                                   temperature=rollout.temperature)
+                                   temperature=rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p)
     value_loss = ValueObjective(cfg.critic.value_clip)
 
     updates_per_step = cfg.update.ppo_epochs * cfg.update.num_minibatches
@@ -94,8 +94,14 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
             # 1-2. Sample and score.
             sampled = source.next_groups(step)
             episodes, metrics = sampled.episodes, dict(sampled.metrics)
-            run_log.log_samples(step, "train", [sample_record(e, tokenizer, weights).to_json()
+            run_log.log_samples(step, "train", [train_sample(e, tokenizer, weights)
                                                 for e in episodes[: cfg.logging.samples_per_step]])
+            if not episodes:  # asynchronous rollouts: every group of the round was dropped (docs/ray.md)
+                run_log.message(f"step {step}: every group was dropped (timed out or too stale); no update this step")
+                log_step(run_log, step, metrics, trainer)
+                save_if_due(run.output_dir, step, trainer, {POLICY: policy, CRITIC: critic}, source.sampler,
+                            lambda: run.trainer_state(source), run_log=run_log)
+                continue
             batch = rollout_batch(episodes, cfg, run, weights, metrics)
 
             # 3. π_old, V_old and π_ref on the sampled tokens.

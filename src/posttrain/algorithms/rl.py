@@ -325,6 +325,8 @@ class RLRun:
                                               self.data.tokenizer, self.sampling, weights, budget, dynamic_sampling)
         start_step, state = resume_trainer_state(self.resume, sampler)
         source.load_state_dict(state)
+        if self.cluster is not None and "cluster" in state:  # the fault counts go on (max_restarts is per run)
+            self.cluster.load_state_dict(state["cluster"])
         if state and self.reward_norm is not None:
             if "reward_norm" not in state:
                 raise RunError("environment.normalize_rewards is on, but the checkpoint to resume holds no running "
@@ -342,6 +344,8 @@ class RLRun:
         """What `rollout_source` reads back: saved in every checkpoint's trainer state (asked for only when one is
         written: an asynchronous source waits for its rounds in flight to keep them)."""
         state = source.state_dict()
+        if self.cluster is not None:
+            state["cluster"] = self.cluster.state_dict()
         if self.reward_norm is not None:
             state["reward_norm"] = self.reward_norm.state_dict()
         return state

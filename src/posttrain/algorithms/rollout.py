@@ -70,7 +70,12 @@ class Episode:
     it is marked truncated too."""
     done: bool = False
     policy_version: int = 0
-    """The policy version (optimizer steps taken) whose weights the generator held when it sampled this episode."""
+    """The policy version (optimizer steps taken) whose weights the generator held when it sampled this episode; with
+    in-flight weight updates the oldest version that sampled any of its tokens."""
+    version_spans: list[tuple[int, int]] = field(default_factory=list)
+    """With in-flight weight updates (rollout.in_flight_updates): (index of the first sampled token, version) where
+    the weights that sampled its tokens changed: a token was sampled by the version of the last span starting at or
+    before it. Empty: every token was sampled by `policy_version`."""
 
     @property
     def reply(self) -> str:
@@ -103,12 +108,14 @@ none)."""
 
 def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, generator: Generator,
                  environment: Environment, tokenizer, params: SamplingParams, max_turns: int,
-                 group_seed: int | None = None,
-                 step_deadline: float = ENVIRONMENT_STEP_DEADLINE_SECONDS) -> tuple[list[Episode], RolloutTimes]:
+                 group_seed: int | None = None, step_deadline: float = ENVIRONMENT_STEP_DEADLINE_SECONDS,
+                 group_timeout_s: float | None = None) -> tuple[list[Episode], RolloutTimes]:
     """`num_samples` episodes per row (group ids first_group_id, first_group_id + 1, ...), run to the end.
 
     The first turn samples every episode in one generation call (each prompt prefilled once). With one turn the
-    environment then scores them all in one call. With several, every episode advances on its own: its
+    environment then scores them all in one call, or with `group_timeout_s` each group in a call of its own: the
+    episodes of a group not scored within group_timeout_s of the completions' arrival are left out of the result
+    (dropped; the caller counts the group ids missing). With several, every episode advances on its own: its
     environment call runs in a thread as soon as its reply is sampled, and the episodes whose observations have
     arrived are sampled together while the others' calls are still running, so one slow environment call holds
     back only its own episode. `environment.step` is then called with one episode at a time, from worker threads.
@@ -141,10 +148,14 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
     if tool_use is not None and tool_use.max_episode_tokens is not None:
         first_params = replace(first_params, max_new_tokens=min(params.max_new_tokens, tool_use.max_episode_tokens))
     times.sample(generator, [row.prompt_ids for row in rows], first_params, num_samples, episodes)
+    if max_turns == 1 and group_timeout_s is not None:
+        started = time.perf_counter()
+        episodes = _score_groups_within(episodes, num_samples, environment, tokenizer, group_timeout_s)
+        times.score += time.perf_counter() - started
+        return episodes, times.rollout_times()
     if max_turns == 1:
         started = time.perf_counter()
-        result = environment.step([e.messages for e in episodes], [e.metadata for e in episodes])
-        _apply_step(episodes, result, environment, tokenizer, max_turns, tool_use)
+        _score_sampled(episodes, environment, tokenizer)
         times.score += time.perf_counter() - started
         return episodes, times.rollout_times()
 
@@ -183,6 +194,35 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
     return episodes, times.rollout_times()
 
 
+def _score_groups_within(episodes: list[Episode], num_samples: int, environment: Environment, tokenizer,
+                         timeout_s: float) -> list[Episode]:
+    """The single-turn `episodes` (consecutive groups of `num_samples`) of the groups the environment scored within
+    `timeout_s`, each group in a call of its own, sent together from worker threads. A call still running then is
+    not waited for (its thread ends when it answers or its own deadline passes: a Ray worker's cluster.timeout_s)
+    and its answer, if any, is never read; an error raised by a call answered in time propagates."""
+    groups = [episodes[i:i + num_samples] for i in range(0, len(episodes), num_samples)]
+    pool = ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="group-score")
+    try:  # masked episodes (a dead generation worker) are not scored
+        calls = {pool.submit(_score_sampled, group, environment, tokenizer): group for group in groups}
+        scored, _ = wait(calls, timeout=timeout_s)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    kept = []
+    for future, group in calls.items():  # in group order
+        if future in scored:
+            future.result()  # raises what the call raised
+            kept += group
+    return kept
+
+
+def _score_sampled(episodes: list[Episode], environment: Environment, tokenizer) -> None:
+    """Score the single-turn episodes that were sampled (not those masked for a dead generation worker)."""
+    sampled = [e for e in episodes if not e.done]
+    if sampled:
+        result = environment.step([e.messages for e in sampled], [e.metadata for e in sampled])
+        _apply_step(sampled, result, environment, tokenizer, max_turns=1)
+
+
 @dataclass
 class _Times:
     """Generation and scoring seconds and sampled tokens of one `run_episodes` call."""
@@ -208,6 +248,8 @@ class _Times:
             episode.truncated = completion.truncated
             episode.last_turn_length = len(completion.token_ids)
             episode.num_turns += 1
+            if completion.error is not None:  # its generation worker died (cluster.on_actor_failure=mask)
+                episode.error, episode.done = completion.error, True
 
     def rollout_times(self) -> RolloutTimes:
         return RolloutTimes(self.generate, self.score, self.tokens)

@@ -25,6 +25,7 @@ from typing import Protocol
 
 from posttrain.algorithms.rollout import (
     Episode,
+    episode_stream_seed,
     PromptRow,
     RolloutTimes,
     groups_of,
@@ -38,7 +39,7 @@ from posttrain.process_group import gather_divided
 from posttrain.envs.base import Environment
 from posttrain.envs.rewards import RewardErrorBudget
 from posttrain.errors import RunError
-from posttrain.generation.base import GenerationOutput, Generator, SamplingParams
+from posttrain.generation.base import Completion, GenerationOutput, Generator, SamplingParams
 
 
 @dataclass
@@ -184,10 +185,15 @@ class AsynchronousRolloutSource:
     a run is as reproducible as a synchronous one. Scoring runs in a thread as soon as a round's completions arrive.
     The round of `step` is then taken; a group whose oldest episode is more than max_staleness versions behind the
     generator's weights is dropped and counted (by construction none is; a generation call re-sent to a replacement
-    actor samples from newer weights, never older).
+    actor samples from newer weights, never older). With rollout.group_timeout_s each group of a round is scored by a
+    call of its own, and a group not scored within that many seconds of the round's completions is dropped, counted
+    (rollout/timed_out_groups) and not sampled again: the sampler has moved past its prompt, as it has past every
+    prompt of the round.
 
-    `state_dict` waits for the rounds in flight and keeps their episodes, so a resumed run trains on exactly the
-    episodes an uninterrupted one would (it is called only when a checkpoint is written)."""
+    `state_dict` waits for the rounds in flight and keeps their episodes (and which of their groups timed out), so
+    a resumed run trains on exactly the episodes an uninterrupted one would (it is called only when a checkpoint is
+    written). With rollout.in_flight_updates each round is a `ChunkedGeneration`, and every episode records the
+    version of each span of its tokens (`Episode.version_spans`); its age counts from the oldest."""
 
     def __init__(self, cfg: GRPOConfig, prompts: list[PromptRow], sampler: EpochSampler, generator,
                  environment: Environment, tokenizer, sampling: SamplingParams, weights: dict[str, float],
@@ -197,6 +203,8 @@ class AsynchronousRolloutSource:
         self.budget, self.deadline_s = budget, deadline_s
         self.max_staleness = cfg.rollout.max_staleness
         self.next_group_id = 0
+        self.timed_out_groups = 0
+        """Groups dropped over the run because their scoring outlasted rollout.group_timeout_s."""
         self.in_flight: deque[Future] = deque()
         self.pool = ThreadPoolExecutor(max_workers=self.max_staleness + 1, thread_name_prefix="rollout")
 
@@ -206,29 +214,45 @@ class AsynchronousRolloutSource:
         first_group_id = self.next_group_id
         self.next_group_id += len(rows)
         seeded = replace(self.sampling, seed=self.cfg.seed * 1_000_003 + first_group_id)
-        submitted = SubmittedGeneration(self.generator, [row.prompt_ids for row in rows], seeded,
-                                        rollout.num_generations_per_prompt)
+        prompts = [row.prompt_ids for row in rows]
+        if rollout.in_flight_updates:
+            submitted = ChunkedGeneration(self.generator, prompts, seeded, rollout.num_generations_per_prompt,
+                                          rollout.in_flight_chunk_tokens, first_group_id, self.tokenizer)
+        else:
+            submitted = SubmittedGeneration(self.generator, prompts, seeded, rollout.num_generations_per_prompt)
         self.in_flight.append(self.pool.submit(self._finish_round, rows, first_group_id, submitted, seeded))
 
-    def _finish_round(self, rows: list[PromptRow], first_group_id: int, submitted: SubmittedGeneration,
-                      seeded: SamplingParams) -> tuple[list[Episode], RolloutTimes]:
+    def _finish_round(self, rows: list[PromptRow], first_group_id: int,
+                      submitted: SubmittedGeneration | ChunkedGeneration, seeded: SamplingParams) -> Round:
         """The round's episodes, scored (in a worker thread; every wait inside has a deadline)."""
-        episodes, times = run_episodes(rows, first_group_id, self.cfg.rollout.num_generations_per_prompt, submitted,
-                                       self.environment, self.tokenizer, seeded, max_turns=1)
-        for episode in episodes:  # the oldest weights that sampled any of the round (a replacement holds newer ones)
-            episode.policy_version = submitted.oldest_version
-        return episodes, times
+        rollout = self.cfg.rollout
+        episodes, times = run_episodes(rows, first_group_id, rollout.num_generations_per_prompt, submitted,
+                                       self.environment, self.tokenizer, seeded, max_turns=1,
+                                       group_timeout_s=rollout.group_timeout_s)
+        samples = rollout.num_generations_per_prompt
+        for index, episode in enumerate(episodes):  # whole groups, in group order
+            flat = (episode.group_id - first_group_id) * samples + index % samples
+            # The oldest weights that sampled any of its tokens (a replacement actor holds newer ones).
+            episode.version_spans = submitted.version_spans(flat)
+            episode.policy_version = min((version for _, version in episode.version_spans),
+                                         default=submitted.oldest_version)
+        scored = {episode.group_id for episode in episodes}
+        timed_out = [group_id for group_id in range(first_group_id, first_group_id + len(rows))
+                     if group_id not in scored]
+        return Round(episodes, times, timed_out)
 
     def next_groups(self, step: int) -> SampledGroups:
         while len(self.in_flight) < self.max_staleness + 1:
             self._submit_round()
         started = time.perf_counter()
         try:
-            episodes, times = self.in_flight.popleft().result(timeout=3 * self.deadline_s)
+            taken: Round = self.in_flight.popleft().result(timeout=3 * self.deadline_s)
         except FuturesTimeout:
             raise RunError(f"step {step}'s sampling round did not finish within 3 x cluster.timeout_s="
                            f"{3 * self.deadline_s:g} s (waiting for its generation and scoring)") from None
         waited = time.perf_counter() - started
+        episodes, times = taken.episodes, taken.times
+        self.timed_out_groups += len(taken.timed_out_group_ids)
         current = self.generator.weights_version
         kept, dropped = [], 0
         for group in groups_of(episodes):
@@ -241,8 +265,13 @@ class AsynchronousRolloutSource:
                                      "rollout/staleness_max": float(max(ages, default=0)),
                                      "rollout/staleness_mean": sum(ages) / max(len(ages), 1),
                                      "rollout/stale_groups_dropped": float(dropped),
+                                     "rollout/timed_out_groups": float(len(taken.timed_out_group_ids)),
+                                     "rollout/timed_out_groups_total": float(self.timed_out_groups),
                                      "rollout/wait_seconds": waited}
         sampled = SampledGroups(kept, episodes, metrics, times)
+        if self.cfg.rollout.in_flight_updates:
+            updated = [len(e.version_spans) > 1 for group in kept for e in group]
+            metrics["rollout/in_flight_updated_fraction"] = sum(updated) / max(len(updated), 1)
         metrics.update(rollout_metrics(sampled.episodes, self.weights))
         metrics["reward/errors_total"] = self.budget.run_errors
         return sampled
@@ -251,24 +280,38 @@ class AsynchronousRolloutSource:
         """The counters, and the episodes of the rounds in flight (waited for: at most max_staleness rounds)."""
         rounds = []
         for future in self.in_flight:
-            episodes, times = future.result(timeout=3 * self.deadline_s)
-            rounds.append({"episodes": [asdict(e) for e in episodes],
-                           "times": [times.generate, times.score, times.generated_tokens]})
+            saved: Round = future.result(timeout=3 * self.deadline_s)
+            rounds.append({"episodes": [asdict(e) for e in saved.episodes],
+                           "times": [saved.times.generate, saved.times.score, saved.times.generated_tokens],
+                           "timed_out_group_ids": saved.timed_out_group_ids})
         return {"reward_errors": self.budget.state_dict(), "next_group_id": self.next_group_id,
-                "rounds_in_flight": rounds}
+                "timed_out_groups": self.timed_out_groups, "rounds_in_flight": rounds}
 
     def load_state_dict(self, state: dict) -> None:
         if not state:
             return
         self.budget.load_state_dict(state["reward_errors"])
         self.next_group_id = state.get("next_group_id", 0)
+        self.timed_out_groups = state.get("timed_out_groups", 0)
         for saved in state.get("rounds_in_flight", []):
             done: Future = Future()
-            done.set_result(([Episode(**e) for e in saved["episodes"]], RolloutTimes(*saved["times"])))
+            done.set_result(Round([Episode(**e) for e in saved["episodes"]], RolloutTimes(*saved["times"]),
+                                  saved.get("timed_out_group_ids", [])))
             self.in_flight.append(done)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class Round:
+    """One asynchronous sampling round, generated and scored."""
+
+    episodes: list[Episode]
+    """The episodes of the groups scored in time, in group order."""
+    times: RolloutTimes
+    timed_out_group_ids: list[int]
+    """The groups whose scoring outlasted rollout.group_timeout_s: dropped, their prompts not sampled again."""
 
 
 class SubmittedGeneration:
@@ -287,3 +330,76 @@ class SubmittedGeneration:
         output = self._answer()
         self.oldest_version = min(output.extra.get("weights_versions", [self.weights_version]))
         return output
+
+    def version_spans(self, sample: int) -> list[tuple[int, int]]:
+        """Every token of a sample was sampled by one version (`oldest_version`): no spans."""
+        return []
+
+
+class ChunkedGeneration:
+    """A generation call sampled in chunks of `chunk_tokens` tokens (rollout.in_flight_updates), each chunk a call of
+    its own: the first sent when the round is made (as `SubmittedGeneration` sends the whole call), each later one
+    when the previous has answered, continuing the samples that have not finished. A weight push sent in between
+    (the generator sends no call while a push is under way) reaches the next chunk, and each sample records the
+    version that sampled each of its spans of tokens.
+
+    Later chunks draw from per-sample streams seeded from the round's seed, the sample's group and index and the
+    chunk number (`episode_stream_seed`): which samples share a chunk call then changes nothing. A sample ends at an
+    eos token or at the round's max_new_tokens; stop strings are refused with in-flight updates (config)."""
+
+    def __init__(self, generator, prompts: list[list[int]], params: SamplingParams, num_samples: int,
+                 chunk_tokens: int, first_group_id: int, tokenizer):
+        self.generator, self.chunk_tokens, self.first_group_id = generator, chunk_tokens, first_group_id
+        self.tokenizer = tokenizer
+        self.weights_version = self.oldest_version = generator.weights_version
+        self.request = (prompts, params, num_samples)
+        first = replace(params, max_new_tokens=min(chunk_tokens, params.max_new_tokens))
+        self._first = generator.submit(prompts, first, num_samples)
+        self._spans: list[list[tuple[int, int]]] = []
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
+        if (prompts, params, num_samples) != self.request:
+            raise ValueError("a submitted generation was asked for other prompts or parameters than it was sent with")
+        started = time.perf_counter()
+        output = self._first()
+        version = min(output.extra["weights_versions"])
+        firsts = [completion for samples in output.completions for completion in samples]
+        prompt_of = [prompt for prompt in prompts for _ in range(num_samples)]
+        tokens = [list(c.token_ids) for c in firsts]
+        logprobs = [list(c.logprobs) for c in firsts]
+        finish = [c.finish_reason for c in firsts]
+        errors = [c.error for c in firsts]  # a chunk masked for a dead generation worker masks its sample
+        self._spans = [[(0, version)] for _ in firsts]
+        generated = output.num_generated_tokens
+        chunk = 1
+        while unfinished := [i for i, reason in enumerate(finish)
+                             if reason == "length" and len(tokens[i]) < params.max_new_tokens]:
+            # Every unfinished sample has sampled the same number of tokens (chunk x chunk_tokens): one budget.
+            budget = min(self.chunk_tokens, params.max_new_tokens - len(tokens[unfinished[0]]))
+            seeds = tuple(episode_stream_seed(params.seed if params.seed is not None else 0,
+                                              self.first_group_id + i // num_samples, chunk) + i % num_samples
+                          for i in unfinished)
+            continued = self.generator.submit([prompt_of[i] + tokens[i] for i in unfinished],
+                                              replace(params, max_new_tokens=budget, seed=None, seeds=seeds), 1)()
+            version = min(continued.extra["weights_versions"])
+            generated += continued.num_generated_tokens
+            for i, (completion,) in zip(unfinished, continued.completions, strict=True):
+                if version != self._spans[i][-1][1]:
+                    self._spans[i].append((len(tokens[i]), version))
+                tokens[i] += completion.token_ids
+                logprobs[i] += completion.logprobs
+                finish[i] = completion.finish_reason
+                errors[i] = completion.error
+            chunk += 1
+        completions = [Completion(prompt_of[i], tokens[i], logprobs[i],
+                                  self.tokenizer.decode(tokens[i], skip_special_tokens=True), finish[i], errors[i])
+                       for i in range(len(tokens))]
+        grouped = [completions[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
+        self.oldest_version = min(v for spans in self._spans for _, v in spans)
+        return GenerationOutput(grouped, time.perf_counter() - started, generated,
+                                {"weights_versions": sorted({v for spans in self._spans for _, v in spans})})
+
+    def version_spans(self, sample: int) -> list[tuple[int, int]]:
+        """(index of the first token, version) of each span of sample `sample` (flat: prompt-major) that one
+        version sampled."""
+        return list(self._spans[sample])

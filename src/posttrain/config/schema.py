@@ -774,6 +774,20 @@ class RolloutSection(SamplingSection):
     """asynchronous: how many policy versions (optimizer steps) the weights that sampled an episode may lag the
     policy that trains on it; max_staleness + 1 sampling rounds are in flight."""
 
+    group_timeout_s: float | None = Field(None, gt=0)
+    """asynchronous: seconds a group's scoring may take once its round's completions have arrived (each group is
+    then scored by a call of its own); a group not scored by then is dropped, never trained on, and counted
+    (rollout/timed_out_groups). Its prompt is not sampled again. null: every group is waited for (up to
+    cluster.timeout_s)."""
+
+    in_flight_updates: bool = False
+    """asynchronous: a round's completions are sampled in chunks of in_flight_chunk_tokens tokens, each chunk a
+    generation call of its own, so that a weight push made while a round is sampling reaches its next chunk; every
+    episode records the versions of its token spans, and its age counts from the oldest."""
+
+    in_flight_chunk_tokens: int = Field(16, gt=0)
+    """in_flight_updates: tokens sampled per chunk (the points where newer weights may take over)."""
+
     overlong_filtering: bool = False
     """DAPO overlong filtering: truncated completions (max_new_tokens reached) get no loss."""
 
@@ -826,6 +840,12 @@ class ClusterSection(NumericSection):
     """ray: generation or environment actors each group may replace over the run when one dies; the call it was
     answering is re-sent to the replacement (a generation actor first loads the current weights, which for this
     stay in Ray's object store between pushes: one copy of the model). 0: a dead actor stops the run."""
+
+    on_actor_failure: Literal["retry", "mask"] = "retry"
+    """ray: what becomes of the samples a generation or environment actor was answering when it died (it is replaced
+    either way, within max_restarts). retry: the call is re-sent to the replacement (the same seeds: the same samples).
+    mask: they are masked, counted (faults/<group>_masked_samples) and not sampled again; their errors count toward
+    environment.max_error_fraction. Single-turn episodes only."""
 
 
 class WeightSyncSection(NumericSection):
@@ -1296,12 +1316,23 @@ class OnlineRLConfig(RecipeConfig):
                                  "policy need the importance correction between generator and trainer; generation "
                                  "runs ahead in Ray actors; multi-turn and dynamic-sampling rounds are not pipelined "
                                  "yet)")
-        elif "max_staleness" in self.rollout.model_fields_set:
-            raise ValueError("rollout.max_staleness applies only with rollout.asynchronous=true")
+            if self.rollout.in_flight_updates and self.rollout.stop_strings:
+                raise ValueError("rollout.in_flight_updates=true with rollout.stop_strings: a stop string that spans "
+                                 "two chunks is not detected yet; leave rollout.stop_strings empty (eos still ends a "
+                                 "completion) or set rollout.in_flight_updates=false")
+            if "in_flight_chunk_tokens" in self.rollout.model_fields_set and not self.rollout.in_flight_updates:
+                raise ValueError("rollout.in_flight_chunk_tokens applies only with rollout.in_flight_updates=true")
+        else:
+            for key in ("max_staleness", "group_timeout_s", "in_flight_updates", "in_flight_chunk_tokens"):
+                if key in self.rollout.model_fields_set:
+                    raise ValueError(f"rollout.{key} applies only with rollout.asynchronous=true")
         if self.cluster.backend == "ray":
             if self.rollout.backend != "transformers":
                 raise ValueError(f"cluster.backend=ray with rollout.backend={self.rollout.backend}: Ray generation "
                                  "workers run the transformers backend for now; set rollout.backend=transformers")
+            if self.cluster.on_actor_failure == "mask" and self.rollout.max_turns > 1:
+                raise ValueError("cluster.on_actor_failure=mask needs rollout.max_turns=1: masking part of a "
+                                 "multi-turn episode is not built; use cluster.on_actor_failure=retry")
             if self.cluster.generation_workers > 1 and not self.rollout.seed_per_group:
                 raise ValueError(f"cluster.generation_workers={self.cluster.generation_workers} needs "
                                  "rollout.seed_per_group=true: a round seeded as a whole draws from one stream, "

@@ -27,9 +27,12 @@ What this first slice builds, and where it departs from the full design:
 - An actor that dies (its process killed, out of memory) is replaced, up to cluster.max_restarts per group: a
   generation actor first loads the weights the others hold, then the call it was answering is re-sent to it with
   the same arguments (the same seeds: it samples what the dead one would have), and the samples re-sent are
-  counted. Past the restarts the run stops naming the worker.
-- `RayCluster.metrics()` gives each group's seconds since its last answered call, its restarts and re-sent
-  samples, logged every step.
+  counted; with cluster.on_actor_failure=mask the call's samples are masked and counted instead (a call that
+  carries none is still re-sent). Past the restarts the run stops naming the worker.
+- A weight push holds the generator's push lock: a generation call sent from another thread meanwhile (the next
+  chunk of a round with in-flight updates) is sent after the push, never between two of its buckets.
+- `RayCluster.metrics()` gives each group's seconds since its last answered call, its restarts, re-sent and masked
+  samples, logged every step; `state_dict` keeps the counts in checkpoints, so a resumed run goes on from them.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from posttrain.config.schema import ClusterSection, ModelConfig, TrainerConfig, 
 from posttrain.data.types import RolloutBatch
 from posttrain.envs.base import EnvStep, Message
 from posttrain.errors import RunError
-from posttrain.generation.base import GenerationOutput, SamplingParams, weight_buckets
+from posttrain.generation.base import Completion, GenerationOutput, SamplingParams, weight_buckets
 from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.models.loading import load_causal_lm
 from posttrain.distributed.weight_check import weight_digests
@@ -83,16 +86,19 @@ class WorkerGroup:
 
     make: starts one actor (the same way for a replacement); max_restarts: actors the group may replace over the
     run; on_restart: given a replacement, the calls that bring it up to date before anything is re-sent to it (the
-    generation group's weights)."""
+    generation group's weights); mask: given a call that carries samples and why it failed, the answer that masks
+    them (cluster.on_actor_failure=mask), instead of re-sending the call to the replacement."""
 
     def __init__(self, name: str, make: Callable[[], Any], count: int, timeout_s: float, max_restarts: int,
-                 on_restart: Callable[[int], list[Call]] | None = None):
+                 on_restart: Callable[[int], list[Call]] | None = None,
+                 mask: Callable[[Call, str], Any] | None = None):
         self.name, self.make, self.timeout_s, self.max_restarts = name, make, timeout_s, max_restarts
-        self.on_restart = on_restart
+        self.on_restart, self.mask = on_restart, mask
         self.actors = [make() for _ in range(count)]
         self.last_progress = time.monotonic()
         self.restarts = 0
         self.retried_samples = 0
+        self.masked_samples = 0
         self.failed = False
         """A call to the group ran past its deadline or found an actor dead for good: closing it then kills,
         without asking."""
@@ -122,6 +128,12 @@ class WorkerGroup:
                     break
                 except RayActorError as error:
                     self.restart(call.index, actor, error, f"`{call.method}` (waiting for {waiting_for})")
+                    if self.mask is not None and call.samples:  # its samples are masked, not sampled again
+                        with self._lock:
+                            self.masked_samples += call.samples
+                        results.append(self.mask(call, f"{self.worker_name(call.index)} died during "
+                                                       f"`{call.method}`: {one_line(error)}"))
+                        break
                     with self._lock:
                         self.retried_samples += call.samples
                     deadline = time.monotonic() + self.timeout_s  # the re-sent call gets a deadline of its own
@@ -279,12 +291,16 @@ class RayGenerator:
 
     def __init__(self, make: Callable[[], Any], count: int, section: ClusterSection, bucket_bytes: int):
         self.group = WorkerGroup("generation", make, count, section.timeout_s, section.max_restarts,
-                                 on_restart=self._catch_up)
+                                 on_restart=self._catch_up,
+                                 mask=self._masked if section.on_actor_failure == "mask" else None)
         self.bucket_bytes = bucket_bytes
         self.weights_version = 0
         self._buckets: list[Any] = []
         """The object refs of the weight buckets pushed so far (of the version being pushed during a push)."""
         self._syncing = False
+        self._push_lock = threading.Lock()
+        """Held through a weight push: a call sent from another thread (the next chunk of a round sampled with
+        in-flight updates) waits for the push to end, so that no call samples from half-loaded weights."""
 
     def _actors(self) -> range:
         return range(len(self.group.actors))
@@ -295,8 +311,8 @@ class RayGenerator:
     def submit(self, prompts: list[list[int]], params: SamplingParams,
                num_samples: int = 1) -> Callable[[], GenerationOutput]:
         """Send a `generate` call now and return what waits for its output: the actors answer it before any weight
-        push sent after it (asynchronous rollouts). The output's extra["weights_versions"] lists the version each
-        actor sampled its share with."""
+        push sent after it (asynchronous rollouts), and while a push is under way it is sent once the push ends. The
+        output's extra["weights_versions"] lists the version each actor sampled its share with."""
         started = time.perf_counter()
         params.check_seeds_fit(len(prompts))
         actors = len(self.group.actors) if params.seed is None else 1  # a whole-call seed: one stream, one actor
@@ -305,7 +321,8 @@ class RayGenerator:
             block_params = params if params.seeds is None else replace(params, seeds=params.seeds[start:stop])
             calls.append(Call(index, "generate", (prompts[start:stop], block_params, num_samples),
                               samples=(stop - start) * num_samples))
-        sent = self.group.send(calls)
+        with self._push_lock:
+            sent = self.group.send(calls)
 
         def output() -> GenerationOutput:
             outputs = self.group.collect(sent, f"{len(prompts)} prompts x {num_samples} samples of up to "
@@ -319,6 +336,10 @@ class RayGenerator:
     def update_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Send policy `version`'s weights to every actor, one bucket of weight_sync.bucket_mb in flight at a time;
         each actor checks that every weight arrived and stamps the version. The bytes sent (to each actor)."""
+        with self._push_lock:
+            return self._push(version, weights)
+
+    def _push(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         keep = self.group.max_restarts > 0
         self._buckets, self._syncing = [], True
         sent = 0
@@ -337,6 +358,12 @@ class RayGenerator:
             raise RunError(f"weight sync of policy version {version}: the generation workers hold versions {held}")
         self.weights_version, self._syncing = version, False
         return sent
+
+    def _masked(self, call: Call, why: str) -> GenerationOutput:
+        """The answer to a `generate` call whose actor died (cluster.on_actor_failure=mask): every sample masked."""
+        prompts, _, num_samples = call.args
+        return GenerationOutput([[Completion(list(prompt), [], [], "", "stop", error=why)] * num_samples
+                                 for prompt in prompts], 0.0, 0, {"weights_version": self.weights_version})
 
     def _catch_up(self, index: int) -> list[Call]:
         """What a replacement actor loads before the call it missed: the last version's buckets and its stamp, or
@@ -383,6 +410,13 @@ class EnvironmentActor:
 
     def close(self) -> None:
         self.environment.close()
+
+
+def masked_rewards(call: Call, why: str) -> EnvStep:
+    """The answer to a `step` call whose actor died (cluster.on_actor_failure=mask): every episode masked, ended."""
+    _, metadata = call.args
+    count = len(metadata)
+    return EnvStep([None] * count, [True] * count, [None] * count, [why] * count, [dict(m) for m in metadata])
 
 
 class RayEnvironment:
@@ -460,22 +494,38 @@ class RayCluster:
         """cluster.environment_workers environment actors, each running `build(section)` (a module-level function,
         so that it travels by name)."""
         actor = EnvironmentActor.options(num_cpus=self.section.cpus_per_environment_worker)
+        masks = self.section.on_actor_failure == "mask"
         group = self._start(WorkerGroup("environment", lambda: actor.remote(build, section),
                                         self.section.environment_workers, self.section.timeout_s,
-                                        self.section.max_restarts))
+                                        self.section.max_restarts, mask=masked_rewards if masks else None))
         weights = group.call([Call(0, "reward_weights")], "the environment's reward weights")[0]
         return RayEnvironment(group, weights)
 
     def metrics(self) -> dict[str, float]:
         """Per worker group, logged every step: heartbeat/<group>_seconds (since it last answered a call),
-        faults/<group>_restarts and faults/<group>_retried_samples (actors replaced and samples re-sent to them,
-        over the run so far)."""
+        faults/<group>_restarts, faults/<group>_retried_samples and faults/<group>_masked_samples (actors replaced,
+        samples re-sent to them or masked, over the run so far: a resumed run goes on from its checkpoint's
+        counts)."""
         metrics = {}
         for group in self.groups:
             metrics |= {f"heartbeat/{group.name}_seconds": group.seconds_since_progress(),
                         f"faults/{group.name}_restarts": float(group.restarts),
-                        f"faults/{group.name}_retried_samples": float(group.retried_samples)}
+                        f"faults/{group.name}_retried_samples": float(group.retried_samples),
+                        f"faults/{group.name}_masked_samples": float(group.masked_samples)}
         return metrics
+
+    def state_dict(self) -> dict[str, dict[str, int]]:
+        """Each group's fault counts, kept in checkpoints: cluster.max_restarts bounds the restarts of the whole
+        run, resumes included."""
+        return {group.name: {"restarts": group.restarts, "retried_samples": group.retried_samples,
+                             "masked_samples": group.masked_samples} for group in self.groups}
+
+    def load_state_dict(self, state: dict[str, dict[str, int]]) -> None:
+        for group in self.groups:
+            counts = state.get(group.name, {})
+            group.restarts = counts.get("restarts", 0)
+            group.retried_samples = counts.get("retried_samples", 0)
+            group.masked_samples = counts.get("masked_samples", 0)
 
     def close(self) -> None:
         for group in self.groups:

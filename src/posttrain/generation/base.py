@@ -63,6 +63,9 @@ class Completion:
     """The decoded completion, special tokens removed."""
     finish_reason: FinishReason
     """stop (eos or stop string) or length (the budget ran out)."""
+    error: str | None = None
+    """Why no sample could be drawn (its generation worker died and cluster.on_actor_failure=mask): it then has no
+    tokens, and its episode is masked and counted instead of scored."""
 
     @property
     def truncated(self) -> bool:

@@ -8,7 +8,10 @@ Each line is exactly
 `reference` is what the reply is checked against, from the prompt's row (its `answer`, or the tests of code
 environments; `algorithms.evaluate.reference_text`), null when the row has none. `reward` is the scalar reward
 (the weighted sum of `components` when the environment gives named ones), null when scoring failed, and then
-`error` says why; `correct` is null when the environment does not judge correctness.
+`error` says why; `correct` is null when the environment does not judge correctness. An RL recipe's "train"
+record also has `group_id` (the run's group counter: which prompt draw the episode answers; samples of one prompt
+share it) and `policy_version` (the optimizer steps taken by the policy whose weights sampled it), from which a
+run's file shows which prompts every step trained on and how stale they were.
 GRPO appends the first `logging.samples_per_step` episodes of each step (split "train"); every evaluation set its
 first `samples_logged` samples (split "eval/<name>"). Like metrics.jsonl each line is one write followed by a
 flush, and a resumed run drops the lines of steps after its checkpoint (`logging.metrics.truncate_metrics`, which
@@ -26,6 +29,8 @@ from typing import IO, Any
 SAMPLES_FILENAME = "samples.jsonl"
 SAMPLE_KEYS = ("prompt", "reference", "completion", "reward", "components", "correct", "error")
 """The keys of a sample record, besides step and split."""
+EPISODE_KEYS = ("group_id", "policy_version")
+"""The keys an RL recipe's training episode adds (both or neither)."""
 
 
 class SamplesFile:
@@ -37,12 +42,14 @@ class SamplesFile:
         self._file: IO[str] | None = None
 
     def write(self, step: int, split: str, records: Sequence[Mapping[str, Any]]) -> None:
-        """One line per record; each record has exactly the SAMPLE_KEYS."""
+        """One line per record; each record has exactly the SAMPLE_KEYS, or those and the EPISODE_KEYS."""
         lines = []
         for record in records:
-            if set(record) != set(SAMPLE_KEYS):
-                raise ValueError(f"a samples.jsonl record has the keys {', '.join(SAMPLE_KEYS)}; got {sorted(record)}")
-            lines.append(json.dumps({"step": int(step), "split": split, **{key: record[key] for key in SAMPLE_KEYS}}))
+            keys = (*SAMPLE_KEYS, *EPISODE_KEYS) if EPISODE_KEYS[0] in record else SAMPLE_KEYS
+            if set(record) != set(keys):
+                raise ValueError(f"a samples.jsonl record has the keys {', '.join(SAMPLE_KEYS)} (and an RL episode "
+                                 f"{', '.join(EPISODE_KEYS)}); got {sorted(record)}")
+            lines.append(json.dumps({"step": int(step), "split": split, **{key: record[key] for key in keys}}))
         if not lines:
             return
         if self._file is None:

@@ -298,6 +298,7 @@ def policy_gradient_loss(
     normalizer: float,
     generator_logprobs: Tensor | None = None,
     reference_logprobs: Tensor | None = None,
+    sampler_logprobs: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The policy-gradient loss of one micro-batch of B sequences, normalized over the whole optimizer step.
 
@@ -310,6 +311,9 @@ def policy_gradient_loss(
     generator_logprobs: [B, T] log π_gen reported by the sampler; required unless cfg.importance_correction is
         "none" (then it only feeds the `generator_logprob_error` metric).
     reference_logprobs: [B, T] log π_ref; required when cfg.reference_kl_penalty > 0 (else only the `kl` metric).
+    sampler_logprobs: [B, T] the trainer's log-probabilities of the sampled tokens under the distribution the
+        generator sampled from (top-k/top-p truncated and renormalised: losses/sampling.py), for the mismatch
+        metrics only; None: they compare old_logprobs (right when the generator samples the full distribution).
 
     Per token, ℓ_t = c_t·policy_term_t + β·kl_t with c_t the detached mismatch weight (`importance_weights`) and
     policy_term_t from cfg.ratio_level and cfg.clip_mode (module docstring). Then
@@ -319,7 +323,8 @@ def policy_gradient_loss(
     Returns (loss, metrics): detached 0-dim tensors, means over this micro-batch's valid tokens (0 when there are
     none; ratio_min/max 1): clip_fraction_low (A < 0, r < 1 − low), clip_fraction_high (A > 0, r > 1 + high),
     dual_clip_fraction (A < 0, r > c), ratio_mean, ratio_min, ratio_max; kl (the estimator's mean) when
-    reference_logprobs is given; generator_logprob_error (mean |logπ_old − logπ_gen|), generator_logprob_error_max
+    reference_logprobs is given; generator_logprob_error (mean |logπ_old − logπ_gen|, or |log q − logπ_gen| with
+    sampler_logprobs q), generator_logprob_error_max
     (its largest, 0 with no valid token) and generator_logprob_error_fraction (the share of tokens past
     cfg.logprob_mismatch_threshold) when generator_logprobs is given; and when the correction is on (importance_correction not "none"), of the applied weights c_t:
     is_weight_mean, is_masked_fraction (c_t set to 0), is_truncated_fraction (c_t moved to a truncation bound),
@@ -329,7 +334,7 @@ def policy_gradient_loss(
     needs the reduction that fits it, not a token-weighted mean.
     """
     valid = _check_inputs(cfg, logprobs, old_logprobs, advantages, mask, normalizer, generator_logprobs,
-                          reference_logprobs)
+                          reference_logprobs, sampler_logprobs)
     dtype = torch.promote_types(logprobs.dtype, torch.float32)
     # Masked positions are zeroed before any exp: a nan or inf there would otherwise reach the gradient as 0·inf.
     logprobs = torch.where(valid, logprobs.to(dtype), 0.0)
@@ -347,7 +352,13 @@ def policy_gradient_loss(
         correction = importance_weights(old_logprobs, generator_logprobs, valid, cfg)
         per_token = correction.weights * per_token
         with torch.no_grad():
-            mismatch = (old_logprobs - generator_logprobs).abs()
+            trainer_view = old_logprobs
+            if sampler_logprobs is not None:
+                # A token the trainer's truncation leaves out (its rounding moved a top-p or top-k boundary: −inf)
+                # is read under the full distribution: a finite mismatch, counted past the threshold when large.
+                sampler_logprobs = sampler_logprobs.detach().to(dtype)
+                trainer_view = torch.where(valid & torch.isfinite(sampler_logprobs), sampler_logprobs, old_logprobs)
+            mismatch = (trainer_view - generator_logprobs).abs()
             metrics["generator_logprob_error"] = _masked_mean(mismatch, valid)
             metrics["generator_logprob_error_max"] = _masked_extreme(mismatch, valid, "max", empty=0.0)
             metrics["generator_logprob_error_fraction"] = _masked_mean(mismatch > cfg.logprob_mismatch_threshold,
@@ -421,6 +432,7 @@ def _check_inputs(
     normalizer: float,
     generator_logprobs: Tensor | None,
     reference_logprobs: Tensor | None,
+    sampler_logprobs: Tensor | None = None,
 ) -> Tensor:
     """Raise ValueError naming the argument for a missing or misshapen input; return the mask as bool [B, T]."""
     if logprobs.dim() != 2:
@@ -430,6 +442,7 @@ def _check_inputs(
         "mask": mask,
         "generator_logprobs": generator_logprobs,
         "reference_logprobs": reference_logprobs,
+        "sampler_logprobs": sampler_logprobs,
     }
     for name, tensor in given.items():
         if tensor is not None and tensor.shape != logprobs.shape:

@@ -32,7 +32,8 @@ from posttrain.losses.policy_gradient import loss_normalizer, policy_gradient_lo
 from posttrain.losses.preference import preference_loss, sequence_logps
 from posttrain.losses.reward_model import bradley_terry_loss
 from posttrain.losses.value import value_loss, value_loss_normalizer
-from posttrain.workers.forward import Outputs, TargetHidden, TargetScores
+from posttrain.losses.sampling import sampled_token_logprobs
+from posttrain.workers.forward import Outputs, TargetHidden, TargetScores, outputs_of_logits
 from posttrain.workers.metrics import Metric, MetricDict
 
 
@@ -296,11 +297,23 @@ class PolicyGradientObjective:
     """The clipped policy-gradient loss (losses/policy_gradient.py) of a `RolloutBatch` carrying its advantages
     ([N] or per token [N, T]), π_old (None: on-policy, the training pass itself, detached) and π_ref (None: no KL
     term) log-probabilities. Log-probabilities are taken under the sampling `temperature`. Metrics are
-    token-weighted means, except minima and maxima (`*_min`, `*_max`: the ratio, the IS weight)."""
+    token-weighted means, except minima and maxima (`*_min`, `*_max`: the ratio, the IS weight).
+
+    With the sampler's `top_k` or `top_p` on, the objective asks for the full logits (no chunked LM head) and also
+    reads the sampled tokens' log-probabilities under the truncated, renormalised distribution the generator drew
+    from (losses/sampling.py): the generator_logprob_error metrics compare those with the generator's, like with
+    like. They are the current weights' (π_old on the first update of a step, the policy being updated after).
+    The loss itself and the importance weights still use the full distribution."""
 
     config: PolicyLossConfig
     temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
     outputs: Outputs = "target_scores"
+
+    def __post_init__(self) -> None:
+        if self.top_k > 0 or self.top_p < 1.0:  # the truncated distribution is read from the full logits
+            object.__setattr__(self, "outputs", "logits")
 
     def normalizer(self, micro_batches: Sequence[RolloutBatch]) -> float:
         return sum(loss_normalizer(batch.loss_mask, self.config) for batch in micro_batches)
@@ -309,6 +322,11 @@ class PolicyGradientObjective:
                  ) -> tuple[torch.Tensor, MetricDict]:
         if batch.advantages is None:
             raise ValueError("the policy-gradient loss needs RolloutBatch.advantages; set them before training")
+        sampler = None
+        if self.outputs == "logits":  # top-k/top-p sampling (see the class docstring)
+            sampler = sampled_token_logprobs(scores, batch.input_ids.to(scores.device), self.temperature, self.top_k,
+                                             self.top_p)
+            scores = outputs_of_logits(scores, batch, "target_scores", self.temperature)
         logprobs = scores.logprobs
         device = logprobs.device
         mask = batch.loss_mask
@@ -318,6 +336,7 @@ class PolicyGradientObjective:
         loss, metrics = policy_gradient_loss(
             logprobs, old, batch.advantages.to(device), mask, self.config, normalizer,
             generator_logprobs=batch.generator_logprobs, reference_logprobs=_on(batch.reference_logprobs, device),
+            sampler_logprobs=sampler,
         )
         valid = mask.bool()
         metrics["entropy"] = torch.where(valid, scores.entropy, 0.0).sum() / valid.sum().clamp(min=1)
