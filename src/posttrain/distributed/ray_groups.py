@@ -8,11 +8,13 @@ protocols, so that `algorithms/grpo.py` and `ppo.py` drive them unchanged (docs/
     cluster.close()                                                  # kill the actors, shut the instance down
 
 What this first slice builds, and where it departs from the full design:
-- The policy stays in the driver process (a local worker); its weights reach the generation actors through
-  `RayGenerator.update_weights`: in buckets of weight_sync.bucket_mb put into Ray's object store one at a time,
-  every actor loading each bucket before the next is put, then a check that every weight of the model arrived
+- The policy trains in the driver process (a local worker), or with cluster.policy_workers > 0 in a group of
+  actors forming one torch.distributed group (`RayCluster.policy`, distributed/ray_policy.py); its weights reach
+  the generation actors through `RayGenerator.update_weights`: in buckets of weight_sync.bucket_mb put into Ray's
+  object store one at a time, every actor loading each bucket before the next is put, then a check that every
+  weight of the model arrived
   and the version stamp (with cluster.max_restarts > 0 the last push's buckets stay in the store for a
-  replacement actor: one copy of the model). Policy ranks as actors forming a torch.distributed group are planned.
+  replacement actor: one copy of the model).
 - `RayGenerator.submit` sends a generation call at once and waits for it later: an actor answers calls in the
   order they were sent, so a call sent before a weight push samples from the weights before it (asynchronous
   rollouts, algorithms/rollout_source.py).
@@ -50,13 +52,14 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from posttrain.config.schema import ClusterSection, ModelConfig, TrainerConfig, WeightSyncSection
+from posttrain.config.schema import ClusterSection, LoraSection, ModelConfig, TrainerConfig, WeightSyncSection
 from posttrain.data.types import RolloutBatch
 from posttrain.envs.base import EnvStep, Message
 from posttrain.errors import RunError
 from posttrain.generation.base import GenerationOutput, SamplingParams, weight_buckets
 from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.models.loading import load_causal_lm
+from posttrain.distributed.ray_policy import RankGroup, RayCriticWorker, RayPolicyWorker, start_critic, start_policy
 from posttrain.distributed.weight_check import weight_digests
 from posttrain.workers.local import LocalScoringWorker
 
@@ -427,7 +430,7 @@ class RayCluster:
 
     def __init__(self, section: ClusterSection, weight_sync: WeightSyncSection, output_dir: Path):
         self.section, self.weight_sync = section, weight_sync
-        self.groups: list[WorkerGroup] = []
+        self.groups: list[WorkerGroup | RankGroup] = []
         self.started = False
         self._short_temp_dir: Path | None = None
         if ray.is_initialized():
@@ -455,6 +458,27 @@ class RayCluster:
                                  self.section.generation_workers, self.section, int(self.weight_sync.bucket_mb * 2**20))
         self._start(generator.group)
         return generator
+
+    def policy(self, model: ModelConfig, lora: LoraSection, trainer: TrainerConfig, tokenizer, *,
+               task: str = "causal_lm", schedule: TrainerConfig | None = None,
+               resume_dir: Path | None = None) -> RayPolicyWorker:
+        """The policy on cluster.policy_workers actors forming one torch.distributed group (ray_policy.py), built
+        on every rank with `build_policy`'s arguments."""
+        return start_policy(self._policy_group(), model, lora, trainer, tokenizer,
+                            int(self.weight_sync.bucket_mb * 2**20), task, schedule, resume_dir)
+
+    def critic(self, init_from: str, model: ModelConfig, trainer: TrainerConfig, tokenizer, *,
+               schedule: TrainerConfig | None = None, resume_dir: Path | None = None) -> RayCriticWorker:
+        """PPO's critic on the policy group's actors (started here if the policy is not there yet)."""
+        return start_critic(self._policy_group(), init_from, model, trainer, tokenizer, schedule, resume_dir)
+
+    def _policy_group(self) -> RankGroup:
+        for group in self.groups:
+            if isinstance(group, RankGroup):
+                return group
+        group = RankGroup(self.section, local_instance=self.started)
+        self.groups.append(group)
+        return group
 
     def environment(self, build: Callable[[Any], Any], section: Any) -> RayEnvironment:
         """cluster.environment_workers environment actors, each running `build(section)` (a module-level function,
