@@ -187,10 +187,11 @@ class RankGroup:
         """Rank 0's answer to a call sent to it alone (no collective)."""
         return self._collect({getattr(self.actors[0], method).remote(*args): 0}, method, waiting_for)[0]
 
-    def each(self, method: str, waiting_for: str, *args: Any) -> list[Any]:
-        """Every rank's answer, in rank order, to the same call sent to all."""
+    def each(self, method: str, waiting_for: str, *args: Any, named: str | None = None) -> list[Any]:
+        """Every rank's answer, in rank order, to the same call sent to all; `named`: the call as messages name it
+        (the worker's method, for `call`)."""
         refs = {getattr(actor, method).remote(*args): rank for rank, actor in enumerate(self.actors)}
-        return self._collect(refs, method, waiting_for)
+        return self._collect(refs, named or method, waiting_for)
 
     def _collect(self, refs: dict[Any, int], method: str, waiting_for: str) -> list[Any]:
         """The answers of `refs` by rank. RunError naming a rank that died, ran past the deadline, or (re-raised
@@ -263,7 +264,8 @@ class RankGroup:
 
     def call(self, role: str, method: str, waiting_for: str, *args: Any, **kwargs: Any) -> Any:
         """Rank 0's answer to `role`.`method`(*args, **kwargs) made on every rank."""
-        return self.each("call", waiting_for, role, method, args, kwargs)[0]
+        named = method if role == "policy" else f"{role} {method}"
+        return self.each("call", waiting_for, role, method, args, kwargs, named=named)[0]
 
 
 class RayPolicyWorker:

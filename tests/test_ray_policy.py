@@ -1,0 +1,155 @@
+"""The policy (and PPO's critic) as a Ray worker group (cluster.policy_workers, distributed/ray_policy.py): two
+actors, one per FSDP2 rank in one gloo process group, driven by the same GRPO and PPO loops through the worker
+protocols, make the update one process makes; a rank that dies stops the run naming it, and re-running resumes.
+
+Tolerance: 1e-5, as the torchrun comparisons (tests/test_distributed.py): two ranks sum each gradient in another
+order than one process, which shows in gradient norms at ~1e-6 relative; rewards agree exactly while the sampled
+tokens do. One small Ray instance per run (4 CPU slots on this 2-core machine); the Ray tests are skipped when ray
+is not installed."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from posttrain.algorithms.grpo import train_grpo
+from posttrain.config import load_config
+from posttrain.config.schema import GRPOConfig, PPOConfig
+from posttrain.logging import read_metrics
+
+from rl_configs import DIGITS, TINY_RL
+
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason="cluster.backend=ray needs the ray extra (pip install 'posttrain[ray]')")
+
+# Generous deadline: an actor's start took over 120 s on a loaded 2-core machine. Four CPU slots: two policy
+# ranks, a generation and an environment actor.
+POLICY_GROUP = ["cluster.backend=ray", "cluster.timeout_s=600", "cluster.policy_workers=2", "cluster.num_cpus=4"]
+# Two minibatches (π_old from the policy's logprobs) and a KL penalty (a reference in the driver): every call of the
+# seam crosses to the ranks. One thread per process, as torchrun's ranks in tests/test_distributed.py.
+GRPO = [*TINY_RL, *DIGITS, "trainer.num_threads=1", "update.num_minibatches=2", "trainer.micro_batch_size=8",
+        "loss.reference_kl_penalty=0.1"]
+
+
+def grpo(output_dir: Path, *overrides: str) -> GRPOConfig:
+    return load_config(GRPOConfig, None, [*GRPO, f"output_dir={output_dir}", *overrides])
+
+
+def assert_same_steps(local: list[dict], remote: list[dict], keys: tuple[str, ...]) -> None:
+    assert [r["step"] for r in local] == [r["step"] for r in remote]
+    for a, b in zip(local, remote):
+        for key in keys:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (a["step"], key)
+
+
+@needs_ray
+@pytest.mark.slow  # about 60 s: an in-process run, then a Ray run of two policy ranks, a generator and an environment
+def test_grpo_on_a_two_rank_ray_policy_group_logs_the_rewards_and_losses_of_the_in_process_run(tmp_path,
+                                                                                             tiny_model_dir):
+    import ray
+
+    train_grpo(grpo(tmp_path / "local", "trainer.max_steps=3"))
+    train_grpo(grpo(tmp_path / "ray", "trainer.max_steps=3", "trainer.save_every=3", *POLICY_GROUP))
+    assert not ray.is_initialized()  # the run's Ray instance (and its policy actors) stopped with it
+    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
+    assert len(local) == 3
+    assert_same_steps(local, remote, ("reward/mean", "loss", "grad_norm", "kl", "ratio_max", "generator_logprob_error"))
+    assert len({r["reward/mean"] for r in local}) > 1  # the runs learn: rewards move
+    for a, b in zip(local, remote):
+        assert b["weight_sync/version"] == a["weight_sync/version"] == 2 * a["step"]  # two optimizer steps each
+        assert b["weight_sync/bytes"] > 4 * 2**20 > 0 == a["weight_sync/bytes"]  # the gathered weights were pushed
+        assert 0 <= b["heartbeat/policy_seconds"] < 60
+    # The ranks wrote one sharded checkpoint (torch.distributed.checkpoint) in the run directory's layout.
+    shards = sorted(p.name for p in (tmp_path / "ray" / "checkpoints" / "step_3" / "policy").iterdir())
+    assert ".metadata" in shards and "__0_0.distcp" in shards and "__1_0.distcp" in shards
+    assert (tmp_path / "ray" / "final" / "config.json").is_file()
+
+
+@needs_ray
+@pytest.mark.slow  # about 70 s: an in-process PPO run, then one with the policy and the critic on two Ray ranks
+def test_ppo_with_policy_and_critic_on_a_two_rank_ray_group_logs_the_in_process_run(tmp_path, tiny_model_dir):
+    from posttrain.algorithms.ppo import train_ppo
+
+    def ppo(output_dir: Path, *overrides: str) -> PPOConfig:
+        return load_config(PPOConfig, None, [*TINY_RL, *DIGITS, f"output_dir={output_dir}", "trainer.num_threads=1",
+                                             "trainer.max_steps=3", "update.num_minibatches=2",
+                                             "critic.warmup_steps=1", "trainer.save_every=3", *overrides])
+
+    train_ppo(ppo(tmp_path / "local"))
+    train_ppo(ppo(tmp_path / "ray", *POLICY_GROUP))
+    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
+    # The critic's value head is initialised on the ranks from the driver's random stream: the same head, the same
+    # values, explained variance and value losses from step 1 on.
+    assert_same_steps(local, remote, ("reward/mean", "value/loss", "value/grad_norm", "value/explained_variance"))
+    assert_same_steps(local[1:], remote[1:], ("loss", "grad_norm"))  # the policy waits one critic warm-up step
+    for role in ("policy", "critic"):
+        assert (tmp_path / "ray" / "checkpoints" / "step_3" / role / ".metadata").is_file()  # sharded by the ranks
+
+
+@needs_ray
+@pytest.mark.slow  # about 100 s: an in-process run, a Ray run stopped by a killed rank, and its resumption
+def test_a_policy_rank_that_dies_stops_the_run_naming_it_and_re_running_resumes(tmp_path, tiny_model_dir,
+                                                                                monkeypatch):
+    import ray
+
+    from posttrain.checkpoint import list_checkpoints
+    from posttrain.distributed.ray_policy import RayPolicyWorker
+    from posttrain.errors import RunError
+
+    steps = ["trainer.max_steps=4", "trainer.save_every=1"]
+    train_grpo(grpo(tmp_path / "local", *steps))
+
+    real = RayPolicyWorker.forward_backward
+    calls = []
+
+    def kill_rank_one_in_step_three(self, batch, loss):
+        calls.append(len(batch))
+        if len(calls) == 5:  # step 3's first minibatch (two per step)
+            ray.kill(self.group.actors[1], no_restart=True)  # as if its process were killed
+        return real(self, batch, loss)
+
+    monkeypatch.setattr(RayPolicyWorker, "forward_backward", kill_rank_one_in_step_three)
+    with pytest.raises(RunError) as error:
+        train_grpo(grpo(tmp_path / "ray", *steps, *POLICY_GROUP))
+    message = str(error.value)
+    assert "policy worker 1 of 2 (rank 1) died during `forward_backward` (waiting for forward and backward of 16 rows)" in message
+    assert "re-run the same command to resume from the newest checkpoint" in message
+    assert not ray.is_initialized()  # the surviving rank, stuck in a collective, was killed with the instance
+    assert [c.step for c in list_checkpoints(tmp_path / "ray")] == [1, 2]
+
+    monkeypatch.setattr(RayPolicyWorker, "forward_backward", real)
+    train_grpo(grpo(tmp_path / "ray", *steps, *POLICY_GROUP))  # the same command: resumes from step 2
+    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
+    assert_same_steps(local, remote, ("reward/mean", "loss", "grad_norm", "kl"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["cluster.policy_workers=2"], "cluster.policy_workers needs cluster.backend=ray"),
+    (["cluster.backend=ray", "cluster.policy_workers=2"],
+     r"cluster.policy_workers x cpus_per_policy_worker = 2 \+ .* > cluster.num_cpus=2; raise cluster.num_cpus"),
+    (["cluster.backend=ray", "cluster.policy_workers=2", "cluster.gpus_per_policy_worker=-1"],
+     "gpus_per_policy_worker"),
+])
+def test_policy_group_settings_that_cannot_work_fail_at_load(tmp_path, overrides, message):
+    from posttrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        grpo(tmp_path, *overrides)
+
+
+@needs_ray
+def test_a_policy_group_asking_for_gpus_the_cluster_lacks_stops_before_any_rank_starts(tmp_path, tiny_model_dir):
+    import ray
+    import torch
+
+    from posttrain.errors import RunError
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(RunError, match=r"cluster.gpus_per_policy_worker=1 asks for 2 GPUs for 2 policy workers; "
+                                       r"the Ray cluster offers 0"):
+        train_grpo(grpo(tmp_path, "trainer.max_steps=1", *POLICY_GROUP, "cluster.gpus_per_policy_worker=1"))
+    assert not ray.is_initialized()
