@@ -25,14 +25,26 @@ needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
 # Generous deadline: an actor's start took over 120 s on a loaded 2-core machine. Four CPU slots: two policy
 # ranks, a generation and an environment actor.
 POLICY_GROUP = ["cluster.backend=ray", "cluster.timeout_s=600", "cluster.policy_workers=2", "cluster.num_cpus=4"]
-# Two minibatches (π_old from the policy's logprobs) and a KL penalty (a reference in the driver): every call of the
-# seam crosses to the ranks. One thread per process, as torchrun's ranks in tests/test_distributed.py.
+# Two minibatches (π_old from the policy's logprobs) and a KL penalty (the reference sharded over the same ranks):
+# every call of the seam crosses to the ranks. One thread per process, as torchrun's ranks in tests/test_distributed.py.
 GRPO = [*TINY_RL, *DIGITS, "trainer.num_threads=1", "update.num_minibatches=2", "trainer.micro_batch_size=8",
         "loss.reference_kl_penalty=0.1"]
 
 
 def grpo(output_dir: Path, *overrides: str) -> GRPOConfig:
     return load_config(GRPOConfig, None, [*GRPO, f"output_dir={output_dir}", *overrides])
+
+
+def no_model_in_the_driver(monkeypatch) -> None:
+    """Make building a policy, critic or scorer in this (the driver's) process an error: the Ray run must build
+    them on its ranks."""
+    from posttrain.workers import local, value
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built in the driver process")
+
+    for module, name in ((local, "build_policy"), (local, "build_scorer"), (value, "build_critic")):
+        monkeypatch.setattr(module, name, refuse)
 
 
 def assert_same_steps(local: list[dict], remote: list[dict], keys: tuple[str, ...]) -> None:
@@ -45,10 +57,12 @@ def assert_same_steps(local: list[dict], remote: list[dict], keys: tuple[str, ..
 @needs_ray
 @pytest.mark.slow  # about 60 s: an in-process run, then a Ray run of two policy ranks, a generator and an environment
 def test_grpo_on_a_two_rank_ray_policy_group_logs_the_rewards_and_losses_of_the_in_process_run(tmp_path,
-                                                                                             tiny_model_dir):
+                                                                                             tiny_model_dir,
+                                                                                             monkeypatch):
     import ray
 
     train_grpo(grpo(tmp_path / "local", "trainer.max_steps=3"))
+    no_model_in_the_driver(monkeypatch)
     train_grpo(grpo(tmp_path / "ray", "trainer.max_steps=3", "trainer.save_every=3", *POLICY_GROUP))
     assert not ray.is_initialized()  # the run's Ray instance (and its policy actors) stopped with it
     local = read_metrics(tmp_path / "local" / "metrics.jsonl")
@@ -67,8 +81,25 @@ def test_grpo_on_a_two_rank_ray_policy_group_logs_the_rewards_and_losses_of_the_
 
 
 @needs_ray
+@pytest.mark.slow  # about 40 s: an in-process run, then a Ray run of two policy ranks
+def test_lora_grpo_on_a_ray_policy_group_scores_its_reference_on_the_ranks_and_logs_the_in_process_run(
+        tmp_path, tiny_model_dir, monkeypatch):
+    lora = ["lora.enabled=true", "lora.r=4", "lora.alpha=8", "trainer.learning_rate=1e-2", "trainer.max_steps=2"]
+    train_grpo(grpo(tmp_path / "local", *lora))
+    no_model_in_the_driver(monkeypatch)
+    train_grpo(grpo(tmp_path / "ray", *lora, *POLICY_GROUP))
+    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
+    # The KL is to the base model: the ranks' own shards with the adapters off (no second copy, no driver copy).
+    assert_same_steps(local, remote, ("reward/mean", "loss", "grad_norm", "kl", "generator_logprob_error"))
+    assert remote[-1]["kl"] > 0  # the adapters moved the policy away from its base
+    assert (tmp_path / "ray" / "adapter").is_dir() and (tmp_path / "ray" / "final" / "config.json").is_file()
+
+
+@needs_ray
 @pytest.mark.slow  # about 70 s: an in-process PPO run, then one with the policy and the critic on two Ray ranks
-def test_ppo_with_policy_and_critic_on_a_two_rank_ray_group_logs_the_in_process_run(tmp_path, tiny_model_dir):
+def test_ppo_with_policy_and_critic_on_a_two_rank_ray_group_logs_the_in_process_run(tmp_path, tiny_model_dir,
+                                                                                    monkeypatch):
     from posttrain.algorithms.ppo import train_ppo
 
     def ppo(output_dir: Path, *overrides: str) -> PPOConfig:
@@ -76,14 +107,15 @@ def test_ppo_with_policy_and_critic_on_a_two_rank_ray_group_logs_the_in_process_
                                              "trainer.max_steps=3", "update.num_minibatches=2",
                                              "critic.warmup_steps=1", "trainer.save_every=3", *overrides])
 
-    train_ppo(ppo(tmp_path / "local"))
-    train_ppo(ppo(tmp_path / "ray", *POLICY_GROUP))
+    train_ppo(ppo(tmp_path / "local", "loss.reference_kl_penalty=0.1"))
+    no_model_in_the_driver(monkeypatch)
+    train_ppo(ppo(tmp_path / "ray", "loss.reference_kl_penalty=0.1", *POLICY_GROUP))
     local = read_metrics(tmp_path / "local" / "metrics.jsonl")
     remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
     # The critic's value head is initialised on the ranks from the driver's random stream: the same head, the same
     # values, explained variance and value losses from step 1 on.
     assert_same_steps(local, remote, ("reward/mean", "value/loss", "value/grad_norm", "value/explained_variance"))
-    assert_same_steps(local[1:], remote[1:], ("loss", "grad_norm"))  # the policy waits one critic warm-up step
+    assert_same_steps(local[1:], remote[1:], ("loss", "grad_norm", "kl"))  # the policy waits one warm-up step
     for role in ("policy", "critic"):
         assert (tmp_path / "ray" / "checkpoints" / "step_3" / role / ".metadata").is_file()  # sharded by the ranks
 

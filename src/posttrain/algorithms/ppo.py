@@ -76,7 +76,7 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
                           resume_dir=run.worker_dir(CRITIC), cluster=run.cluster)
     # The reference is the starting model, also when resuming; loaded only when a KL term needs it.
     needs_reference = loss.config.reference_kl_penalty > 0 or cfg.gae.kl_coef > 0
-    reference = reference_worker(policy, cfg, run.device) if needs_reference else None
+    reference = reference_worker(policy, cfg, run.device, run.cluster) if needs_reference else None
     generator = policy_generator(cfg, tokenizer, policy, run.cluster)  # Ray actors with cluster.backend=ray
     source, start_step = run.rollout_source(cfg, generator, weights)
 

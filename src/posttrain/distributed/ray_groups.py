@@ -59,7 +59,15 @@ from posttrain.errors import RunError
 from posttrain.generation.base import GenerationOutput, SamplingParams, weight_buckets
 from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.models.loading import load_causal_lm
-from posttrain.distributed.ray_policy import RankGroup, RayCriticWorker, RayPolicyWorker, start_critic, start_policy
+from posttrain.distributed.ray_policy import (
+    RankGroup,
+    RayCriticWorker,
+    RayPolicyWorker,
+    RayScoringWorker,
+    start_critic,
+    start_policy,
+    start_scorer,
+)
 from posttrain.distributed.weight_check import weight_digests
 from posttrain.workers.local import LocalScoringWorker
 
@@ -471,6 +479,11 @@ class RayCluster:
                schedule: TrainerConfig | None = None, resume_dir: Path | None = None) -> RayCriticWorker:
         """PPO's critic on the policy group's actors (started here if the policy is not there yet)."""
         return start_critic(self._policy_group(), init_from, model, trainer, tokenizer, schedule, resume_dir)
+
+    def scorer(self, model: ModelConfig, trainer: TrainerConfig, *, role: str, offload: bool = False
+               ) -> RayScoringWorker:
+        """A frozen scorer (reference, teacher) sharded over the policy group's actors."""
+        return start_scorer(self._policy_group(), model, trainer, role, offload)
 
     def _policy_group(self) -> RankGroup:
         for group in self.groups:

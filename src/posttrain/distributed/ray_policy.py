@@ -108,6 +108,14 @@ class TrainerRankActor:
     def attribute(self, role: str, name: str) -> Any:
         return getattr(self.workers[role], name)
 
+    def derive(self, role: str, method: str, args: tuple, new_role: str) -> bool:
+        """Keep worker `role`.`method`(*args) as worker `new_role` (a LoRA policy's base-model scorer); whether
+        there was one (the method may answer None)."""
+        derived = getattr(self.workers[role], method)(*args)
+        if derived is not None:
+            self.workers[new_role] = derived
+        return derived is not None
+
     def gather_weights(self, role: str, adapters_only: bool) -> list[tuple[str, int]]:
         """Gather the full weights (collective); rank 0 keeps them for `weight_piece` and lists (name, bytes) in
         the worker's order, the other ranks drop theirs and list nothing."""
@@ -253,8 +261,9 @@ class RankGroup:
             remove_placement_group(self.placement)
             self.placement = None
 
-    def build(self, role: str, build: str, *args: Any, **kwargs: Any) -> None:
-        """Build worker `role` on every rank (builders.`build`), continuing the driver's random stream."""
+    def build(self, role: str, build: str, args: tuple, kwargs: dict) -> None:
+        """Build worker `role` on every rank (builders.`build`(*args, **kwargs)), continuing the driver's random
+        stream."""
         if role in self.roles:
             raise RunError(f"the policy group already holds a {role} worker")
         state = self.each("build", f"every rank to build its {role} worker", role, build, args, kwargs,
@@ -305,9 +314,17 @@ class RayPolicyWorker:
         """The weights live in the actors: a generator keeps its own copy."""
         return None
 
-    def base_model_scorer(self, role: str = "reference") -> None:
-        """None: the recipe loads a frozen reference in the driver (a scoring group on the actors is planned)."""
-        return None
+    def base_model_scorer(self, role: str = "reference") -> RayScoringWorker | None:
+        """A LoRA policy's base model (its adapters off) as a scorer on the same ranks, sharing their shards; None
+        for a full fine-tune (the recipe then builds a frozen copy, on the group too: `RayCluster.scorer`)."""
+        if role in self.group.roles:
+            raise RunError(f"the policy group already holds a {role} worker")
+        shared = self.group.each("derive", f"the {role} scorer of the policy's base model", self.role,
+                                 "base_model_scorer", (role,), role)[0]
+        if not shared:
+            return None
+        self.group.roles.add(role)
+        return RayScoringWorker(self.group, role)
 
     def named_weights(self, adapters_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Full tensors, gathered by every rank and handed over by rank 0 in pieces of about bucket_bytes."""
@@ -371,18 +388,44 @@ class RayCriticWorker:
         return self.group.one("call", "its parameter count", self.role, "num_parameters", (trainable_only,))
 
 
+class RayScoringWorker:
+    """The `ScoringWorker` protocol over a `RankGroup`: a frozen model (reference, teacher) sharded over the policy
+    group's ranks, as an FSDP2 scorer is over torchrun's."""
+
+    def __init__(self, group: RankGroup, role: str):
+        self.group, self.role = group, role
+
+    def logprobs(self, batch: AnyBatch, temperature: float = 1.0) -> torch.Tensor:
+        return self.group.call(self.role, "logprobs", f"the log-probabilities of {len(batch)} rows", batch,
+                               temperature)
+
+    def topk_logprobs(self, batch: AnyBatch, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.group.call(self.role, "topk_logprobs", f"the top-{k} log-probabilities of {len(batch)} rows",
+                               batch, k, temperature)
+
+    def sequence_scores(self, batch: AnyBatch) -> torch.Tensor:
+        return self.group.call(self.role, "sequence_scores", f"the scores of {len(batch)} rows", batch)
+
+
 def start_policy(group: RankGroup, model: ModelConfig, lora: LoraSection, trainer: TrainerConfig, tokenizer,
                  bucket_bytes: int, task: str = "causal_lm", schedule: TrainerConfig | None = None,
                  resume_dir: Path | None = None) -> RayPolicyWorker:
     """The policy built on every rank of `group` (builders.build_policy: FSDP2), restored from `resume_dir`."""
-    group.build("policy", "build_policy", model, lora, trainer, tokenizer, task=task, schedule=schedule,
-                resume_dir=resume_dir)
+    group.build("policy", "build_policy", (model, lora, trainer, tokenizer),
+                {"task": task, "schedule": schedule, "resume_dir": resume_dir})
     return RayPolicyWorker(group, "policy", bucket_bytes)
 
 
 def start_critic(group: RankGroup, init_from: str, model: ModelConfig, trainer: TrainerConfig, tokenizer,
                  schedule: TrainerConfig | None = None, resume_dir: Path | None = None) -> RayCriticWorker:
     """PPO's critic built on every rank of `group` (builders.build_critic: FSDP2), restored from `resume_dir`."""
-    group.build(CRITIC, "build_critic", init_from, model, trainer, tokenizer, schedule=schedule,
-                resume_dir=resume_dir)
+    group.build(CRITIC, "build_critic", (init_from, model, trainer, tokenizer),
+                {"schedule": schedule, "resume_dir": resume_dir})
     return RayCriticWorker(group, CRITIC)
+
+
+def start_scorer(group: RankGroup, model: ModelConfig, trainer: TrainerConfig, role: str,
+                 offload: bool = False) -> RayScoringWorker:
+    """A frozen scorer built on every rank of `group` (builders.build_scorer: FSDP2), as worker `role`."""
+    group.build(role, "build_scorer", (model, trainer), {"role": role, "offload": offload})
+    return RayScoringWorker(group, role)
