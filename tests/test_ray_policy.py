@@ -146,7 +146,8 @@ def test_a_policy_rank_that_dies_stops_the_run_naming_it_and_re_running_resumes(
     with pytest.raises(RunError) as error:
         train_grpo(grpo(tmp_path / "ray", *steps, *POLICY_GROUP))
     message = str(error.value)
-    assert "policy worker 1 of 2 (rank 1) died during `forward_backward` (waiting for forward and backward of 16 rows)" in message
+    assert ("policy worker 1 of 2 (rank 1) died during `forward_backward` (waiting for forward and backward of 16 "
+            "rows)") in message
     assert "re-run the same command to resume from the newest checkpoint" in message
     assert not ray.is_initialized()  # the surviving rank, stuck in a collective, was killed with the instance
     assert [c.step for c in list_checkpoints(tmp_path / "ray")] == [1, 2]
@@ -185,3 +186,71 @@ def test_a_policy_group_asking_for_gpus_the_cluster_lacks_stops_before_any_rank_
                                        r"the Ray cluster offers 0"):
         train_grpo(grpo(tmp_path, "trainer.max_steps=1", *POLICY_GROUP, "cluster.gpus_per_policy_worker=1"))
     assert not ray.is_initialized()
+
+
+@needs_ray
+def test_a_rank_group_names_the_rank_that_died_failed_or_did_not_answer(tmp_path, monkeypatch):
+    """The driver's wait on every rank (RankGroup, with stand-in actors): a rank whose actor died is named even while
+    another rank is still blocked (as in a collective with the dead one); an error raised on a rank is re-raised
+    with the rank named; ranks silent past cluster.timeout_s are named."""
+    import shutil
+    import tempfile
+    import time
+
+    import ray
+
+    from posttrain.distributed import ray_policy
+    from posttrain.errors import RunError
+
+    @ray.remote(num_cpus=0)
+    class StandIn:
+        def __init__(self, rank):
+            self.rank = rank
+
+        def ready(self):
+            return True
+
+        def echo(self, value):
+            return self.rank, value
+
+        def fail(self):
+            raise ValueError(f"row 3 is malformed (seen on rank {self.rank})")
+
+        def hang(self):
+            time.sleep(3600)
+
+    monkeypatch.setattr(ray_policy, "FAILURE_GRACE_S", 1.0)
+    temp_dir = tempfile.mkdtemp(prefix="pt-ray-")  # short: Ray's socket paths must fit in 107 characters
+    ray.init(num_cpus=1, _temp_dir=temp_dir, include_dashboard=False)
+    try:
+        def group(timeout_s: float) -> ray_policy.RankGroup:
+            ranks = ray_policy.RankGroup([StandIn.remote(rank) for rank in range(2)], timeout_s)
+            ranks.each("ready", "the stand-ins to start")  # their start is not part of what is measured below
+            return ranks
+
+        ranks = group(timeout_s=600)
+        assert ranks.each("echo", "echoes", "x") == [(0, "x"), (1, "x")]
+        with pytest.raises(ValueError, match="row 3 is malformed") as error:
+            ranks.each("fail", "nothing")
+        assert "(raised by policy worker 0 of 2 (rank 0) during `fail`)" in error.value.__notes__
+        assert ranks.failed  # nothing more is sent to a group that failed
+        with pytest.raises(RunError, match="the policy group stopped after an earlier failure; `echo` was not sent"):
+            ranks.each("echo", "echoes", "y")
+        ranks.kill()
+
+        ranks = group(timeout_s=600)
+        ray.kill(ranks.actors[1], no_restart=True)
+        # Rank 0 blocks (as in a collective with the dead rank 1); the 600 s deadline is not waited out.
+        with pytest.raises(RunError, match=r"policy worker 1 of 2 \(rank 1\) died during `hang` \(waiting for a "
+                                           r"collective\): .* re-run the same command to resume"):
+            ranks.each("hang", "a collective")
+        ranks.kill()
+
+        ranks = group(timeout_s=2)
+        with pytest.raises(RunError, match=r"policy worker 0 of 2 \(rank 0\), policy worker 1 of 2 \(rank 1\) did "
+                                           r"not answer `hang` within cluster.timeout_s=2 s \(waiting for the step\)"):
+            ranks.each("hang", "the step")
+        ranks.kill()
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -66,6 +66,7 @@ from posttrain.distributed.ray_policy import (
     RayScoringWorker,
     start_critic,
     start_policy,
+    start_rank_group,
     start_scorer,
 )
 from posttrain.distributed.weight_check import weight_digests
@@ -489,8 +490,9 @@ class RayCluster:
         for group in self.groups:
             if isinstance(group, RankGroup):
                 return group
-        group = RankGroup(self.section, local_instance=self.started)
-        self.groups.append(group)
+        group = start_rank_group(self.section, local_instance=self.started)
+        self.groups.append(group)  # before connecting: closing the cluster kills the actors whatever happens
+        group.connect()
         return group
 
     def environment(self, build: Callable[[Any], Any], section: Any) -> RayEnvironment:

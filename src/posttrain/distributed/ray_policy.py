@@ -4,6 +4,7 @@ torch.distributed group, behind the same `PolicyWorker` and `CriticWorker` proto
 
     policy = cluster.policy(model, lora, trainer, tokenizer, schedule=..., resume_dir=...)   # a RayPolicyWorker
     critic = cluster.critic(init_from, model, trainer, tokenizer, ...)   # PPO: on the same actors, a RayCriticWorker
+    reference = cluster.scorer(model, trainer, role="reference")        # a RayScoringWorker on the same actors
     policy.forward_backward(batch, loss)   # every rank gets the whole minibatch and takes its share, as under torchrun
 
 How it is built, and where it departs from the full design:
@@ -12,8 +13,9 @@ How it is built, and where it departs from the full design:
   port on its node; every rank joins the group there (gloo on CPU, NCCL on GPU) with cluster.timeout_s as the
   deadline of every collective.
 - Each actor builds its worker with the builders a torchrun rank uses (distributed/builders.py): an FSDP2 worker
-  sharded over the group, restored from the run's checkpoint when resuming. The critic lives on the same actors, in
-  the same process group, as it does on torchrun's ranks.
+  sharded over the group, restored from the run's checkpoint when resuming. The critic, the reference and a
+  transformers teacher live on the same actors, in the same process group, as they do on torchrun's ranks (a LoRA
+  policy's reference is its own shards with the adapters off). Scoring groups of their own are planned.
 - The driver's proxy sends every protocol call to every rank with the whole minibatch (each FSDP2 rank takes every
   N-th micro-batch itself) and returns rank 0's answer; the workers reduce metrics over ranks themselves. The
   driver's random stream continues where a rank's stops after building, so a run draws what one process draws.
@@ -144,49 +146,23 @@ class RankGroup:
     cluster.timeout_s deadline (see the module docstring). Shaped like the other worker groups for the cluster's
     metrics and close (name, restarts, retried_samples, seconds_since_progress, kill)."""
 
-    def __init__(self, section: ClusterSection, local_instance: bool):
-        self.name, self.section, self.timeout_s = GROUP, section, section.timeout_s
-        self.size = section.policy_workers
+    def __init__(self, actors: list[Any], timeout_s: float, placement: Any | None = None):
+        """actors: rank i's actor at index i (`start_rank_group` makes them); placement: their placement group,
+        removed with them."""
+        self.name, self.actors, self.timeout_s, self.placement = GROUP, actors, timeout_s, placement
+        self.size = len(actors)
         self.restarts = self.retried_samples = 0  # a rank is never replaced (module docstring)
         self.failed = False
         self.roles: set[str] = set()
         self.last_progress = time.monotonic()
-        self.placement = self._place(local_instance)
-        threads = torch.get_num_threads()
-        self.actors = [TrainerRankActor.options(
-            num_cpus=section.cpus_per_policy_worker, num_gpus=section.gpus_per_policy_worker,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=rank),
-        ).remote(rank, self.size, threads) for rank in range(self.size)]
+        self.backend: str | None = None
+
+    def connect(self) -> None:
+        """Wait for every actor to start, then form the process group at rank 0's address (cluster.timeout_s each)."""
         self.each("ready", "the actor to start")
         address, port = self.one("rendezvous", "the rank-0 actor's address and a free port")
         self.backend = self.each("join", f"every rank to join the process group at {address}:{port}",
                                  address, port, self.timeout_s)[0]
-
-    def _place(self, local_instance: bool) -> Any:
-        """A placement group of one bundle per rank, packed; RunError when the cluster cannot hold it: at once for
-        GPUs it does not have (or a local instance short of CPUs), else past cluster.timeout_s."""
-        cpus, gpus = self.section.cpus_per_policy_worker, self.section.gpus_per_policy_worker
-        bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-        offered = ray.cluster_resources()
-        if gpus and offered.get("GPU", 0) < gpus * self.size:
-            raise RunError(f"cluster.gpus_per_policy_worker={gpus:g} asks for {gpus * self.size:g} GPUs for "
-                           f"{self.size} policy workers; the Ray cluster offers {offered.get('GPU', 0):g}: set "
-                           "cluster.gpus_per_policy_worker=0 to train on CPUs, or join a cluster with GPUs")
-        available = ray.available_resources().get("CPU", 0)
-        if local_instance and available < cpus * self.size:
-            raise RunError(f"the policy group needs {cpus * self.size:g} CPUs (cluster.policy_workers={self.size} x "
-                           f"cluster.cpus_per_policy_worker={cpus:g}); this run's Ray instance has {available:g} "
-                           "free: raise cluster.num_cpus (a count of slots: the actors then share this machine's "
-                           "cores) or lower cluster.cpus_per_policy_worker")
-        group = placement_group([dict(bundle) for _ in range(self.size)], strategy="PACK")
-        try:
-            ray.get(group.ready(), timeout=self.timeout_s)
-        except GetTimeoutError:
-            remove_placement_group(group)
-            raise RunError(f"the policy group's placement ({self.size} bundles of {bundle}) was not granted within "
-                           f"cluster.timeout_s={self.timeout_s:g} s; the cluster has {ray.available_resources()} "
-                           "free: lower cluster.policy_workers or the resources per worker") from None
-        return group
 
     def worker_name(self, rank: int) -> str:
         return f"policy worker {rank} of {self.size} (rank {rank})"
@@ -275,6 +251,45 @@ class RankGroup:
         """Rank 0's answer to `role`.`method`(*args, **kwargs) made on every rank."""
         named = method if role == "policy" else f"{role} {method}"
         return self.each("call", waiting_for, role, method, args, kwargs, named=named)[0]
+
+
+def start_rank_group(section: ClusterSection, local_instance: bool) -> RankGroup:
+    """cluster.policy_workers actors in their placement group (`place_ranks`), not yet connected: the caller keeps
+    the group (so that closing the cluster kills the actors whatever happens next), then calls `connect`."""
+    placement = place_ranks(section, local_instance)
+    threads = torch.get_num_threads()
+    actors = [TrainerRankActor.options(
+        num_cpus=section.cpus_per_policy_worker, num_gpus=section.gpus_per_policy_worker,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=rank),
+    ).remote(rank, section.policy_workers, threads) for rank in range(section.policy_workers)]
+    return RankGroup(actors, section.timeout_s, placement)
+
+
+def place_ranks(section: ClusterSection, local_instance: bool) -> Any:
+    """A placement group of one bundle per rank, packed; RunError when the cluster cannot hold it: at once for GPUs
+    it does not have (or a local instance short of CPUs), else past cluster.timeout_s."""
+    size, cpus, gpus = section.policy_workers, section.cpus_per_policy_worker, section.gpus_per_policy_worker
+    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    offered = ray.cluster_resources()
+    if gpus and offered.get("GPU", 0) < gpus * size:
+        raise RunError(f"cluster.gpus_per_policy_worker={gpus:g} asks for {gpus * size:g} GPUs for {size} policy "
+                       f"workers; the Ray cluster offers {offered.get('GPU', 0):g}: set "
+                       "cluster.gpus_per_policy_worker=0 to train on CPUs, or join a cluster with GPUs")
+    available = ray.available_resources().get("CPU", 0)
+    if local_instance and available < cpus * size:
+        raise RunError(f"the policy group needs {cpus * size:g} CPUs (cluster.policy_workers={size} x "
+                       f"cluster.cpus_per_policy_worker={cpus:g}); this run's Ray instance has {available:g} free: "
+                       "raise cluster.num_cpus (a count of slots: the actors then share this machine's cores) or "
+                       "lower cluster.cpus_per_policy_worker")
+    group = placement_group([dict(bundle) for _ in range(size)], strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=section.timeout_s)
+    except GetTimeoutError:
+        remove_placement_group(group)
+        raise RunError(f"the policy group's placement ({size} bundles of {bundle}) was not granted within "
+                       f"cluster.timeout_s={section.timeout_s:g} s; the cluster has {ray.available_resources()} free: "
+                       "lower cluster.policy_workers or the resources per worker") from None
+    return group
 
 
 class RayPolicyWorker:
