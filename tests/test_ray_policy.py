@@ -174,6 +174,7 @@ def test_policy_group_settings_that_cannot_work_fail_at_load(tmp_path, overrides
 
 
 @needs_ray
+@pytest.mark.slow  # about 15 s, a Ray instance and an environment actor; place_ranks alone is checked below
 def test_a_policy_group_asking_for_gpus_the_cluster_lacks_stops_before_any_rank_starts(tmp_path, tiny_model_dir):
     import ray
     import torch
@@ -192,13 +193,15 @@ def test_a_policy_group_asking_for_gpus_the_cluster_lacks_stops_before_any_rank_
 def test_a_rank_group_names_the_rank_that_died_failed_or_did_not_answer(tmp_path, monkeypatch):
     """The driver's wait on every rank (RankGroup, with stand-in actors): a rank whose actor died is named even while
     another rank is still blocked (as in a collective with the dead one); an error raised on a rank is re-raised
-    with the rank named; ranks silent past cluster.timeout_s are named."""
+    with the rank named; ranks silent past cluster.timeout_s are named. And the placement refuses at once what a
+    one-CPU instance without GPUs cannot hold."""
     import shutil
     import tempfile
     import time
 
     import ray
 
+    from posttrain.config.schema import ClusterSection
     from posttrain.distributed import ray_policy
     from posttrain.errors import RunError
 
@@ -223,6 +226,13 @@ def test_a_rank_group_names_the_rank_that_died_failed_or_did_not_answer(tmp_path
     temp_dir = tempfile.mkdtemp(prefix="pt-ray-")  # short: Ray's socket paths must fit in 107 characters
     ray.init(num_cpus=1, _temp_dir=temp_dir, include_dashboard=False)
     try:
+        with pytest.raises(RunError, match=r"cluster.gpus_per_policy_worker=1 asks for 2 GPUs for 2 policy workers; "
+                                           r"the Ray cluster offers 0"):
+            ray_policy.place_ranks(ClusterSection(policy_workers=2, gpus_per_policy_worker=1), local_instance=True)
+        with pytest.raises(RunError, match=r"the policy group needs 2 CPUs \(cluster.policy_workers=2 x "
+                                           r"cluster.cpus_per_policy_worker=1\); this run's Ray instance has 1 free"):
+            ray_policy.place_ranks(ClusterSection(policy_workers=2), local_instance=True)
+
         def group(timeout_s: float) -> ray_policy.RankGroup:
             ranks = ray_policy.RankGroup([StandIn.remote(rank) for rank in range(2)], timeout_s)
             ranks.each("ready", "the stand-ins to start")  # their start is not part of what is measured below
