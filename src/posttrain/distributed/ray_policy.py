@@ -131,10 +131,6 @@ class TrainerRankActor:
         """Gathered tensors `names`, handed over once (rank 0 drops each as it goes)."""
         return [(name, self._gathered.pop(name)) for name in names]
 
-    def leave(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
 
 def one_line(error: Exception) -> str:
     """A multi-line error (Ray's account of a dead actor, a remote traceback) on one line."""
