@@ -55,29 +55,34 @@ def assert_same_steps(local: list[dict], remote: list[dict], keys: tuple[str, ..
 
 
 @needs_ray
-@pytest.mark.slow  # about 60 s: an in-process run, then a Ray run of two policy ranks, a generator and an environment
+@pytest.mark.slow  # about 40 s: an in-process run, a Ray run of two policy ranks, a generator and an environment
 def test_grpo_on_a_two_rank_ray_policy_group_logs_the_rewards_and_losses_of_the_in_process_run(tmp_path,
                                                                                              tiny_model_dir,
                                                                                              monkeypatch):
+    """Steps 1-3 on the Ray policy group, then step 4 resumed in one process from the ranks' sharded checkpoint:
+    the in-process run's numbers at every step."""
     import ray
 
-    train_grpo(grpo(tmp_path / "local", "trainer.max_steps=3"))
-    no_model_in_the_driver(monkeypatch)
-    train_grpo(grpo(tmp_path / "ray", "trainer.max_steps=3", "trainer.save_every=3", *POLICY_GROUP))
+    train_grpo(grpo(tmp_path / "local", "trainer.max_steps=4"))
+    with monkeypatch.context() as patches:
+        no_model_in_the_driver(patches)
+        train_grpo(grpo(tmp_path / "ray", "trainer.max_steps=3", "trainer.save_every=3", *POLICY_GROUP))
     assert not ray.is_initialized()  # the run's Ray instance (and its policy actors) stopped with it
-    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
-    remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
-    assert len(local) == 3
-    assert_same_steps(local, remote, ("reward/mean", "loss", "grad_norm", "kl", "ratio_max", "generator_logprob_error"))
-    assert len({r["reward/mean"] for r in local}) > 1  # the runs learn: rewards move
-    for a, b in zip(local, remote):
-        assert b["weight_sync/version"] == a["weight_sync/version"] == 2 * a["step"]  # two optimizer steps each
-        assert b["weight_sync/bytes"] > 4 * 2**20 > 0 == a["weight_sync/bytes"]  # the gathered weights were pushed
-        assert 0 <= b["heartbeat/policy_seconds"] < 60
     # The ranks wrote one sharded checkpoint (torch.distributed.checkpoint) in the run directory's layout.
     shards = sorted(p.name for p in (tmp_path / "ray" / "checkpoints" / "step_3" / "policy").iterdir())
     assert ".metadata" in shards and "__0_0.distcp" in shards and "__1_0.distcp" in shards
     assert (tmp_path / "ray" / "final" / "config.json").is_file()
+    train_grpo(grpo(tmp_path / "ray", "trainer.max_steps=4"))  # resumed from step 3, in this process
+    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
+    assert len(local) == 4
+    assert_same_steps(local, remote, ("reward/mean", "loss", "grad_norm", "kl", "ratio_max", "generator_logprob_error"))
+    assert len({r["reward/mean"] for r in local}) > 1  # the runs learn: rewards move
+    for a, b in zip(local[:3], remote[:3]):
+        assert b["weight_sync/version"] == a["weight_sync/version"] == 2 * a["step"]  # two optimizer steps each
+        assert b["weight_sync/bytes"] > 4 * 2**20 > 0 == a["weight_sync/bytes"]  # the gathered weights were pushed
+        assert 0 <= b["heartbeat/policy_seconds"] < 60
+    assert remote[3]["weight_sync/version"] == 8  # the resumed run continued the version count
 
 
 @needs_ray
