@@ -269,3 +269,36 @@ def test_a_rank_group_names_the_rank_that_died_failed_or_did_not_answer(tmp_path
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@needs_ray
+@pytest.mark.slow  # about 40 s: a Ray run with a policy group, stopped by SIGTERM after its second step
+def test_sigterm_to_a_ray_run_finishes_the_step_and_checkpoints_the_policy_group(tmp_path, tiny_model_dir):
+    """ray.init installs a SIGTERM handler of Ray's own in the driver, which ends it at once; the run puts posttrain's
+    back (posttrain.preemption), so a preempted Ray run stops at a step boundary with a checkpoint of every rank."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    output_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "posttrain", "grpo", *TINY_RL, *DIGITS, "trainer.max_steps=200",
+               "trainer.num_threads=1", *POLICY_GROUP, f"output_dir={output_dir}"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        metrics = output_dir / "metrics.jsonl"
+        give_up = time.monotonic() + 500  # a deadline for the wait, not a measurement
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+            assert process.poll() is None and time.monotonic() < give_up, process.communicate()[0][-3000:]
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        output = process.communicate(timeout=500)[0]
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 128 + signal.SIGTERM, output[-3000:]
+    step = len(read_metrics(metrics))
+    assert 2 <= step < 200 and f"stopped by SIGTERM after step {step} of 200" in output
+    assert (output_dir / "checkpoints" / f"step_{step}" / "policy" / ".metadata").is_file()

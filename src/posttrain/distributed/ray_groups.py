@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import itertools
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -59,6 +60,7 @@ from posttrain.errors import RunError
 from posttrain.generation.base import GenerationOutput, SamplingParams, weight_buckets
 from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.models.loading import load_causal_lm
+from posttrain.preemption import PREEMPTION_SIGNALS
 from posttrain.distributed.ray_policy import (
     RankGroup,
     RayCriticWorker,
@@ -444,6 +446,7 @@ class RayCluster:
         self._short_temp_dir: Path | None = None
         if ray.is_initialized():
             return
+        handlers = {number: signal.getsignal(number) for number in PREEMPTION_SIGNALS}
         if section.address is not None:
             ray.init(address=section.address, include_dashboard=False)
         else:
@@ -452,6 +455,7 @@ class RayCluster:
                 self._short_temp_dir = temp_dir
             ray.init(num_cpus=section.num_cpus, _temp_dir=str(temp_dir), include_dashboard=False)
             self.started = True
+        keep_signal_handlers(handlers)
 
     def _start(self, group: WorkerGroup) -> WorkerGroup:
         self.groups.append(group)
@@ -526,6 +530,17 @@ class RayCluster:
         if self._short_temp_dir is not None:  # the stand-in for OUTPUT/ray under the system's temporary folder
             shutil.rmtree(self._short_temp_dir, ignore_errors=True)
             self._short_temp_dir = None
+
+
+def keep_signal_handlers(handlers: dict[int, Any]) -> None:
+    """Put back the SIGTERM and SIGUSR1 handlers this process had before `ray.init`, which installs Ray's own: that one
+    ends the driver at once, where the run's (posttrain.preemption) finishes the step, writes a checkpoint and stops.
+    Only the main thread can install handlers; elsewhere the run had none to keep."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for number, handler in handlers.items():
+        if handler is not None:
+            signal.signal(number, handler)
 
 
 def ray_temp_dir(output_dir: Path) -> Path:
