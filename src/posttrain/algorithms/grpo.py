@@ -81,15 +81,17 @@ def train_grpo(cfg: GRPOConfig) -> RLResult:
     if cfg.teacher is not None:
         check_teacher_backend(cfg.teacher)  # before any model loads
     policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, run.device,
-                          schedule=per_update_schedule(trainer, updates_per_step), resume_dir=run.worker_dir(POLICY))
+                          schedule=per_update_schedule(trainer, updates_per_step), resume_dir=run.worker_dir(POLICY),
+                          cluster=run.cluster)  # FSDP2 ranks as Ray actors with cluster.policy_workers > 0
     # The reference is the starting model, also when resuming; loaded only when the KL penalty needs it. With LoRA
     # it is the policy itself with its adapters switched off (no second copy).
-    reference = reference_worker(policy, cfg, run.device) if loss.config.reference_kl_penalty > 0 else None
+    reference = (reference_worker(policy, cfg, run.device, run.cluster) if loss.config.reference_kl_penalty > 0
+                 else None)
     # On-policy distillation's teacher: frozen, with the student's tokenizer, scoring the sampled tokens each step.
     teacher = None
     if cfg.teacher is not None:
         check_same_tokenizer(tokenizer, load_tokenizer(cfg.teacher.as_model()), cfg.teacher.name_or_path)
-        teacher = build_teacher(cfg.teacher, trainer, run.device)
+        teacher = build_teacher(cfg.teacher, trainer, run.device, cluster=run.cluster)
     generator = policy_generator(cfg, tokenizer, policy, run.cluster)  # Ray actors with cluster.backend=ray
     source, start_step = run.rollout_source(cfg, generator, weights, dynamic_sampling=rollout.dynamic_sampling)
 

@@ -68,14 +68,15 @@ def train_ppo(cfg: PPOConfig) -> RLResult:
     updates_per_step = cfg.update.ppo_epochs * cfg.update.num_minibatches
     policy_steps = trainer.model_copy(update={"max_steps": trainer.max_steps - cfg.critic.warmup_steps})
     policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, run.device,
-                          schedule=per_update_schedule(policy_steps, updates_per_step), resume_dir=run.worker_dir(POLICY))
+                          schedule=per_update_schedule(policy_steps, updates_per_step), resume_dir=run.worker_dir(POLICY),
+                          cluster=run.cluster)  # FSDP2 ranks as Ray actors with cluster.policy_workers > 0
     critic_trainer = trainer.model_copy(update={"learning_rate": cfg.critic.learning_rate})
     critic = build_critic(cfg.critic.init_from, cfg.model, critic_trainer, tokenizer, run.device,
                           schedule=per_update_schedule(critic_trainer, updates_per_step),
-                          resume_dir=run.worker_dir(CRITIC))
+                          resume_dir=run.worker_dir(CRITIC), cluster=run.cluster)
     # The reference is the starting model, also when resuming; loaded only when a KL term needs it.
     needs_reference = loss.config.reference_kl_penalty > 0 or cfg.gae.kl_coef > 0
-    reference = reference_worker(policy, cfg, run.device) if needs_reference else None
+    reference = reference_worker(policy, cfg, run.device, run.cluster) if needs_reference else None
     generator = policy_generator(cfg, tokenizer, policy, run.cluster)  # Ray actors with cluster.backend=ray
     source, start_step = run.rollout_source(cfg, generator, weights)
 

@@ -368,10 +368,11 @@ def start_rl_run(cfg: GRPOConfig) -> RLRun:
                  greedy, cluster)
 
 
-def reference_worker(policy: PolicyWorker, cfg: GRPOConfig, device: torch.device) -> ScoringWorker:
+def reference_worker(policy: PolicyWorker, cfg: GRPOConfig, device: torch.device,
+                     cluster: Any | None = None) -> ScoringWorker:
     """π_ref, the starting model: the policy's own weights with its adapters switched off when it can give them
-    (LoRA), else a frozen copy."""
-    return policy.base_model_scorer() or build_scorer(cfg.model, cfg.trainer, device)
+    (LoRA), else a frozen copy (on a Ray `cluster`'s policy group when it has one)."""
+    return policy.base_model_scorer() or build_scorer(cfg.model, cfg.trainer, device, cluster=cluster)
 
 
 def rollout_batch(episodes: list[Episode], cfg: GRPOConfig, run: RLRun, weights: dict[str, float],

@@ -109,8 +109,8 @@ def _check(cfg: OnlineRLConfig, num_prompts: int, scratch: Path) -> WeightSyncCh
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
     rows, _ = load_prompts(cfg.data.train_files, cfg.data, cfg.prompt, None, tokenizer, limit=num_prompts)
     device = default_device()
-    policy = build_policy(cfg.model, cfg.lora, cfg.trainer, tokenizer, device)
     cluster = start_cluster(cfg.cluster, cfg.weight_sync, scratch)
+    policy = build_policy(cfg.model, cfg.lora, cfg.trainer, tokenizer, device, cluster=cluster)
     if cluster is not None:
         generator = policy_generator(cfg, tokenizer, policy, cluster)
     else:

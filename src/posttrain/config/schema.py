@@ -801,8 +801,9 @@ class RolloutSection(SamplingSection):
 
 class ClusterSection(NumericSection):
     """Where the online RL workers run (docs/ray.md). local: everything in this process (the default). ray: the
-    generation and environment workers are Ray actors (the policy stays in the driver process for now), started on
-    a local Ray instance sized for this machine or on the cluster at `address`; the same recipe loop drives them."""
+    generation and environment workers are Ray actors, and with policy_workers > 0 the policy (and PPO's critic)
+    too, started on a local Ray instance sized for this machine or on the cluster at `address`; the same recipe
+    loop drives them."""
 
     backend: Literal["local", "ray"] = "local"
     """local: generator and environment in this process; ray: each a group of Ray actors (needs the `ray` extra:
@@ -835,6 +836,18 @@ class ClusterSection(NumericSection):
 
     cpus_per_environment_worker: float = Field(1.0, gt=0)
     """ray: CPUs Ray reserves for each environment actor."""
+
+    policy_workers: int = Field(0, ge=0)
+    """ray: 0 trains the policy in the driver process; N > 0 trains it (and PPO's critic) in N Ray actors, one per
+    FSDP2 rank, forming one torch.distributed group (gloo on CPU, NCCL on GPU). A rank that dies stops the run
+    (re-running resumes from the newest checkpoint); it is not replaced."""
+
+    cpus_per_policy_worker: float = Field(1.0, gt=0)
+    """ray: CPUs the placement group reserves for each policy worker."""
+
+    gpus_per_policy_worker: float = Field(0.0, ge=0)
+    """ray: GPUs the placement group reserves for each policy worker (0: train on CPUs). A cluster without that
+    many GPUs stops the run at start-up, naming this key."""
 
     max_restarts: int = Field(3, ge=0)
     """ray: generation or environment actors each group may replace over the run when one dies; the call it was
@@ -1338,6 +1351,23 @@ class OnlineRLConfig(RecipeConfig):
                                  "rollout.seed_per_group=true: a round seeded as a whole draws from one stream, "
                                  "which several actors cannot share; per-group seeds sample the same episodes "
                                  "whichever actor draws them")
+            if self.cluster.policy_workers and self.cluster.address is None:
+                c = self.cluster
+                wanted = {"cluster.policy_workers x cpus_per_policy_worker":
+                              c.policy_workers * c.cpus_per_policy_worker,
+                          "cluster.generation_workers x cpus_per_generation_worker":
+                              c.generation_workers * c.cpus_per_generation_worker,
+                          "cluster.environment_workers x cpus_per_environment_worker":
+                              c.environment_workers * c.cpus_per_environment_worker}
+                if sum(wanted.values()) > c.num_cpus:
+                    listed = " + ".join(f"{key} = {value:g}" for key, value in wanted.items())
+                    raise ValueError(f"the actors ask for more CPUs than the local Ray instance offers: {listed} > "
+                                     f"cluster.num_cpus={c.num_cpus}; raise cluster.num_cpus (Ray counts slots, not "
+                                     "cores: on a laptop the actors then share its cores) or lower the CPUs per "
+                                     "worker")
+        elif self.cluster.policy_workers:
+            raise ValueError("cluster.policy_workers needs cluster.backend=ray (under torchrun the ranks are the "
+                             "processes torchrun starts: --nproc-per-node)")
 
 
 class GRPOConfig(OnlineRLConfig):

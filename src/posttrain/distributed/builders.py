@@ -1,4 +1,5 @@
-"""Which worker a recipe gets: local in one process, FSDP2-sharded under torchrun (the same protocols).
+"""Which worker a recipe gets: local in one process, FSDP2-sharded under torchrun or on a Ray policy group (the
+same protocols).
 
 Under torchrun (or `posttrain RECIPE --nproc-per-node N`, which starts it) `build_policy`, `build_critic` and
 `build_scorer` return FSDP2 workers sharded over the ranks (distributed/fsdp.py); in a single process the local
@@ -10,6 +11,7 @@ the number of processes. See docs/distributed.md and docs/design.md (how another
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -27,8 +29,11 @@ from posttrain.workers.base import CriticWorker, PolicyWorker, ScoringWorker
 
 def build_policy(model: ModelConfig, lora: LoraSection, trainer: TrainerConfig, tokenizer, device: torch.device,
                  task: TaskKind = "causal_lm", schedule: TrainerConfig | None = None,
-                 resume_dir: Path | None = None) -> PolicyWorker:
-    """The policy worker of a recipe: local in one process, FSDP2-sharded under torchrun."""
+                 resume_dir: Path | None = None, cluster: Any | None = None) -> PolicyWorker:
+    """The policy worker of a recipe: local in one process, FSDP2-sharded under torchrun, or with a Ray `cluster`
+    whose cluster.policy_workers > 0 FSDP2-sharded over that many actors (distributed/ray_policy.py)."""
+    if cluster is not None and cluster.section.policy_workers:
+        return cluster.policy(model, lora, trainer, tokenizer, task=task, schedule=schedule, resume_dir=resume_dir)
     if not is_distributed():
         return local.build_policy(model, lora, trainer, tokenizer, device, task, schedule, resume_dir)
     def load(on: torch.device) -> torch.nn.Module:
@@ -39,8 +44,12 @@ def build_policy(model: ModelConfig, lora: LoraSection, trainer: TrainerConfig, 
 
 
 def build_critic(init_from: str, model: ModelConfig, trainer: TrainerConfig, tokenizer, device: torch.device,
-                 schedule: TrainerConfig | None = None, resume_dir: Path | None = None) -> CriticWorker:
-    """PPO's critic (posttrain.workers.value): local in one process, FSDP2-sharded under torchrun."""
+                 schedule: TrainerConfig | None = None, resume_dir: Path | None = None,
+                 cluster: Any | None = None) -> CriticWorker:
+    """PPO's critic (posttrain.workers.value): local in one process, FSDP2-sharded under torchrun, or on the Ray
+    policy group's actors beside the policy (as `build_policy`)."""
+    if cluster is not None and cluster.section.policy_workers:
+        return cluster.critic(init_from, model, trainer, tokenizer, schedule=schedule, resume_dir=resume_dir)
     if not is_distributed():
         return value.build_critic(init_from, model, trainer, tokenizer, device, schedule, resume_dir)
     worker = FSDP2ValueWorker(value.load_critic_model(init_from, model, tokenizer, device), tokenizer, trainer,
@@ -51,9 +60,11 @@ def build_critic(init_from: str, model: ModelConfig, trainer: TrainerConfig, tok
 
 
 def build_scorer(model: ModelConfig, trainer: TrainerConfig, device: torch.device,
-                 role: str = "reference", offload: bool = False) -> ScoringWorker:
+                 role: str = "reference", offload: bool = False, cluster: Any | None = None) -> ScoringWorker:
     """A frozen scoring worker: local in one process (with `offload`, its weights in CPU memory between passes),
-    FSDP2-sharded under torchrun (offload refused there)."""
+    FSDP2-sharded under torchrun (offload refused there) or over a Ray `cluster`'s policy group when it has one."""
+    if cluster is not None and cluster.section.policy_workers:
+        return cluster.scorer(model, trainer, role=role, offload=offload)
     if not is_distributed():
         return local.build_scorer(model, trainer, device, role, offload)
     if offload:
@@ -63,12 +74,14 @@ def build_scorer(model: ModelConfig, trainer: TrainerConfig, device: torch.devic
 
 
 def build_teacher(teacher: TeacherSection, trainer: TrainerConfig, device: torch.device, *,
-                  max_length: int | None = None, topk: int = 20) -> ScoringWorker:
+                  max_length: int | None = None, topk: int = 20, cluster: Any | None = None) -> ScoringWorker:
     """A frozen teacher by its teacher.backend: transformers, `build_scorer` (with teacher.offload); vllm, a vLLM
     engine in this process (generation/vllm_scorer.py) taking rows of up to `max_length` tokens (None: the
-    model's own limit) and top-k requests up to `topk`. RunError under torchrun for vllm."""
+    model's own limit) and top-k requests up to `topk`; with a Ray `cluster` that has a policy group, a transformers
+    teacher is sharded over its ranks. RunError under torchrun for vllm."""
     if teacher.backend == "transformers":
-        return build_scorer(teacher.as_model(), trainer, device, role="teacher", offload=teacher.offload)
+        return build_scorer(teacher.as_model(), trainer, device, role="teacher", offload=teacher.offload,
+                            cluster=cluster)
     check_teacher_backend(teacher)
     return VLLMScoringWorker(teacher.name_or_path, role="teacher", dtype=teacher.dtype,
                              gpu_memory_utilization=teacher.vllm_gpu_memory_utilization,

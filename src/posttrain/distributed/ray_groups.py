@@ -8,11 +8,13 @@ protocols, so that `algorithms/grpo.py` and `ppo.py` drive them unchanged (docs/
     cluster.close()                                                  # kill the actors, shut the instance down
 
 What this first slice builds, and where it departs from the full design:
-- The policy stays in the driver process (a local worker); its weights reach the generation actors through
-  `RayGenerator.update_weights`: in buckets of weight_sync.bucket_mb put into Ray's object store one at a time,
-  every actor loading each bucket before the next is put, then a check that every weight of the model arrived
+- The policy trains in the driver process (a local worker), or with cluster.policy_workers > 0 in a group of
+  actors forming one torch.distributed group (`RayCluster.policy`, distributed/ray_policy.py); its weights reach
+  the generation actors through `RayGenerator.update_weights`: in buckets of weight_sync.bucket_mb put into Ray's
+  object store one at a time, every actor loading each bucket before the next is put, then a check that every
+  weight of the model arrived
   and the version stamp (with cluster.max_restarts > 0 the last push's buckets stay in the store for a
-  replacement actor: one copy of the model). Policy ranks as actors forming a torch.distributed group are planned.
+  replacement actor: one copy of the model).
 - `RayGenerator.submit` sends a generation call at once and waits for it later: an actor answers calls in the
   order they were sent, so a call sent before a weight push samples from the weights before it (asynchronous
   rollouts, algorithms/rollout_source.py).
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import itertools
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -53,13 +56,24 @@ import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from posttrain.config.schema import ClusterSection, ModelConfig, TrainerConfig, WeightSyncSection
+from posttrain.config.schema import ClusterSection, LoraSection, ModelConfig, TrainerConfig, WeightSyncSection
 from posttrain.data.types import RolloutBatch
 from posttrain.envs.base import EnvStep, Message
 from posttrain.errors import RunError
 from posttrain.generation.base import Completion, GenerationOutput, SamplingParams, weight_buckets
 from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.models.loading import load_causal_lm
+from posttrain.preemption import PREEMPTION_SIGNALS
+from posttrain.distributed.ray_policy import (
+    RankGroup,
+    RayCriticWorker,
+    RayPolicyWorker,
+    RayScoringWorker,
+    start_critic,
+    start_policy,
+    start_rank_group,
+    start_scorer,
+)
 from posttrain.distributed.weight_check import weight_digests
 from posttrain.workers.local import LocalScoringWorker
 
@@ -461,11 +475,12 @@ class RayCluster:
 
     def __init__(self, section: ClusterSection, weight_sync: WeightSyncSection, output_dir: Path):
         self.section, self.weight_sync = section, weight_sync
-        self.groups: list[WorkerGroup] = []
+        self.groups: list[WorkerGroup | RankGroup] = []
         self.started = False
         self._short_temp_dir: Path | None = None
         if ray.is_initialized():
             return
+        handlers = {number: signal.getsignal(number) for number in PREEMPTION_SIGNALS}
         if section.address is not None:
             ray.init(address=section.address, include_dashboard=False)
         else:
@@ -474,6 +489,7 @@ class RayCluster:
                 self._short_temp_dir = temp_dir
             ray.init(num_cpus=section.num_cpus, _temp_dir=str(temp_dir), include_dashboard=False)
             self.started = True
+        keep_signal_handlers(handlers)
 
     def _start(self, group: WorkerGroup) -> WorkerGroup:
         self.groups.append(group)
@@ -489,6 +505,33 @@ class RayCluster:
                                  self.section.generation_workers, self.section, int(self.weight_sync.bucket_mb * 2**20))
         self._start(generator.group)
         return generator
+
+    def policy(self, model: ModelConfig, lora: LoraSection, trainer: TrainerConfig, tokenizer, *,
+               task: str = "causal_lm", schedule: TrainerConfig | None = None,
+               resume_dir: Path | None = None) -> RayPolicyWorker:
+        """The policy on cluster.policy_workers actors forming one torch.distributed group (ray_policy.py), built
+        on every rank with `build_policy`'s arguments."""
+        return start_policy(self._policy_group(), model, lora, trainer, tokenizer,
+                            int(self.weight_sync.bucket_mb * 2**20), task, schedule, resume_dir)
+
+    def critic(self, init_from: str, model: ModelConfig, trainer: TrainerConfig, tokenizer, *,
+               schedule: TrainerConfig | None = None, resume_dir: Path | None = None) -> RayCriticWorker:
+        """PPO's critic on the policy group's actors (started here if the policy is not there yet)."""
+        return start_critic(self._policy_group(), init_from, model, trainer, tokenizer, schedule, resume_dir)
+
+    def scorer(self, model: ModelConfig, trainer: TrainerConfig, *, role: str, offload: bool = False
+               ) -> RayScoringWorker:
+        """A frozen scorer (reference, teacher) sharded over the policy group's actors."""
+        return start_scorer(self._policy_group(), model, trainer, role, offload)
+
+    def _policy_group(self) -> RankGroup:
+        for group in self.groups:
+            if isinstance(group, RankGroup):
+                return group
+        group = start_rank_group(self.section, local_instance=self.started)
+        self.groups.append(group)  # before connecting: closing the cluster kills the actors whatever happens
+        group.connect()
+        return group
 
     def environment(self, build: Callable[[Any], Any], section: Any) -> RayEnvironment:
         """cluster.environment_workers environment actors, each running `build(section)` (a module-level function,
@@ -537,6 +580,17 @@ class RayCluster:
         if self._short_temp_dir is not None:  # the stand-in for OUTPUT/ray under the system's temporary folder
             shutil.rmtree(self._short_temp_dir, ignore_errors=True)
             self._short_temp_dir = None
+
+
+def keep_signal_handlers(handlers: dict[int, Any]) -> None:
+    """Put back the SIGTERM and SIGUSR1 handlers this process had before `ray.init`, which installs Ray's own: that one
+    ends the driver at once, where the run's (posttrain.preemption) finishes the step, writes a checkpoint and stops.
+    Only the main thread can install handlers; elsewhere the run had none to keep."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for number, handler in handlers.items():
+        if handler is not None:
+            signal.signal(number, handler)
 
 
 def ray_temp_dir(output_dir: Path) -> Path:

@@ -1,8 +1,9 @@
 """The worker protocols: what a recipe loop may ask of a model role, whoever holds the weights.
 
 A loop composes workers and never touches an `nn.Module`, optimizer or scheduler. A local worker holds them in
-this process (workers/local.py); an FSDP2 worker holds one rank's shard (distributed/); a Ray worker group (planned)
-is to forward the same calls to actors. Going distributed swaps the workers, not the loop.
+this process (workers/local.py); an FSDP2 worker holds one rank's shard (distributed/); a Ray policy group
+(distributed/ray_policy.py) forwards the same calls to its actors, one FSDP2 rank each. Going distributed swaps the
+workers, not the loop.
 
 Batches crossing the seam are the typed dataclasses of `posttrain.data.types`; results come back on the CPU
 (log-probabilities, scores) or as `Metric`s that carry their reduction (workers/metrics.py).
