@@ -15,7 +15,7 @@ like any other failed reward.
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, ThreadPoolExecutor, wait
 import math
 import statistics
 import time
@@ -104,6 +104,12 @@ ENVIRONMENT_STEP_DEADLINE_SECONDS = 900.0
 """How long a multi-turn rollout waits for any one of its episodes' environment calls before it gives up, naming
 the episode (reward functions and judges have shorter limits of their own; this catches an environment that has
 none)."""
+GATHER_SECONDS = 0.02
+"""After an episode's environment call answers, how long the rollout waits for others to answer too before sampling
+their next turns: the episodes that answered within it share one generate call instead of one call each (a turn of
+fast tools, such as the calculator's, otherwise cost a batch of calls of one episode each). Later turns draw from
+per-episode seed streams, so the grouping never changes what is sampled; a slow call delays the others by this at
+most."""
 
 
 def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, generator: Generator,
@@ -166,6 +172,8 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
         while pending:
             started = time.perf_counter()
             finished, _ = wait(pending, timeout=step_deadline, return_when=FIRST_COMPLETED)
+            if finished and len(finished) < len(pending):
+                finished, _ = wait(pending, timeout=GATHER_SECONDS, return_when=ALL_COMPLETED)
             times.score += time.perf_counter() - started
             if not finished:
                 waiting = sorted((e.group_id, sample_index[id(e)]) for e in pending.values())
