@@ -245,3 +245,59 @@ def test_a_generation_actor_that_stops_answering_a_broadcast_stops_the_run_withi
     assert "re-run the same command to resume from the newest checkpoint" in message
     assert not ray.is_initialized()  # the stuck actor was killed with the run's Ray instance
     assert [c.step for c in list_checkpoints(tmp_path)] == [1]  # step 2's push failed: step 1 is the newest
+
+
+@needs_ray
+@pytest.mark.slow  # about 60 s: an in-process run, then a Ray run whose second generation actor is killed
+def test_a_replaced_generation_actor_copies_a_peers_weights_and_rejoins_the_broadcast(tmp_path, tiny_model_dir):
+    """Under broadcast sync no push stays in the object store: the replacement of a killed generation actor copies
+    the weights and version of the live one, the next push re-forms the group with it, and the run samples and
+    trains what an undisturbed in-process run does."""
+    import ray
+
+    from posttrain.distributed import cluster as clusters
+
+    two = ["rollout.seed_per_group=true", "trainer.max_steps=4"]
+    killed = []
+
+    def kill_generation_actor_one_after_step_two() -> None:
+        metrics = tmp_path / "ray" / "metrics.jsonl"
+        give_up = time.monotonic() + 300  # a deadline for the wait, not a measurement
+        while time.monotonic() < give_up:
+            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
+                for group in clusters._started[0].groups:
+                    if group.name == "generation":
+                        ray.kill(group.actors[1], no_restart=True)  # as if its process were killed
+                        killed.append(group.name)
+                return
+            time.sleep(0.02)
+
+    train_grpo(config(tmp_path / "local", *two))
+    killer = threading.Thread(target=kill_generation_actor_one_after_step_two, daemon=True)
+    killer.start()
+    train_grpo(config(tmp_path / "ray", *two, *RAY, *BROADCAST, "cluster.generation_workers=2", "cluster.num_cpus=3"))
+    killer.join(timeout=5)
+    assert killed == ["generation"]
+    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
+    assert len(local) == len(remote) == 4
+    for a, b in zip(local, remote):
+        assert b["weight_sync/version"] == a["step"]
+        for key in ("reward/mean", "loss", "grad_norm", "generator_logprob_error"):
+            assert b[key] == pytest.approx(a[key], abs=1e-5), (a["step"], key)
+    assert remote[1]["faults/generation_restarts"] == 0 and remote[-1]["faults/generation_restarts"] == 1
+
+
+@needs_ray
+@pytest.mark.slow  # about 30 s: an in-process run, then a Ray run with colocated generation
+def test_colocated_generation_samples_from_the_trained_module_and_logs_the_in_process_run(tmp_path, tiny_model_dir):
+    train_grpo(config(tmp_path / "local", "trainer.max_steps=3"))
+    train_grpo(config(tmp_path / "ray", "trainer.max_steps=3", *RAY, "cluster.colocated=true"))
+    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
+    assert len(local) == len(remote) == 3
+    for a, b in zip(local, remote):
+        assert b["weight_sync/bytes"] == 0 and b["weight_sync/version"] == a["step"]  # nothing copied
+        for key in ("reward/mean", "loss", "grad_norm", "generator_logprob_error"):
+            assert b[key] == a[key], (a["step"], key)
+        assert "heartbeat/environment_seconds" in b and "heartbeat/generation_seconds" not in b  # no generation actor

@@ -14,7 +14,10 @@ What this first slice builds, and where it departs from the full design:
   object store one at a time, every actor loading each bucket before the next is put, then a check that every
   weight of the model arrived
   and the version stamp (with cluster.max_restarts > 0 the last push's buckets stay in the store for a
-  replacement actor: one copy of the model).
+  replacement actor: one copy of the model). With weight_sync.method=broadcast the holder of the weights (the
+  policy group's rank 0, or this process) broadcasts them to the actors over a process group of their own, bucket
+  by bucket of a fixed sorted plan (distributed/weight_broadcast.py); a replacement actor then copies a live peer's
+  weights, and the next push re-forms the group with it.
 - `RayGenerator.submit` sends a generation call at once and waits for it later: an actor answers calls in the
   order they were sent, so a call sent before a weight push samples from the weights before it (asynchronous
   rollouts, algorithms/rollout_source.py).
@@ -448,6 +451,9 @@ class RayGenerator:
         when new, every plan is checked against the holder's, then each bucket is broadcast while the driver waits
         for every member within cluster.timeout_s; the actors check that every weight arrived and stamp the
         version. The bytes sent (to each actor)."""
+        # A death since the last push is found here, where a replacement can still catch up from a peer; one
+        # during the broadcast stops the run.
+        self.group.call([Call(i, "ready") for i in self._actors()], "the actor to take part in a weight push")
         self._syncing = True
         ranks = weights if isinstance(weights, RankZeroWeights) else None
         if ranks is not None:

@@ -21,8 +21,9 @@ How it is built, and where it departs from the full design:
   driver's random stream continues where a rank's stops after building, so a run draws what one process draws.
 - Weights reach the generation actors gathered: every rank gathers the full weights (FSDP2's full state dict, a
   collective), rank 0 keeps them and hands them to the driver in pieces of about weight_sync.bucket_mb, which feed
-  the generators' bucketed path (`RayGenerator.update_weights`). A collective broadcast from the shards straight
-  into the generators (gloo/NCCL) is planned.
+  the generators' bucketed path (`RayGenerator.update_weights`); with weight_sync.method=broadcast rank 0 keeps them
+  and broadcasts them to the generation actors itself over a process group of their own (`gather_for_broadcast`,
+  `broadcast_bucket`; distributed/weight_broadcast.py).
 - Checkpoints: every rank writes its shards into the checkpoint's staging folder (torch.distributed.checkpoint), as
   torchrun's ranks do; the folder must be one file system for the driver and every actor (one machine, or a shared
   volume).
@@ -186,7 +187,7 @@ class RankGroup:
         removed with them."""
         self.name, self.actors, self.timeout_s, self.placement = GROUP, actors, timeout_s, placement
         self.size = len(actors)
-        self.restarts = self.retried_samples = 0  # a rank is never replaced (module docstring)
+        self.restarts = self.retried_samples = self.masked_samples = 0  # a rank is never replaced (module docstring)
         self.failed = False
         self.roles: set[str] = set()
         self.last_progress = time.monotonic()
