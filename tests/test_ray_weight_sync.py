@@ -155,7 +155,7 @@ def no_object_store_push(monkeypatch) -> None:
 @needs_ray
 @pytest.mark.parametrize("holder", [
     pytest.param([], id="driver"),
-    pytest.param(POLICY_GROUP, id="policy-group", marks=pytest.mark.slow),  # about 25 s: two policy ranks as well
+    pytest.param(POLICY_GROUP, id="policy-group", marks=pytest.mark.slow),  # about 20 s: two policy ranks as well
 ])
 def test_broadcast_sync_gives_the_generators_bitwise_weights_and_log_probabilities(tmp_path, tiny_model_dir,
                                                                                   monkeypatch, holder):
@@ -178,7 +178,7 @@ def test_broadcast_sync_gives_the_generators_bitwise_weights_and_log_probabiliti
 
 
 @needs_ray
-@pytest.mark.slow  # about 60 s: two Ray runs of 3 steps with two generation actors
+@pytest.mark.slow  # about 45 s: two Ray runs of 3 steps with two generation actors
 def test_a_run_synced_by_broadcast_logs_the_metrics_of_the_same_run_synced_through_the_object_store(
         tmp_path, tiny_model_dir):
     two = ["cluster.generation_workers=2", "rollout.seed_per_group=true", "cluster.num_cpus=3",
@@ -198,7 +198,7 @@ def test_a_run_synced_by_broadcast_logs_the_metrics_of_the_same_run_synced_throu
 
 
 @needs_ray
-@pytest.mark.slow  # about 50 s: an in-process run, then a Ray run with a 2-rank LoRA policy group
+@pytest.mark.slow  # about 25 s: an in-process run, then a Ray run with a 2-rank LoRA policy group
 def test_a_lora_policy_group_syncs_its_merged_weights_by_broadcast(tmp_path, tiny_model_dir, monkeypatch):
     """The generators receive the merged weights (base + B·A, gathered from the ranks' shards): their
     log-probabilities, the rewards and losses are the in-process run's."""
@@ -217,7 +217,7 @@ def test_a_lora_policy_group_syncs_its_merged_weights_by_broadcast(tmp_path, tin
 
 
 @needs_ray
-@pytest.mark.slow  # about 45 s: a Ray run of two steps, then the deadline of the third push
+@pytest.mark.slow  # about 35 s: a Ray run of one step, then the 20 s deadline of the second push
 def test_a_generation_actor_that_stops_answering_a_broadcast_stops_the_run_within_the_deadline_naming_it(
         tmp_path, tiny_model_dir, monkeypatch):
     import ray
@@ -288,8 +288,7 @@ def test_a_replaced_generation_actor_copies_a_peers_weights_and_rejoins_the_broa
     assert remote[1]["faults/generation_restarts"] == 0 and remote[-1]["faults/generation_restarts"] == 1
 
 
-@needs_ray
-@pytest.mark.slow  # about 30 s: an in-process run, then a Ray run with colocated generation
+@needs_ray  # about 10 s: an in-process run, then a Ray run with colocated generation (an environment actor)
 def test_colocated_generation_samples_from_the_trained_module_and_logs_the_in_process_run(tmp_path, tiny_model_dir):
     train_grpo(config(tmp_path / "local", "trainer.max_steps=3"))
     train_grpo(config(tmp_path / "ray", "trainer.max_steps=3", *RAY, "cluster.colocated=true"))
