@@ -300,3 +300,11 @@ def test_colocated_generation_samples_from_the_trained_module_and_logs_the_in_pr
         for key in ("reward/mean", "loss", "grad_norm", "generator_logprob_error"):
             assert b[key] == a[key], (a["step"], key)
         assert "heartbeat/environment_seconds" in b and "heartbeat/generation_seconds" not in b  # no generation actor
+
+
+def test_check_weight_sync_says_a_colocated_generator_has_no_copy_to_compare(tmp_path):
+    from posttrain.algorithms.weight_check import check_weight_sync
+    from posttrain.errors import RunError
+
+    with pytest.raises(RunError, match="cluster.colocated=true: the generator samples from the trained module itself"):
+        check_weight_sync(config(tmp_path, *CHECK, *RAY, "cluster.colocated=true"))
