@@ -217,9 +217,10 @@ def test_a_lora_policy_group_syncs_its_merged_weights_by_broadcast(tmp_path, tin
 
 
 @needs_ray
-@pytest.mark.slow  # about 35 s: a Ray run of one step, then the 20 s deadline of the second push
+@pytest.mark.slow  # about 35 s each: a Ray run of one step, then the 20 s deadline of the second push
+@pytest.mark.parametrize("holder", [pytest.param([], id="driver"), pytest.param(POLICY_GROUP, id="policy-group")])
 def test_a_generation_actor_that_stops_answering_a_broadcast_stops_the_run_within_the_deadline_naming_it(
-        tmp_path, tiny_model_dir, monkeypatch):
+        tmp_path, tiny_model_dir, monkeypatch, holder):
     import ray
 
     from posttrain.checkpoint import list_checkpoints
@@ -235,7 +236,7 @@ def test_a_generation_actor_that_stops_answering_a_broadcast_stops_the_run_withi
             return super().receive_bucket(index)
 
     monkeypatch.setattr(ray_groups, "GenerationActor", ray.remote(StopsAnsweringAtVersionTwo))
-    cfg = config(tmp_path, "cluster.backend=ray", "cluster.timeout_s=20", *BROADCAST, "trainer.max_steps=4",
+    cfg = config(tmp_path, "cluster.backend=ray", "cluster.timeout_s=20", *BROADCAST, *holder, "trainer.max_steps=4",
                  "trainer.save_every=1")
     with pytest.raises(RunError) as error:  # without the deadline this call would never return
         train_grpo(cfg)
