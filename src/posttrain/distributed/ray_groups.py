@@ -500,8 +500,12 @@ class RayGenerator:
         backend = "nccl" if backends == {"nccl"} else "gloo"
         world_size, timeout_s = len(self.group.actors) + 1, self.group.timeout_s
         deadline = time.monotonic() + timeout_s
-        address, port = free_port() if holder is None else ray.get(holder.weight_sync_address.remote(),
-                                                                   timeout=timeout_s)
+        if holder is None:
+            address, port = free_port()
+        else:
+            self._await_members({(ask := holder.weight_sync_address.remote()): HOLDER}, "weight_sync_address",
+                                "its address and a free port for the weight-sync group", deadline)
+            address, port = ray.get(ask)
         refs = {actor.join_weight_sync.remote(address, port, rank + 1, world_size, backend, timeout_s): rank
                 for rank, actor in enumerate(self.group.actors)}
         what = f"the weight-sync group ({backend}, {world_size} members) to form at {address}:{port}"
