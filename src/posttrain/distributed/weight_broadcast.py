@@ -5,7 +5,7 @@ group of their own, and the holder broadcasts the weights bucket by bucket strai
     plan = bucket_plan(weight_specs(weights), bucket_bytes)   # the same list on every member
     group = SyncGroup(address, port, rank, world_size, backend, timeout_s)   # every member at once
     sender = WeightSender(weights, bucket_bytes); sender.send(group, index)  # rank 0, one call per bucket
-    receiver = WeightLoader(model, bucket_bytes); receiver.receive(group, index)  # ranks 1.., into the model
+    loader = WeightLoader(model, bucket_bytes); loader.receive(group, index, timeout_s)  # ranks 1.., into the model
 
 - **The plan.** Every member computes it from its own tensors: names sorted within each dtype, dtypes in sorted
   order, consecutive tensors of one dtype flattened into buckets of about `weight_sync.bucket_mb` (a larger tensor
