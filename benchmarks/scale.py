@@ -3,6 +3,8 @@
 For each model: the policy (a local worker on the CPU) pushes its weights `--repeats` times to
   - a copy in this process (`InProcessCopy`: what each rank of a data-parallel run keeps), and
   - one Ray generation actor (`cluster.backend=ray`: buckets of weight_sync.bucket_mb through Ray's object store),
+  - one Ray generation actor synced by broadcast (`weight_sync.method=broadcast`: the driver, holding the weights,
+    and the actor form a gloo group; each bucket of the sorted plan is one broadcast),
 and the same tensors are copied `--repeats` times into preallocated buffers (memcpy). Medians in MB/s (10^6 bytes),
 each path's share of memcpy's. The in-process generator of `cluster.backend=local` samples from the trained module
 itself and copies nothing, so it has no row.
@@ -62,9 +64,13 @@ def measure(name: str, repeats: int, bucket_mb: float, scratch: Path) -> dict[st
     try:
         generator = cluster.generator(model, tokenizer, batch_size=8, seed=0)
         policy.push_weights(generator)  # warm-up: the object store's first allocation
+        cluster.weight_sync = WeightSyncSection(bucket_mb=bucket_mb, method="broadcast")
+        broadcast = cluster.generator(model, tokenizer, batch_size=8, seed=0)
+        policy.push_weights(broadcast)  # warm-up: the weight-sync group forms
         seconds = {"memcpy": median_seconds(memcpy, repeats),
                    "in_process_copy": median_seconds(lambda: policy.push_weights(copy), repeats),
-                   "ray_actor": median_seconds(lambda: policy.push_weights(generator), repeats)}
+                   "ray_actor": median_seconds(lambda: policy.push_weights(generator), repeats),
+                   "ray_broadcast": median_seconds(lambda: policy.push_weights(broadcast), repeats)}
     finally:
         cluster.close()
     return {"mib": size / 2**20, **{path: size / s / 1e6 for path, s in seconds.items()}}
@@ -120,14 +126,16 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="scale-") as scratch:
             grpo_rates(args.steps, [int(s) for s in args.seeds.split(",")], args.reward_seconds, Path(scratch))
         return 0
-    print("| model | MiB | memcpy MB/s | in-process copy MB/s (of memcpy) | Ray actor MB/s (of memcpy) |")
-    print("|---|---|---|---|---|")
+    print("| model | MiB | memcpy MB/s | in-process copy MB/s (of memcpy) | Ray actor, object store MB/s (of memcpy) "
+          "| Ray actor, broadcast MB/s (of memcpy) |")
+    print("|---|---|---|---|---|---|")
     for name in args.models.split(","):
         with tempfile.TemporaryDirectory(prefix="scale-") as scratch:
             r = measure(name, args.repeats, args.bucket_mb, Path(scratch))
         print(f"| {name} | {r['mib']:.1f} | {r['memcpy']:.0f} | {r['in_process_copy']:.0f} "
               f"({r['in_process_copy'] / r['memcpy']:.0%}) | {r['ray_actor']:.0f} "
-              f"({r['ray_actor'] / r['memcpy']:.0%}) |")
+              f"({r['ray_actor'] / r['memcpy']:.0%}) | {r['ray_broadcast']:.0f} "
+              f"({r['ray_broadcast'] / r['memcpy']:.0%}) |")
     return 0
 
 

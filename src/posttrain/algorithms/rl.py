@@ -276,9 +276,10 @@ def rollout_sampling(rollout: RolloutSection) -> tuple[SamplingParams, SamplingP
 
 def policy_generator(cfg: GRPOConfig, tokenizer, policy: PolicyWorker, cluster: Any | None = None) -> Generator:
     """The rollout.backend generator sampling from `policy` (see build_generator); with a `cluster`
-    (cluster.backend=ray) its generation workers, loaded with the policy's current weights."""
+    (cluster.backend=ray) its generation workers, loaded with the policy's current weights, unless
+    cluster.colocated, where generation shares the driver's trained module as with backend=local."""
     rollout = cfg.rollout
-    if cluster is not None:
+    if cluster is not None and not cfg.cluster.colocated:
         model = cfg.model.model_copy(update={"name_or_path": resolve_model_path(cfg.model.name_or_path)})
         generator = cluster.generator(model, tokenizer, batch_size=rollout.generation_batch_size, seed=cfg.seed)
         policy.push_weights(generator)

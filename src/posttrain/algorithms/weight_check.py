@@ -34,6 +34,7 @@ from posttrain.distributed.builders import build_policy
 from posttrain.distributed.cluster import start_cluster, stops_clusters
 from posttrain.distributed.weight_check import InProcessCopy, weight_digests
 from posttrain.envs.base import EnvStep, Message, single_turn_step
+from posttrain.errors import RunError
 from posttrain.generation.base import SamplingParams
 from posttrain.models.loading import default_device, load_tokenizer, resolve_model_path
 from posttrain.workers.objectives import PolicyGradientObjective
@@ -104,6 +105,9 @@ def check_weight_sync(cfg: OnlineRLConfig, num_prompts: int = 4) -> WeightSyncCh
 
 @stops_clusters
 def _check(cfg: OnlineRLConfig, num_prompts: int, scratch: Path) -> WeightSyncCheck:
+    if cfg.cluster.colocated:
+        raise RunError("--check-weight-sync with cluster.colocated=true: the generator samples from the trained "
+                       "module itself, so there is no copy to compare; weight_sync/bytes is 0 at every step")
     configure_torch(cfg.trainer)
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.model, padding_side="right")

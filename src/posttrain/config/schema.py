@@ -849,6 +849,12 @@ class ClusterSection(NumericSection):
     """ray: GPUs the placement group reserves for each policy worker (0: train on CPUs). A cluster without that
     many GPUs stops the run at start-up, naming this key."""
 
+    colocated: bool = False
+    """ray: generation shares the trainer's process and memory instead of keeping a copy: the driver's transformers
+    generator samples from the trained module itself (no weight copy, weight_sync/bytes 0) while environments stay
+    Ray actors. Needs policy_workers=0 (a sharded policy has no whole module to sample from) and synchronous
+    rollouts."""
+
     max_restarts: int = Field(3, ge=0)
     """ray: generation or environment actors each group may replace over the run when one dies; the call it was
     answering is re-sent to the replacement (a generation actor first loads the current weights, which for this
@@ -863,6 +869,12 @@ class ClusterSection(NumericSection):
 
 class WeightSyncSection(NumericSection):
     """How the policy's weights reach generators that keep their own copy (Ray generation actors)."""
+
+    method: Literal["object_store", "broadcast"] = "object_store"
+    """object_store: the weights pass through the driver and Ray's object store, one bucket at a time, each actor
+    loading it from there. broadcast: the weights' holder (the policy group's rank 0, or the driver without a group)
+    and every generation actor form a process group of their own (gloo on CPU, NCCL when every member has a GPU)
+    and the holder broadcasts each bucket of a fixed sorted plan straight into the actors (docs/ray.md)."""
 
     bucket_mb: float = Field(256.0, gt=0)
     """Weights travel in buckets of about this many MiB (a tensor larger than that is a bucket of its own): one
@@ -1351,6 +1363,23 @@ class OnlineRLConfig(RecipeConfig):
                                  "rollout.seed_per_group=true: a round seeded as a whole draws from one stream, "
                                  "which several actors cannot share; per-group seeds sample the same episodes "
                                  "whichever actor draws them")
+            if self.cluster.colocated:
+                c = self.cluster
+                if c.policy_workers:
+                    raise ValueError(f"cluster.colocated=true with cluster.policy_workers={c.policy_workers}: "
+                                     "generation from the sharded policy on its own ranks is not built; set "
+                                     "cluster.policy_workers=0 (generation then samples from the driver's trained "
+                                     "module) or cluster.colocated=false")
+                if self.rollout.asynchronous:
+                    raise ValueError("cluster.colocated=true with rollout.asynchronous=true: generation in the "
+                                     "trainer's process cannot run ahead of training; set one of them to false")
+                for key in ("generation_workers", "cpus_per_generation_worker"):
+                    if key in c.model_fields_set:
+                        raise ValueError(f"cluster.{key} does not apply with cluster.colocated=true (generation "
+                                         "runs in the driver's process)")
+                if "method" in self.weight_sync.model_fields_set:
+                    raise ValueError("weight_sync.method does not apply with cluster.colocated=true: the generator "
+                                     "samples from the trained module, nothing is copied")
             if self.cluster.policy_workers and self.cluster.address is None:
                 c = self.cluster
                 wanted = {"cluster.policy_workers x cpus_per_policy_worker":
@@ -1365,6 +1394,9 @@ class OnlineRLConfig(RecipeConfig):
                                      f"cluster.num_cpus={c.num_cpus}; raise cluster.num_cpus (Ray counts slots, not "
                                      "cores: on a laptop the actors then share its cores) or lower the CPUs per "
                                      "worker")
+        elif self.cluster.colocated:
+            raise ValueError("cluster.colocated applies to cluster.backend=ray (with backend=local generation "
+                             "already shares the trainer's process)")
         elif self.cluster.policy_workers:
             raise ValueError("cluster.policy_workers needs cluster.backend=ray (under torchrun the ranks are the "
                              "processes torchrun starts: --nproc-per-node)")

@@ -14,7 +14,10 @@ What this first slice builds, and where it departs from the full design:
   object store one at a time, every actor loading each bucket before the next is put, then a check that every
   weight of the model arrived
   and the version stamp (with cluster.max_restarts > 0 the last push's buckets stay in the store for a
-  replacement actor: one copy of the model).
+  replacement actor: one copy of the model). With weight_sync.method=broadcast the holder of the weights (the
+  policy group's rank 0, or this process) broadcasts them to the actors over a process group of their own, bucket
+  by bucket of a fixed sorted plan (distributed/weight_broadcast.py); a replacement actor then copies a live peer's
+  weights, and the next push re-forms the group with it.
 - `RayGenerator.submit` sends a generation call at once and waits for it later: an actor answers calls in the
   order they were sent, so a call sent before a weight push samples from the weights before it (asynchronous
   rollouts, algorithms/rollout_source.py).
@@ -39,6 +42,7 @@ What this first slice builds, and where it departs from the full design:
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import shutil
 import signal
@@ -54,7 +58,7 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from posttrain.config.schema import ClusterSection, LoraSection, ModelConfig, TrainerConfig, WeightSyncSection
 from posttrain.data.types import RolloutBatch
@@ -66,6 +70,7 @@ from posttrain.models.loading import load_causal_lm
 from posttrain.preemption import PREEMPTION_SIGNALS
 from posttrain.distributed.ray_policy import (
     RankGroup,
+    RankZeroWeights,
     RayCriticWorker,
     RayPolicyWorker,
     RayScoringWorker,
@@ -74,8 +79,22 @@ from posttrain.distributed.ray_policy import (
     start_rank_group,
     start_scorer,
 )
+from posttrain.distributed.weight_broadcast import (
+    SyncGroup,
+    WeightLoader,
+    WeightSender,
+    bucket_plan,
+    first_difference,
+    free_port,
+    local_backend,
+    plan_digest,
+)
 from posttrain.distributed.weight_check import weight_digests
 from posttrain.workers.local import LocalScoringWorker
+
+HOLDER = -1
+"""The weights' holder (the policy group's rank 0 or the driver) among the members of a weight-sync group, whose
+generation actors are numbered 0..N-1 as their worker group numbers them."""
 
 SOCKET_PATH_ROOM = 60
 """Characters Ray appends to its temporary directory for a socket path (session_<date>_<pid>/sockets/plasma_store);
@@ -209,9 +228,9 @@ class WorkerGroup:
 # ---- generation ----------------------------------------------------------------------------------------------
 
 
-@ray.remote
-class GenerationActor:
-    """A transformers generator on its own copy of the model, loaded from the policy's weight pushes."""
+class GenerationWorker:
+    """A transformers generator on its own copy of the model, loaded from the policy's weight pushes (through the
+    object store, `load_bucket`, or by broadcast, `receive_bucket`). `GenerationActor` is this class as a Ray actor."""
 
     def __init__(self, model: ModelConfig, tokenizer, batch_size: int, seed: int, num_threads: int):
         # The driver's thread count: a matrix product split over another number of threads may round differently.
@@ -221,6 +240,9 @@ class GenerationActor:
         self.generator.model.requires_grad_(False)
         self._expected = set(self.generator.model.state_dict())
         self._loaded: set[str] = set()
+        self._loader: WeightLoader | None = None
+        self._sync: SyncGroup | None = None
+        self._timeout_s = 0.0
 
     def ready(self) -> bool:
         return True
@@ -244,6 +266,43 @@ class GenerationActor:
         self._loaded.update(weights)
         return sum(data.nbytes for *_, data in bucket)
 
+    # ---- weight_sync.method=broadcast (distributed/weight_broadcast.py) ----
+
+    def sync_plan(self, bucket_bytes: int) -> tuple[str, str, list[tuple[str, str, tuple[int, ...]]]]:
+        """(the digest of the bucket plan computed from this model's weights, the backend this actor offers, the
+        (name, dtype, shape) list the plan comes from)."""
+        self._loader = WeightLoader(self.generator.model, bucket_bytes)
+        return plan_digest(self._loader.plan), local_backend(), self._loader.specs
+
+    def join_weight_sync(self, address: str, port: int, rank: int, world_size: int, backend: str,
+                         timeout_s: float) -> bool:
+        """Join the weight-sync group at the holder's address (every member at once); replaces an earlier one."""
+        self._sync = None
+        self._sync = SyncGroup(address, port, rank, world_size, backend, timeout_s)
+        self._timeout_s = timeout_s
+        return True
+
+    def receive_bucket(self, index: int) -> int:
+        """Receive bucket `index` of the plan by broadcast into the model; the bytes loaded."""
+        names = self._loader.receive(self._sync, index, self._timeout_s)
+        self._loaded.update(names)
+        return self._loader.plan[index].nbytes
+
+    def copy_weights_from(self, peer: Any, timeout_s: float) -> int:
+        """Load the weights and version a live peer holds (a replacement's catch-up under broadcast sync, where no
+        push is kept in the object store); its version."""
+        try:
+            payload, version = ray.get(peer.weight_payload.remote(), timeout=timeout_s)
+        except (RayActorError, GetTimeoutError) as error:
+            raise RuntimeError(f"the generation worker to copy the weights from did not answer: {one_line(error)}"
+                               ) from None
+        self.load_bucket(payload)
+        return self.finish_sync(version)
+
+    def weight_payload(self) -> tuple[list[tuple[str, str, tuple[int, ...], np.ndarray]], int]:
+        """This actor's weights as one `bucket_payload` and their version (for a replacement's catch-up)."""
+        return bucket_payload(list(self.generator.model.state_dict().items())), self.generator.weights_version
+
     def finish_sync(self, version: int) -> int:
         """Stamp `version` once every weight of the model has arrived since the last sync; its version."""
         missing, self._loaded = sorted(self._expected - self._loaded), set()
@@ -265,6 +324,9 @@ class GenerationActor:
         """[N, T] log-probabilities of the batch's tokens under this actor's weights, computed by the same forward
         pass a local scoring worker runs (workers/forward.py)."""
         return LocalScoringWorker(self.generator.model, trainer, role="generator").logprobs(batch, temperature)
+
+
+GenerationActor = ray.remote(GenerationWorker)
 
 
 def one_line(error: Exception) -> str:
@@ -303,11 +365,17 @@ class RayGenerator:
     (one copy of the weights) until the next push, so that a replacement actor loads the version the others hold
     before the call it missed is re-sent to it."""
 
-    def __init__(self, make: Callable[[], Any], count: int, section: ClusterSection, bucket_bytes: int):
+    def __init__(self, make: Callable[[], Any], count: int, section: ClusterSection, bucket_bytes: int,
+                 method: str = "object_store"):
         self.group = WorkerGroup("generation", make, count, section.timeout_s, section.max_restarts,
                                  on_restart=self._catch_up,
                                  mask=self._masked if section.on_actor_failure == "mask" else None)
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes, self.method = bucket_bytes, method
+        self._sync_members: tuple | None = None
+        """(who holds the weights, the actors) of the weight-sync group formed for broadcasts, or None: a push
+        re-forms the group when either changed (a replaced actor)."""
+        self._driver_sync: SyncGroup | None = None
+        self._actor_plans: list[tuple[str, str, list]] = []
         self.weights_version = 0
         self._buckets: list[Any] = []
         """The object refs of the weight buckets pushed so far (of the version being pushed during a push)."""
@@ -351,6 +419,8 @@ class RayGenerator:
         """Send policy `version`'s weights to every actor, one bucket of weight_sync.bucket_mb in flight at a time;
         each actor checks that every weight arrived and stamps the version. The bytes sent (to each actor)."""
         with self._push_lock:
+            if self.method == "broadcast":
+                return self._broadcast(version, weights)
             return self._push(version, weights)
 
     def _push(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -373,6 +443,125 @@ class RayGenerator:
         self.weights_version, self._syncing = version, False
         return sent
 
+    # ---- weight_sync.method=broadcast ----
+
+    def _broadcast(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Push `version` by broadcast (distributed/weight_broadcast.py): the holder (the policy group's rank 0 for
+        `RankZeroWeights`, else this process) gathers the weights and its plan, the weight-sync group is formed
+        when new, every plan is checked against the holder's, then each bucket is broadcast while the driver waits
+        for every member within cluster.timeout_s; the actors check that every weight arrived and stamp the
+        version. The bytes sent (to each actor)."""
+        # A death since the last push is found here, where a replacement can still catch up from a peer; one
+        # during the broadcast stops the run.
+        self.group.call([Call(i, "ready") for i in self._actors()], "the actor to take part in a weight push")
+        self._syncing = True
+        ranks = weights if isinstance(weights, RankZeroWeights) else None
+        if ranks is not None:
+            digest, backend, specs = ranks.gather(self.bucket_bytes)
+            sender, holder = None, ranks.group.actors[0]
+        else:
+            sender = WeightSender(weights, self.bucket_bytes)
+            digest, backend, specs, holder = plan_digest(sender.plan), local_backend(), sender.specs, None
+        plan = bucket_plan(specs, self.bucket_bytes)
+        members = ("driver" if holder is None else holder, list(self.group.actors))
+        if self._sync_members != members:
+            self._form_sync_group(holder, backend)
+            self._sync_members = members
+        for index, (actor_digest, _, actor_specs) in enumerate(self._actor_plans):
+            if actor_digest != digest:
+                self.group.failed = True
+                raise RunError(f"weight sync of policy version {version}: {self.group.worker_name(index)} planned "
+                               f"other buckets than the weights' holder ({first_difference(specs, actor_specs)}); "
+                               "weight_sync.method=broadcast needs the generator's copy to have the trainer's "
+                               "names, shapes and dtypes: use weight_sync.method=object_store otherwise")
+        for index, bucket in enumerate(plan):
+            what = f"broadcast {bucket.describe(index, len(plan))} of version {version}"
+            deadline = time.monotonic() + self.group.timeout_s
+            refs = {actor.receive_bucket.remote(index): rank for rank, actor in enumerate(self.group.actors)}
+            work = None
+            if holder is not None:
+                refs[holder.broadcast_bucket.remote(index)] = HOLDER
+            else:
+                work = sender.send(self._driver_sync, index)
+            self._await_members(refs, "receive_bucket", what, deadline, work)
+        held = self.group.call([Call(i, "finish_sync", (version,)) for i in self._actors()],
+                               f"the check of version {version}'s weights")
+        if held != [version] * len(held):
+            raise RunError(f"weight sync of policy version {version}: the generation workers hold versions {held}")
+        self.weights_version, self._syncing = version, False
+        return sum(bucket.nbytes for bucket in plan)
+
+    def _form_sync_group(self, holder: Any | None, holder_backend: str) -> None:
+        """Every actor's plan, then the weight-sync group: the holder (rank 0, hosting the store) and the actors
+        (ranks 1..N) join at the holder's address, nccl when every member offers it, gloo otherwise."""
+        self._actor_plans = self.group.call([Call(i, "sync_plan", (self.bucket_bytes,)) for i in self._actors()],
+                                            "its weights' bucket plan")
+        backends = {holder_backend, *(offered for _, offered, _ in self._actor_plans)}
+        backend = "nccl" if backends == {"nccl"} else "gloo"
+        world_size, timeout_s = len(self.group.actors) + 1, self.group.timeout_s
+        deadline = time.monotonic() + timeout_s
+        if holder is None:
+            address, port = free_port()
+        else:
+            self._await_members({(ask := holder.weight_sync_address.remote()): HOLDER}, "weight_sync_address",
+                                "its address and a free port for the weight-sync group", deadline)
+            address, port = ray.get(ask)
+        refs = {actor.join_weight_sync.remote(address, port, rank + 1, world_size, backend, timeout_s): rank
+                for rank, actor in enumerate(self.group.actors)}
+        what = f"the weight-sync group ({backend}, {world_size} members) to form at {address}:{port}"
+        failure = None
+        self._driver_sync = None
+        if holder is not None:
+            refs[holder.join_weight_sync.remote(address, port, world_size, backend, timeout_s)] = HOLDER
+        else:
+            try:  # returns once every actor has joined, or raises past the deadline
+                self._driver_sync = SyncGroup(address, port, 0, world_size, backend, timeout_s)
+            except RuntimeError as error:  # the store or the group past the deadline
+                failure = error
+        self._await_members(refs, "join_weight_sync", what, deadline, None, failure)
+
+    def _await_members(self, refs: dict[Any, int], method: str, what: str, deadline: float, work: Any = None,
+                       failure: Exception | None = None) -> None:
+        """Wait for every member's answer (`refs`: the actors' ranks, HOLDER for the holder's) and the driver's own
+        `work` by `deadline`. RunError naming the members that died, did not answer (the first cause of a stalled
+        collective: the others fail waiting for them), or failed."""
+        pending, failures = dict(refs), {}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                break
+            who = pending.pop(ready[0])
+            try:
+                ray.get(ready[0])
+            except (RayActorError, RayTaskError) as error:
+                failures[who] = error
+                if isinstance(error, RayActorError):
+                    break  # a dead member: the collective cannot finish
+        if work is not None and not pending and not failures:
+            try:
+                work.wait(datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except RuntimeError as error:
+                failure = error
+        if not (pending or failures or failure):
+            return
+        self.group.failed = True
+        resume = "the run stops here: re-run the same command to resume from the newest checkpoint"
+        dead = [who for who, error in failures.items() if isinstance(error, RayActorError)]
+        if dead:
+            raise RunError(f"{self._member_name(dead[0])} died during `{method}` (waiting for {what}): "
+                           f"{one_line(failures[dead[0]])} A broadcast cannot go on without a member of its group; "
+                           f"{resume}")
+        if silent := [who for who in pending.values() if who != HOLDER] or list(pending.values()):
+            names = ", ".join(self._member_name(who) for who in sorted(silent))
+            raise RunError(f"{names} did not answer `{method}` within cluster.timeout_s={self.group.timeout_s:g} s "
+                           f"(waiting for {what}); {resume}, with a larger cluster.timeout_s if it was only slow")
+        who, error = next(iter(failures.items())) if failures else (HOLDER, failure)
+        raise RunError(f"{self._member_name(who)} failed during `{method}` (waiting for {what}): {one_line(error)}; "
+                       f"{resume}")
+
+    def _member_name(self, who: int) -> str:
+        return "the weights' holder" if who == HOLDER else self.group.worker_name(who)
+
     def _masked(self, call: Call, why: str) -> GenerationOutput:
         """The answer to a `generate` call whose actor died (cluster.on_actor_failure=mask): every sample masked."""
         prompts, _, num_samples = call.args
@@ -382,8 +571,29 @@ class RayGenerator:
     def _catch_up(self, index: int) -> list[Call]:
         """What a replacement actor loads before the call it missed: the last version's buckets and its stamp, or
         during a push the buckets of the new version sent so far (the rest and the stamp follow)."""
+        if self.method == "broadcast":
+            return self._catch_up_from_peer(index)
         loads = [Call(index, "load_bucket", (ref,)) for ref in self._buckets]
         return loads if self._syncing else [*loads, Call(index, "finish_sync", (self.weights_version,))]
+
+    def _catch_up_from_peer(self, index: int) -> list[Call]:
+        """Under broadcast sync no push is kept in the object store: a replacement copies the weights and version
+        of a live peer, and the next push re-forms the weight-sync group with it. RunError when no peer can give
+        them (one generation worker, or a death during a push)."""
+        name = self.group.worker_name(index)
+        if self._syncing:
+            self.group.failed = True
+            raise RunError(f"{name} died during a weight push by broadcast, which cannot go on without a member of "
+                           "its group; the run stops here: re-run the same command to resume from the newest "
+                           "checkpoint")
+        peers = [i for i in self._actors() if i != index]
+        if not peers:
+            self.group.failed = True
+            raise RunError(f"{name} died; with weight_sync.method=broadcast its replacement copies the weights of a "
+                           "live generation worker, and there is none: the run stops here (re-run the same command "
+                           "to resume from the newest checkpoint), or use weight_sync.method=object_store, which "
+                           "keeps the last push for a replacement")
+        return [Call(index, "copy_weights_from", (self.group.actors[peers[0]], self.group.timeout_s))]
 
     # ---- what check-weight-sync compares ----
 
@@ -502,7 +712,8 @@ class RayCluster:
         actor = GenerationActor.options(num_cpus=self.section.cpus_per_generation_worker)
         threads = torch.get_num_threads()
         generator = RayGenerator(lambda: actor.remote(model, tokenizer, batch_size, seed, threads),
-                                 self.section.generation_workers, self.section, int(self.weight_sync.bucket_mb * 2**20))
+                                 self.section.generation_workers, self.section, int(self.weight_sync.bucket_mb * 2**20),
+                                 self.weight_sync.method)
         self._start(generator.group)
         return generator
 

@@ -21,8 +21,9 @@ How it is built, and where it departs from the full design:
   driver's random stream continues where a rank's stops after building, so a run draws what one process draws.
 - Weights reach the generation actors gathered: every rank gathers the full weights (FSDP2's full state dict, a
   collective), rank 0 keeps them and hands them to the driver in pieces of about weight_sync.bucket_mb, which feed
-  the generators' bucketed path (`RayGenerator.update_weights`). A collective broadcast from the shards straight
-  into the generators (gloo/NCCL) is planned.
+  the generators' bucketed path (`RayGenerator.update_weights`); with weight_sync.method=broadcast rank 0 keeps them
+  and broadcasts them to the generation actors itself over a process group of their own (`gather_for_broadcast`,
+  `broadcast_bucket`; distributed/weight_broadcast.py).
 - Checkpoints: every rank writes its shards into the checkpoint's staging folder (torch.distributed.checkpoint), as
   torchrun's ranks do; the folder must be one file system for the driver and every actor (one machine, or a shared
   volume).
@@ -51,6 +52,7 @@ from posttrain.checkpoint import capture_rng_state, restore_rng_state
 from posttrain.config.schema import ClusterSection, LoraSection, ModelConfig, TrainerConfig
 from posttrain.data.types import RolloutBatch
 from posttrain.distributed import builders
+from posttrain.distributed.weight_broadcast import SyncGroup, WeightSender, free_port, local_backend, plan_digest
 from posttrain.errors import RunError
 from posttrain.models.loading import default_device
 from posttrain.workers.base import AnyBatch, Exported, TrainBatch, WeightReceiver
@@ -77,6 +79,9 @@ class TrainerRankActor:
         torch.use_deterministic_algorithms(True, warn_only=True)
         self.workers: dict[str, Any] = {}
         self._gathered: dict[str, torch.Tensor] = {}
+        self._sender: WeightSender | None = None
+        self._sync: SyncGroup | None = None
+        self._sync_timeout_s = 0.0
 
     def ready(self) -> bool:
         return True
@@ -131,6 +136,41 @@ class TrainerRankActor:
         """Gathered tensors `names`, handed over once (rank 0 drops each as it goes)."""
         return [(name, self._gathered.pop(name)) for name in names]
 
+    # ---- weight_sync.method=broadcast: rank 0 holds the gathered weights and broadcasts them ----
+
+    def gather_for_broadcast(self, role: str, adapters_only: bool, bucket_bytes: int
+                             ) -> tuple[str, str, list[tuple[str, str, tuple[int, ...]]]] | None:
+        """Gather the full weights (collective); rank 0 keeps them with their bucket plan and answers (its digest,
+        the backend it offers, the (name, dtype, shape) list), the other ranks drop theirs and answer None."""
+        weights = self.workers[role].named_weights(adapters_only)
+        if self.rank != 0:
+            for _ in weights:  # every rank takes part in the gather
+                pass
+            return None
+        on_cpu = local_backend() == "gloo"  # gloo sends from host memory; NCCL from the device
+        self._sender = WeightSender(((name, tensor.cpu() if on_cpu else tensor) for name, tensor in weights),
+                                    bucket_bytes)
+        return plan_digest(self._sender.plan), local_backend(), self._sender.specs
+
+    def weight_sync_address(self) -> tuple[str, int]:
+        return free_port()
+
+    def join_weight_sync(self, address: str, port: int, world_size: int, backend: str, timeout_s: float) -> bool:
+        """Join (as its rank 0, hosting the store) the weight-sync group of the generation actors."""
+        self._sync = None
+        self._sync = SyncGroup(address, port, 0, world_size, backend, timeout_s)
+        self._sync_timeout_s = timeout_s
+        return True
+
+    def broadcast_bucket(self, index: int) -> int:
+        """Broadcast bucket `index` of the plan to the generation actors; its bytes. The last one drops the
+        gathered weights."""
+        self._sender.send(self._sync, index).wait(datetime.timedelta(seconds=self._sync_timeout_s))
+        nbytes = self._sender.plan[index].nbytes
+        if index == len(self._sender.plan) - 1:
+            self._sender = None
+        return nbytes
+
 
 def one_line(error: Exception) -> str:
     """A multi-line error (Ray's account of a dead actor, a remote traceback) on one line."""
@@ -147,7 +187,7 @@ class RankGroup:
         removed with them."""
         self.name, self.actors, self.timeout_s, self.placement = GROUP, actors, timeout_s, placement
         self.size = len(actors)
-        self.restarts = self.retried_samples = 0  # a rank is never replaced (module docstring)
+        self.restarts = self.retried_samples = self.masked_samples = 0  # a rank is never replaced (module docstring)
         self.failed = False
         self.roles: set[str] = set()
         self.last_progress = time.monotonic()
@@ -317,7 +357,7 @@ class RayPolicyWorker:
         """The gathered weights to `generator`, in pieces of about weight_sync.bucket_mb (the module docstring)."""
         started = time.perf_counter()
         version = self.version
-        sent = generator.update_weights(version, self.named_weights())
+        sent = generator.update_weights(version, RankZeroWeights(self))
         return {"weight_sync/seconds": time.perf_counter() - started, "weight_sync/bytes": float(sent),
                 "weight_sync/version": float(version)}
 
@@ -371,6 +411,26 @@ class RayPolicyWorker:
     @property
     def device(self) -> torch.device:
         return self._device
+
+
+class RankZeroWeights:
+    """The policy group's weights as a push sees them: iterated, the pieces rank 0 hands to the driver
+    (weight_sync.method=object_store); for a broadcast, `rank 0` holds them and sends them itself."""
+
+    def __init__(self, policy: RayPolicyWorker, adapters_only: bool = False):
+        self.policy, self.adapters_only = policy, adapters_only
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.policy.named_weights(self.adapters_only)
+
+    @property
+    def group(self) -> RankGroup:
+        return self.policy.group
+
+    def gather(self, bucket_bytes: int) -> tuple[str, str, list[tuple[str, str, tuple[int, ...]]]]:
+        """Every rank gathers, rank 0 keeps the weights and its plan: (its digest, backend, specs)."""
+        return self.group.each("gather_for_broadcast", "every rank to gather the full weights", self.policy.role,
+                               self.adapters_only, bucket_bytes)[0]
 
 
 class RayCriticWorker:
