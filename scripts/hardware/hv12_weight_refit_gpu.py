@@ -122,6 +122,8 @@ def local_phase(settings: dict, results) -> None:
 
 
 def _local(settings: dict, results) -> None:
+    import ray
+
     from posttrain.distributed.ray_groups import GenerationWorker, bucket_payload
     from posttrain.distributed.weight_check import weight_digests
     from posttrain.generation.base import weight_buckets
@@ -157,35 +159,24 @@ def _local(settings: dict, results) -> None:
         out["d2d_peer"] = timed(lambda: (copy_into(peer), synchronize(torch.device("cuda", 1))))
         del peer
 
-    # The generator's own loading code, on a copy of the model in this process instead of an actor's.
+    # The generation actor's own loading code (GenerationWorker.load_bucket), on a copy of the model in this
+    # process: what an actor does with a bucket, without the actor call and the actor's model loading.
     generator = GenerationWorker.__new__(GenerationWorker)
     generator.generator, generator._loaded = types.SimpleNamespace(model=target_model), set()
-    store = None
-    if importlib.util.find_spec("ray") is not None:
-        import ray
-
-        ray.init(num_cpus=1, include_dashboard=False, _temp_dir=settings["scratch"], log_to_driver=False)
-        store = ray
+    ray.init(num_cpus=1, include_dashboard=False, _temp_dir=settings["scratch"], log_to_driver=False)
 
     def object_store_push(bucket_bytes: int) -> None:
         for bucket in weight_buckets(source.items(), bucket_bytes):
-            payload = bucket_payload(bucket)
-            if store is not None:
-                ref = store.put(payload)
-                payload = store.get(ref)
-                generator.load_bucket(payload)
-                del payload, ref  # one bucket in the object store at a time, as in a push
-            else:
-                generator.load_bucket(payload)
+            ref = ray.put(bucket_payload(bucket))
+            generator.load_bucket(ray.get(ref))
+            del ref  # one bucket in the object store at a time, as in a push
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         for mb in settings["bucket_mb"]:
             out[f"bytes_{mb}"] = timed(lambda: object_store_push(mb * 2**20), lambda: zero(target))
             out[f"bytes_{mb}_digests"] = weight_digests(target.items())
-    out["object_store"] = store is not None
-    if store is not None:
-        store.shutdown()
+    ray.shutdown()
     results.put(out)
 
 
@@ -404,7 +395,6 @@ def evaluate(raw: dict[str, list[dict]], bucket_mb: list[int], cuda: bool) -> di
             figures["d2d_peer"] = summary(local["d2d_peer"], nbytes, None)
             reference = figures["d2d_peer"]["gb_per_s"]
         figures["reference"] = "d2d_peer" if "d2d_peer" in local else "d2d_same_device"
-        figures["bytes_path"] = "object_store" if local["object_store"] else "bytes only (ray not importable)"
         for mb in bucket_mb:
             figures[f"bytes_{mb}"] = summary(local[f"bytes_{mb}"], nbytes, reference)
             checks[f"bytes_{mb}_bitwise"] = local[f"bytes_{mb}_digests"] == local["holder_digests"]
