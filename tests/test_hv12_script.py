@@ -55,6 +55,17 @@ def test_nccl_bandwidth_is_checked_from_256_mb_against_the_reference_copy():
     assert "nccl_256_bandwidth" not in dry["checks"] and dry["passed"] is True
 
 
+def test_with_two_gpus_the_reference_is_the_peer_copy():
+    script = load_script()
+    raw = raw_results(0.06)  # 1 GB in 0.06 s: 16.7 GB/s, 17% of the same-device copy
+    raw["local"][0]["d2d_peer"] = [0.05, 0.025, 0.025, 0.025]  # 40 GB/s from GPU 0 to GPU 1
+    result = script.evaluate(raw, [64, 256], cuda=True)
+    assert result["figures"]["reference"] == "d2d_peer"
+    assert result["figures"]["nccl_256"]["of_reference"] == pytest.approx(0.025 / 0.06)
+    assert result["figures"]["nccl_256"]["of_d2d_same_device"] == pytest.approx(0.01 / 0.06)
+    assert result["checks"]["nccl_256_bandwidth"] is True
+
+
 def test_a_wrong_copy_or_a_failed_member_fails_the_run():
     script = load_script()
     wrong = script.evaluate(raw_results(0.03, receiver_digests={"w": "b"}), [64, 256], cuda=True)

@@ -47,6 +47,7 @@ bandwidth check is left out:
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -311,14 +312,17 @@ def run_phase(name: str, processes: list, results, timeout_s: float) -> list[dic
     return sorted(received, key=lambda result: result["rank"])
 
 
-def summary(seconds: list[float], nbytes: int, reference: float | None) -> dict:
-    """The warm-up push, then min / median / max seconds of the timed pushes and GB/s (10^9 bytes) of the median."""
+def summary(seconds: list[float], nbytes: int, reference: float | None, same_device: float | None = None) -> dict:
+    """The warm-up push, then min / median / max seconds of the timed pushes and GB/s (10^9 bytes) of the median,
+    as a share of the reference copy's (and of the same-device copy's, when the reference is the peer copy)."""
     timed = seconds[1:]
     median = statistics.median(timed)
     result = {"first_push_seconds": seconds[0], "seconds_min": min(timed), "seconds_median": median,
               "seconds_max": max(timed), "gb_per_s": nbytes / median / 1e9}
     if reference is not None:
         result["of_reference"] = result["gb_per_s"] / reference
+    if same_device is not None and same_device != reference:
+        result["of_d2d_same_device"] = result["gb_per_s"] / same_device
     return result
 
 
@@ -347,7 +351,9 @@ def main() -> int:
                                                            "vocab": args.vocab, "dtype": "bfloat16",
                                                            "tied_embeddings": True},
                     "gpus": torch.cuda.device_count() if cuda else 0,
-                    "device": torch.cuda.get_device_name(0) if cuda else "cpu", "bucket_mb": bucket_mb}
+                    "device": torch.cuda.get_device_name(0) if cuda else "cpu", "bucket_mb": bucket_mb,
+                    "versions": {"torch": torch.__version__, "ray": importlib.metadata.version("ray"),
+                                 "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None}}
     if not cuda:
         result["note"] = "CPU dry run: gloo and shared memory, not NCCL and CUDA IPC; timings say nothing of GPUs"
     context = mp.get_context("spawn")
@@ -385,18 +391,18 @@ def evaluate(raw: dict[str, list[dict]], bucket_mb: list[int], cuda: bool) -> di
     errors = {f"{name} rank {r['rank']}": r["error"] for name, members in raw.items() for r in members if "error" in r}
     local = raw.get("local", [{}])[0]
     nbytes = local.get("bytes_per_push")
-    reference = None
+    reference = same_device = None
     if "d2d_same_device" in local:
         figures["parameters"] = local["parameters"]
         figures["bytes_per_push"] = nbytes
         figures["d2d_same_device"] = summary(local["d2d_same_device"], nbytes, None)
-        reference = figures["d2d_same_device"]["gb_per_s"]
+        reference = same_device = figures["d2d_same_device"]["gb_per_s"]
         if "d2d_peer" in local:
             figures["d2d_peer"] = summary(local["d2d_peer"], nbytes, None)
             reference = figures["d2d_peer"]["gb_per_s"]
         figures["reference"] = "d2d_peer" if "d2d_peer" in local else "d2d_same_device"
         for mb in bucket_mb:
-            figures[f"bytes_{mb}"] = summary(local[f"bytes_{mb}"], nbytes, reference)
+            figures[f"bytes_{mb}"] = summary(local[f"bytes_{mb}"], nbytes, reference, same_device)
             checks[f"bytes_{mb}_bitwise"] = local[f"bytes_{mb}_digests"] == local["holder_digests"]
     nccl = {r["rank"]: r for r in raw.get("nccl", []) if "error" not in r}
     if "nccl" in raw:
@@ -410,7 +416,7 @@ def evaluate(raw: dict[str, list[dict]], bucket_mb: list[int], cuda: bool) -> di
         for mb in bucket_mb:
             checks[f"nccl_{mb}_same_plan"] = holder[f"plan_{mb}"]["digest"] == receiver[f"plan_{mb}"]["digest"]
             seconds = [max(a, b) for a, b in zip(holder[f"nccl_{mb}"], receiver[f"nccl_{mb}"])]
-            figures[f"nccl_{mb}"] = summary(seconds, holder[f"plan_{mb}"]["bytes"], reference) | {
+            figures[f"nccl_{mb}"] = summary(seconds, holder[f"plan_{mb}"]["bytes"], reference, same_device) | {
                 "buckets": holder[f"plan_{mb}"]["buckets"]}
             checks[f"nccl_{mb}_bitwise"] = receiver[f"nccl_{mb}_digests"] == holder["holder_digests"]
             if cuda and mb >= THRESHOLDS["nccl_check_from_bucket_mb"] and reference is not None:
@@ -423,7 +429,8 @@ def evaluate(raw: dict[str, list[dict]], bucket_mb: list[int], cuda: bool) -> di
                                      "of a colocated CUDA IPC sync)" if cuda else
                                      "not a posttrain path: torch.multiprocessing shared memory on the CPU")
         for mb in bucket_mb:
-            figures[f"cuda_ipc_{mb}"] = summary(ipc[0][f"cuda_ipc_{mb}"], ipc[0]["bytes_per_push"], reference)
+            figures[f"cuda_ipc_{mb}"] = summary(ipc[0][f"cuda_ipc_{mb}"], ipc[0]["bytes_per_push"], reference,
+                                              same_device)
             checks[f"cuda_ipc_{mb}_bitwise"] = ipc[1][f"cuda_ipc_{mb}_digests"] == ipc[0]["holder_digests"]
     elif "cuda_ipc" in raw:
         checks["cuda_ipc_ran"] = False
