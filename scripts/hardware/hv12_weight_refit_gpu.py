@@ -287,29 +287,44 @@ def _ipc(rank: int, settings: dict, to_receiver, to_holder, results) -> None:
 # ---- the parent: start each phase's processes, wait for their results within a deadline ----
 
 def run_phase(name: str, processes: list, results, timeout_s: float) -> list[dict]:
-    """Start the phase's processes and collect one result per process by the deadline; a member that fails makes
-    the others wait at most 30 s more (a collective they share cannot finish), then every one still running is
-    killed. The results (or errors) received."""
+    """Start the phase's processes and collect one result per process by the deadline. A member that fails (or
+    exits without a result, e.g. killed by a signal) makes the others wait at most 30 s more, since a collective they
+    share cannot finish; then every one still running is killed. The results, or an error per member without one."""
     for process in processes:
         process.start()
-    received, deadline = [], time.monotonic() + timeout_s
+    received: dict[int, dict] = {}
+    exited_at: dict[int, float] = {}
+    deadline = time.monotonic() + timeout_s
     while len(received) < len(processes):
         try:
-            received.append(results.get(timeout=max(deadline - time.monotonic(), 0.01)))
+            result = results.get(timeout=1.0)
         except queue.Empty:
-            missing = sorted(set(range(len(processes))) - {r["rank"] for r in received})
-            why = ("stopped: another member of the phase failed" if any("error" in r for r in received) else
-                   f"no result within --timeout-s={timeout_s:g} s")
-            received += [{"phase": name, "rank": rank, "error": why} for rank in missing]
+            now = time.monotonic()
+            for rank, process in enumerate(processes):
+                if rank not in received and process.exitcode is not None:
+                    exited_at.setdefault(rank, now)
+            # A result is in the queue before its process exits: 5 s after an exit without one, there is none.
+            for rank in [rank for rank, at in exited_at.items() if rank not in received and now - at > 5]:
+                received[rank] = {"phase": name, "rank": rank,
+                                  "error": f"exited with code {processes[rank].exitcode} without a result"}
+                deadline = min(deadline, now + 30)
+            if now < deadline:
+                continue
+            failed = any("error" in result for result in received.values())
+            for rank in set(range(len(processes))) - set(received):
+                received[rank] = {"phase": name, "rank": rank,
+                                  "error": "stopped: another member of the phase failed" if failed else
+                                  f"no result within --timeout-s={timeout_s:g} s"}
             break
-        if "error" in received[-1]:
+        received[result["rank"]] = result
+        if "error" in result:
             deadline = min(deadline, time.monotonic() + 30)
     for process in processes:
         process.join(timeout=max(deadline - time.monotonic(), 5))
         if process.is_alive():
             process.kill()
             process.join(timeout=10)
-    return sorted(received, key=lambda result: result["rank"])
+    return [received[rank] for rank in sorted(received)]
 
 
 def summary(seconds: list[float], nbytes: int, reference: float | None, same_device: float | None = None) -> dict:
