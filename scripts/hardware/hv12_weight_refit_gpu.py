@@ -65,6 +65,12 @@ import torch
 import torch.multiprocessing as mp
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from posttrain.distributed.weight_check import weight_digests
+from posttrain.generation.base import weight_buckets
+
+# The modules that import ray (weight_broadcast, ray_groups) are imported where used, after the check that ray is
+# installed (exit 2 without it).
+
 THRESHOLDS = {"nccl_of_reference_min": 0.30, "nccl_check_from_bucket_mb": 256}
 QWEN2_5_1_5B = {"hidden": 1536, "layers": 28, "vocab": 151936}
 
@@ -126,8 +132,6 @@ def _local(settings: dict, results) -> None:
     import ray
 
     from posttrain.distributed.ray_groups import GenerationWorker, bucket_payload
-    from posttrain.distributed.weight_check import weight_digests
-    from posttrain.generation.base import weight_buckets
 
     device = child_setup(settings, 0)
     source = build_model(settings, device, seed=0).state_dict()
@@ -189,7 +193,6 @@ def nccl_phase(rank: int, settings: dict, address: str, port: int, results) -> N
 
 def _nccl(rank: int, settings: dict, address: str, port: int, results) -> None:
     from posttrain.distributed.weight_broadcast import SyncGroup, WeightLoader, WeightSender, plan_digest
-    from posttrain.distributed.weight_check import weight_digests
 
     device_index = rank if settings["cuda"] and torch.cuda.device_count() >= 2 else 0
     device = child_setup(settings, device_index)
@@ -235,9 +238,6 @@ def ipc_phase(rank: int, settings: dict, to_receiver, to_holder, results) -> Non
 
 
 def _ipc(rank: int, settings: dict, to_receiver, to_holder, results) -> None:
-    from posttrain.distributed.weight_check import weight_digests
-    from posttrain.generation.base import weight_buckets
-
     device = child_setup(settings, 0)
     state = build_model(settings, device, seed=rank).state_dict()
     timeout_s = settings["timeout_s"]
@@ -268,7 +268,7 @@ def _ipc(rank: int, settings: dict, to_receiver, to_holder, results) -> None:
         to_receiver.put(("stop", None))
     else:
         for mb in settings["bucket_mb"]:
-            for repeat in range(settings["repeats"] + 1):
+            for _ in range(settings["repeats"] + 1):
                 zero(state)
                 synchronize(device)
                 to_holder.put("ready")
