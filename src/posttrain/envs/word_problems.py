@@ -9,11 +9,8 @@ result into the answer: that is the skill `configs/grpo_tools_arithmetic.yaml` t
 Rows (`posttrain/arithmetic-tools` in data.embedded):
 - for RL and evaluation: ``{"prompt": [user message], "answer": "87340"}``, scored by the arithmetic environment
   behind the tools environment;
-- for SFT (`posttrain/arithmetic-tools-sft`): ``{"messages": [...]}``. Three problems in ten (by the problem's
-  hash) are worked with the tool: the user's question, the assistant's calculator call in the Hermes format, the
-  tool's result, the assistant's answer. The other seven are answered directly, the right number written at once,
-  as a model that never reaches for its tools would. A model fine-tuned on them calls the calculator on about a
-  third of the questions it samples and guesses the rest, wrongly: learning *when* the tool pays is left to RL.
+- for SFT (`posttrain/arithmetic-tools-sft`): ``{"messages": [...]}``, a worked episode: the user's question, the
+  assistant's calculator call in the Hermes format, the tool's result, the assistant's answer.
 
 As in `arithmetic`, a hash of the problem decides its split, so the training and held-out splits never overlap;
 a tenth is held out. Problems are drawn at random (the space is too large to enumerate) from a generator seeded by
@@ -67,16 +64,9 @@ class WordProblem:
     def rl_row(self) -> dict[str, Any]:
         return {"prompt": [{"role": "user", "content": self.question}], "answer": self.answer}
 
-    @property
-    def worked_with_tool(self) -> bool:
-        """Whether this problem's SFT row calls the calculator (3 in 10, by a hash of the question)."""
-        return hashlib.sha256(f"tool/{self.question}".encode()).digest()[0] % 10 < 3
-
     def sft_row(self) -> dict[str, Any]:
-        question = {"role": "user", "content": self.question}
-        if not self.worked_with_tool:
-            return {"messages": [question, {"role": "assistant", "content": self.answer}]}
-        return {"messages": [question, {"role": "assistant", "content": self.tool_call()},
+        return {"messages": [{"role": "user", "content": self.question},
+                             {"role": "assistant", "content": self.tool_call()},
                              {"role": "tool", "content": self.answer},
                              {"role": "assistant", "content": self.answer}]}
 
