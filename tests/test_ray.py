@@ -314,6 +314,8 @@ def test_asynchronous_rollouts_need_ray_the_importance_correction_and_single_tur
         config(tmp_path, "rollout.asynchronous=true")
     with pytest.raises(ConfigError, match="needs rollout.max_turns=1"):
         config(tmp_path, *ASYNC, "rollout.max_turns=2")
+    with pytest.raises(ConfigError, match=r"update.num_minibatches = 2 optimizer steps per rollout batch"):
+        config(tmp_path, *ASYNC, "update.num_minibatches=2")  # versions would count 2 per step: all rounds dropped
     with pytest.raises(ConfigError, match="rollout.max_staleness applies only with rollout.asynchronous=true"):
         config(tmp_path, "rollout.max_staleness=2")
     for key in ("in_flight_updates=true", "group_timeout_s=5"):

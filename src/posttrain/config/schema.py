@@ -1341,6 +1341,12 @@ class OnlineRLConfig(RecipeConfig):
                                  "policy need the importance correction between generator and trainer; generation "
                                  "runs ahead in Ray actors; multi-turn and dynamic-sampling rounds are not pipelined "
                                  "yet)")
+            updates = self.update.ppo_epochs * self.update.num_minibatches
+            if updates > 1:
+                raise ValueError(f"rollout.asynchronous=true with update.ppo_epochs × update.num_minibatches = {updates} "
+                                 "optimizer steps per rollout batch: rollout.max_staleness counts policy versions, one "
+                                 "per optimizer step, while rounds run ahead by training steps, so rounds would outrun the bound "
+                                 "and be dropped; set both to 1 for asynchronous runs")
             if self.rollout.in_flight_updates and self.rollout.stop_strings:
                 raise ValueError("rollout.in_flight_updates=true with rollout.stop_strings: a stop string that spans "
                                  "two chunks is not detected yet; leave rollout.stop_strings empty (eos still ends a "
