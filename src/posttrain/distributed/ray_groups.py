@@ -70,6 +70,7 @@ from posttrain.models.loading import load_causal_lm
 from posttrain.preemption import PREEMPTION_SIGNALS
 from posttrain.distributed.ray_policy import (
     RankGroup,
+    one_line,
     RankZeroWeights,
     RayCriticWorker,
     RayPolicyWorker,
@@ -327,11 +328,6 @@ class GenerationWorker:
 
 
 GenerationActor = ray.remote(GenerationWorker)
-
-
-def one_line(error: Exception) -> str:
-    """Ray's multi-line account of a dead actor (its class, id, pid, why) on one line."""
-    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
 
 
 def bucket_payload(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, tuple[int, ...], np.ndarray]]:

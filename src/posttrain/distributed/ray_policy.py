@@ -35,7 +35,6 @@ How it is built, and where it departs from the full design:
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,10 +87,7 @@ class TrainerRankActor:
 
     def rendezvous(self) -> tuple[str, int]:
         """(address, port) where the group meets: this node's address and a port free on it now (rank 0)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind(("", 0))
-            port = probe.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return free_port()
 
     def join(self, address: str, port: int, timeout_s: float) -> str:
         """Join the group's torch.distributed process group (every rank at once); the backend used."""
@@ -126,10 +122,12 @@ class TrainerRankActor:
     def gather_weights(self, role: str, adapters_only: bool) -> list[tuple[str, int]]:
         """Gather the full weights (collective); rank 0 keeps them for `weight_piece` and lists (name, bytes) in
         the worker's order, the other ranks drop theirs and list nothing."""
-        weights = dict(self.workers[role].named_weights(adapters_only))
+        weights = self.workers[role].named_weights(adapters_only)
         if self.rank != 0:
+            for _ in weights:  # every rank takes part in the gather; only rank 0 keeps what it yields
+                pass
             return []
-        self._gathered = {name: tensor.detach().cpu() for name, tensor in weights.items()}
+        self._gathered = {name: tensor.detach().cpu() for name, tensor in weights}
         return [(name, tensor.numel() * tensor.element_size()) for name, tensor in self._gathered.items()]
 
     def weight_piece(self, names: list[str]) -> list[tuple[str, torch.Tensor]]:
@@ -417,8 +415,8 @@ class RankZeroWeights:
     """The policy group's weights as a push sees them: iterated, the pieces rank 0 hands to the driver
     (weight_sync.method=object_store); for a broadcast, `rank 0` holds them and sends them itself."""
 
-    def __init__(self, policy: RayPolicyWorker, adapters_only: bool = False):
-        self.policy, self.adapters_only = policy, adapters_only
+    def __init__(self, policy: RayPolicyWorker):
+        self.policy, self.adapters_only = policy, False
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.policy.named_weights(self.adapters_only)

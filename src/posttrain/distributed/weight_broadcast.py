@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import math
 import socket
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -68,7 +69,7 @@ def bucket_plan(specs: Iterable[tuple[str, str, tuple[int, ...]]], bucket_bytes:
         size = 0
         for name, shape in sorted(by_dtype[dtype]):
             tensors.append((name, shape))
-            size += itemsize * _numel(shape)
+            size += itemsize * math.prod(shape)
             if size >= bucket_bytes:
                 plan.append(Bucket(dtype, tuple(tensors), size))
                 tensors, size = [], 0
@@ -95,13 +96,6 @@ def first_difference(ours: list[tuple[str, str, tuple[int, ...]]],
 
 def _spec(spec: tuple[str, tuple[int, ...]] | None) -> str:
     return "absent" if spec is None else f"{spec[0]} {list(spec[1])}"
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def free_port() -> tuple[str, int]:

@@ -323,9 +323,10 @@ class PolicyGradientObjective:
         if batch.advantages is None:
             raise ValueError("the policy-gradient loss needs RolloutBatch.advantages; set them before training")
         sampler = None
-        if self.outputs == "logits":  # top-k/top-p sampling (see the class docstring)
+        if self.outputs == "logits" and batch.generator_logprobs is not None:  # top-k/top-p (class docstring)
             sampler = sampled_token_logprobs(scores, batch.input_ids.to(scores.device), self.temperature, self.top_k,
                                              self.top_p)
+        if self.outputs == "logits":
             scores = outputs_of_logits(scores, batch, "target_scores", self.temperature)
         logprobs = scores.logprobs
         device = logprobs.device
