@@ -138,6 +138,8 @@ def _task_row(**changes):
 @pytest.mark.parametrize("changes, message", [
     ({"instruction": ""}, ":2: field 'instruction' must be a non-empty string"),
     ({"config": []}, ":2: field 'config' has no launch step"),
+    ({"config": [{"type": "launch", "parameters": {"app": "contact_form"}}] * 2},
+     ":2: field 'config' has more than one launch step"),
     ({"config": [{"type": "launch", "parameters": {"app": "gimp"}}]},
      ":2: field 'config[0].parameters.app' must be one of contact_form, got 'gimp'"),
     ({"config": [{"type": "launch", "parameters": {"app": "contact_form"}},
@@ -344,6 +346,18 @@ def test_the_scripted_policy_completes_every_bundled_task_and_the_evaluator_conf
     assert json.loads((tmp_path / "contact-name-00000" / "contact.json").read_text())["name"] == "Ada Lovelace"
     shots = sorted((tmp_path / "contact-name-00000").glob("step_*.png"))
     assert [shot.name for shot in shots] == ["step_001.png", "step_002.png", "step_003.png", "step_004.png"]
+
+
+@needs_desktop
+def test_episodes_in_a_folder_an_earlier_run_used_get_fresh_directories(tmp_path):
+    (tmp_path / "contact-name-00000").mkdir()
+    (tmp_path / "contact-name-00000" / "contact.json").write_text('{"name": "Ada Lovelace"}')  # a finished episode
+    environment = CuaEnvironment(load_tasks(), episodes_dir=tmp_path)
+    try:
+        key, episode = environment.open_episode("contact-name")
+        assert key == "contact-name-00001" and not (episode.workdir / "contact.json").exists()
+    finally:
+        environment.close()
 
 
 @needs_desktop

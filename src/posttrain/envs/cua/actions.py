@@ -77,10 +77,10 @@ _SPEC: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 ACTION_TYPES = tuple(_SPEC)
 """The 16 action types of OSWorld's computer_13 space."""
 TERMINAL = ("DONE", "FAIL")
+"""Actions that end the episode."""
 CLICK_DELAY_MS = 10
 """xdotool's pause after each click (its default, 100 ms, is also spent after a single click); the clicks of a
 double or triple click stay far inside any toolkit's multi-click interval."""
-"""Actions that end the episode."""
 
 
 class ActionError(ValueError):
@@ -99,9 +99,6 @@ class Action:
     """One of ACTION_TYPES."""
     parameters: dict[str, Any] = field(default_factory=dict)
     """Its parameters, checked against the action space (coordinates rounded to whole pixels)."""
-
-    def to_json(self) -> str:
-        return json.dumps({"action_type": self.action_type, "parameters": self.parameters})
 
 
 def parse_action(reply: str, screen: tuple[int, int]) -> Action:

@@ -189,11 +189,16 @@ class CuaEnvironment:
     def open_episode(self, task_id: str) -> tuple[str, CuaEpisode]:
         """Start a new episode of `task_id` (desktop up, setup run); its key and the episode. DesktopError when
         it does not come up (its processes are stopped first)."""
-        with self._lock:
-            key = f"{task_id}-{next(self._numbers):05d}"
         task = self.tasks[task_id]
-        workdir = self.episodes_dir / key
-        workdir.mkdir(parents=True)
+        while True:  # numbers go on past the episodes an earlier run left in episodes_dir (never reused: stale files)
+            with self._lock:
+                key = f"{task_id}-{next(self._numbers):05d}"
+            workdir = self.episodes_dir / key
+            try:
+                workdir.mkdir(parents=True)
+                break
+            except FileExistsError:
+                continue
         episode = CuaEpisode(task, workdir, Desktop(workdir, width=self.screen[0], height=self.screen[1],
                                                     start_timeout_s=self.start_timeout_s,
                                                     action_timeout_s=self.action_timeout_s, xvfb=self.xvfb),

@@ -215,6 +215,8 @@ def _task(row: Any, where: str, folder: Path) -> CuaTask:
     if not any(step.type == "launch" for step in steps):
         raise fail("config", "has no launch step: nothing would be on the screen (add {\"type\": \"launch\", "
                              "\"parameters\": {\"app\": \"contact_form\"}})")
+    if sum(step.type == "launch" for step in steps) > 1:
+        raise fail("config", "has more than one launch step: an episode's desktop runs one app")
     evaluator = row.get("evaluator")
     if not isinstance(evaluator, dict):
         raise fail("evaluator", "must be an object {func, result, expected, options}")
