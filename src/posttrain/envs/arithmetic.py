@@ -46,7 +46,12 @@ class Problem:
 
 def split_of(a: int, b: int, op: Operation = "+") -> Split:
     """Deterministic split membership of the problem a op b, independent of Python's hash seed."""
-    digest = hashlib.sha256(f"{a}{op}{b}".encode()).digest()
+    return split_of_text(f"{a}{op}{b}")
+
+
+def split_of_text(text: str) -> Split:
+    """Held out when the SHA-256 of `text` says so (one in HELDOUT_FRACTION_DENOMINATOR)."""
+    digest = hashlib.sha256(text.encode()).digest()
     return "heldout" if digest[0] % HELDOUT_FRACTION_DENOMINATOR == 0 else "train"
 
 

@@ -19,14 +19,13 @@ the split, so every split and row count is the same on every machine.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from posttrain.envs.arithmetic import HELDOUT_FRACTION_DENOMINATOR, Split
+from posttrain.envs.arithmetic import Split, split_of_text
 
 Operation = Literal["+", "-"]
 LOW, HIGH = 10_000, 99_999
@@ -73,8 +72,7 @@ class WordProblem:
 
 def split_of(problem: WordProblem) -> Split:
     """Held out when the hash of the question's text says so (a tenth of the problems)."""
-    digest = hashlib.sha256(problem.question.encode()).digest()
-    return "heldout" if digest[0] % HELDOUT_FRACTION_DENOMINATOR == 0 else "train"
+    return split_of_text(problem.question)
 
 
 def problems(split: Split) -> Iterator[WordProblem]:
