@@ -146,13 +146,14 @@ def _tokenizer_name(tokenizer: PreTrainedTokenizerBase) -> str:
     return repr(tokenizer.name_or_path) if tokenizer.name_or_path else type(tokenizer).__name__
 
 
-def render_generation_prompt(messages: Messages, tokenizer: PreTrainedTokenizerBase) -> str:
-    """A conversation rendered with the chat template and its generation prompt, as the text `tokenize_prompt`
-    encodes (without special tokens: the template writes its own)."""
+def render_generation_prompt(messages: Messages, tokenizer: PreTrainedTokenizerBase,
+                             tools: Sequence[dict[str, Any]] | None = None) -> str:
+    """A conversation rendered with the chat template and its generation prompt (and `tools`), as the text
+    `tokenize_prompt` encodes (without special tokens: the template writes its own)."""
     if tokenizer.chat_template is None:
         raise ValueError(f"tokenizer {_tokenizer_name(tokenizer)} has no chat template, so conversational prompts "
                          "cannot be rendered; give prompts as strings, or set tokenizer.chat_template")
-    return _render(tokenizer, messages, add_generation_prompt=True)
+    return _render(tokenizer, messages, add_generation_prompt=True, tools=tools)
 
 
 def tokenize_prompt(prompt: str | Messages, tokenizer: PreTrainedTokenizerBase,
@@ -168,10 +169,7 @@ def tokenize_prompt(prompt: str | Messages, tokenizer: PreTrainedTokenizerBase,
             raise ValueError("tools are rendered by the chat template, so a prompt offered tools must be a "
                              "conversation (prompt.use_chat_template=true turns string prompts into one)")
         return list(tokenizer(prompt)["input_ids"])
-    if tokenizer.chat_template is None:
-        raise ValueError(f"tokenizer {_tokenizer_name(tokenizer)} has no chat template, so conversational prompts "
-                         "cannot be rendered; give prompts as strings, or set tokenizer.chat_template")
-    text = _render(tokenizer, prompt, add_generation_prompt=True, tools=tools)
+    text = render_generation_prompt(prompt, tokenizer, tools)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
