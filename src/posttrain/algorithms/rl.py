@@ -250,14 +250,6 @@ def load_rl_data(cfg: GRPOConfig, cluster: Any | None = None) -> RLData:
     check_draw_fits({"rollout.prompts_per_step": cfg.rollout.prompts_per_step}, len(prompts), "training prompts")
     if cluster is None:
         environment = build_recipe_environment(cfg.environment, tokenizer)
-    elif cfg.environment.kind in ("tools", "swe"):
-        raise RunError(f"environment.kind={cfg.environment.kind} with cluster.backend=ray is planned, not built: its "
-                       "tools would run in the environment actors while the prompts offering them are rendered here; "
-                       "use cluster.backend=local")
-    elif cfg.environment.kind == "cua":
-        raise RunError("environment.kind=cua with cluster.backend=ray is planned, not built: an episode's desktop "
-                       "lives in one process, and the environment actors would share its steps out among several; "
-                       "use cluster.backend=local")
     else:
         environment = cluster.environment(build_recipe_environment, cfg.environment)
     prompts = offer_tools(prompts, tokenizer, environment, cfg.data.max_length)
