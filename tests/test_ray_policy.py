@@ -239,8 +239,9 @@ def test_a_rank_group_names_the_rank_that_died_failed_or_did_not_answer(tmp_path
             ray_policy.place_ranks(ClusterSection(policy_workers=2), local_instance=True)
 
         def group(timeout_s: float) -> ray_policy.RankGroup:
-            ranks = ray_policy.RankGroup([StandIn.remote(rank) for rank in range(2)], timeout_s)
-            ranks.each("ready", "the stand-ins to start")  # their start is not part of what is measured below
+            ranks = ray_policy.RankGroup([StandIn.remote(rank) for rank in range(2)], 600)
+            ranks.each("ready", "the stand-ins to start")  # their start (slow on a loaded machine) is not measured
+            ranks.timeout_s = timeout_s
             return ranks
 
         ranks = group(timeout_s=600)
