@@ -179,7 +179,7 @@ def test_policy_group_settings_that_cannot_work_fail_at_load(tmp_path, overrides
 
 
 @needs_ray
-@pytest.mark.slow  # about 15 s, a Ray instance and an environment actor; place_ranks alone is checked below
+@pytest.mark.slow  # about 15 s, a Ray instance and an environment actor; the placement alone is checked below
 def test_a_policy_group_asking_for_gpus_the_cluster_lacks_stops_before_any_rank_starts(tmp_path, tiny_model_dir):
     import ray
     import torch
@@ -227,16 +227,19 @@ def test_a_rank_group_names_the_rank_that_died_failed_or_did_not_answer(tmp_path
         def hang(self):
             time.sleep(3600)
 
+    def place(section: ClusterSection):
+        return ray_policy.place_actors(ray_policy.group_resources(section)["policy"], section, local_instance=True)
+
     monkeypatch.setattr(ray_policy, "FAILURE_GRACE_S", 1.0)
     temp_dir = tempfile.mkdtemp(prefix="pt-ray-")  # short: Ray's socket paths must fit in 107 characters
     ray.init(num_cpus=1, _temp_dir=temp_dir, include_dashboard=False)
     try:
         with pytest.raises(RunError, match=r"cluster.gpus_per_policy_worker=1 asks for 2 GPUs for 2 policy workers; "
                                            r"the Ray cluster offers 0"):
-            ray_policy.place_ranks(ClusterSection(policy_workers=2, gpus_per_policy_worker=1), local_instance=True)
+            place(ClusterSection(policy_workers=2, gpus_per_policy_worker=1))
         with pytest.raises(RunError, match=r"the policy group needs 2 CPUs \(cluster.policy_workers=2 x "
                                            r"cluster.cpus_per_policy_worker=1\); this run's Ray instance has 1 free"):
-            ray_policy.place_ranks(ClusterSection(policy_workers=2), local_instance=True)
+            place(ClusterSection(policy_workers=2))
 
         def group(timeout_s: float) -> ray_policy.RankGroup:
             ranks = ray_policy.RankGroup([StandIn.remote(rank) for rank in range(2)], 600)

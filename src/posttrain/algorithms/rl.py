@@ -364,7 +364,8 @@ def start_rl_run(cfg: GRPOConfig) -> RLRun:
 def reference_worker(policy: PolicyWorker, cfg: GRPOConfig, device: torch.device,
                      cluster: Any | None = None) -> ScoringWorker:
     """π_ref, the starting model: the policy's own weights with its adapters switched off when it can give them
-    (LoRA), else a frozen copy (on a Ray `cluster`'s policy group when it has one)."""
+    (LoRA), else a frozen copy (with a Ray `cluster`: in its reference group, cluster.reference_workers, or on its
+    policy group when it has one)."""
     return policy.base_model_scorer() or build_scorer(cfg.model, cfg.trainer, device, cluster=cluster)
 
 

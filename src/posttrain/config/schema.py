@@ -831,11 +831,19 @@ class ClusterSection(NumericSection):
     """ray: CPUs Ray reserves for each generation actor (its torch threads follow the driver's trainer.num_threads
     setting, so that its numbers equal the driver's)."""
 
+    gpus_per_generation_worker: float = Field(0.0, ge=0)
+    """ray: GPUs the generation group's placement group reserves for each generation actor (0: sample on CPUs). A
+    cluster without that many GPUs stops the run at start-up, before any actor starts, naming this key."""
+
     environment_workers: int = Field(1, gt=0)
     """ray: environment actors; a step's episodes are divided among them for scoring."""
 
     cpus_per_environment_worker: float = Field(1.0, gt=0)
     """ray: CPUs Ray reserves for each environment actor."""
+
+    gpus_per_environment_worker: float = Field(0.0, ge=0)
+    """ray: GPUs reserved for each environment actor (a reward model or judge the environment loads); refused at
+    start-up as gpus_per_generation_worker is."""
 
     policy_workers: int = Field(0, ge=0)
     """ray: 0 trains the policy in the driver process; N > 0 trains it (and PPO's critic) in N Ray actors, one per
@@ -849,6 +857,23 @@ class ClusterSection(NumericSection):
     """ray: GPUs the placement group reserves for each policy worker (0: train on CPUs). A cluster without that
     many GPUs stops the run at start-up, naming this key."""
 
+    reference_workers: int = Field(0, ge=0)
+    """ray: 0 scores the KL reference where it is today (the policy group's ranks with policy_workers > 0, else the
+    driver process); N > 0 loads it in a group of N Ray actors of its own, each scoring a contiguous share of a
+    batch's micro-batches (trainer.micro_batch_size rows each). Needs a KL term (loss.reference_kl_penalty, PPO's
+    gae.kl_coef) and a full fine-tune (a LoRA policy's reference is its own weights with the adapters off)."""
+
+    teacher_workers: int = Field(0, ge=0)
+    """ray: as reference_workers, for on-policy distillation's teacher (GRPO with advantage.estimator=opd and a
+    transformers teacher)."""
+
+    cpus_per_scoring_worker: float = Field(1.0, gt=0)
+    """ray: CPUs the placement group of a reference or teacher group reserves for each of its actors."""
+
+    gpus_per_scoring_worker: float = Field(0.0, ge=0)
+    """ray: GPUs reserved for each reference or teacher actor (0: score on CPUs); refused at start-up as
+    gpus_per_policy_worker is."""
+
     colocated: bool = False
     """ray: generation shares the trainer's process and memory instead of keeping a copy: the driver's transformers
     generator samples from the trained module itself (no weight copy, weight_sync/bytes 0) while environments stay
@@ -856,8 +881,8 @@ class ClusterSection(NumericSection):
     rollouts."""
 
     max_restarts: int = Field(3, ge=0)
-    """ray: generation or environment actors each group may replace over the run when one dies; the call it was
-    answering is re-sent to the replacement (a generation actor first loads the current weights, which for this
+    """ray: generation, environment, reference or teacher actors each group may replace over the run when one dies;
+    the call it was answering is re-sent to the replacement (a generation actor first loads the current weights, which for this
     stay in Ray's object store between pushes: one copy of the model). 0: a dead actor stops the run."""
 
     on_actor_failure: Literal["retry", "mask"] = "retry"
@@ -865,6 +890,10 @@ class ClusterSection(NumericSection):
     either way, within max_restarts). retry: the call is re-sent to the replacement (the same seeds: the same samples).
     mask: they are masked, counted (faults/<group>_masked_samples) and not sampled again; their errors count toward
     environment.max_error_fraction. Single-turn episodes only."""
+
+    def scoring_workers(self, role: str) -> int:
+        """The actors of scorer `role`'s own group (reference_workers, teacher_workers); 0 for any other role."""
+        return {"reference": self.reference_workers, "teacher": self.teacher_workers}.get(role, 0)
 
 
 class WeightSyncSection(NumericSection):
@@ -1385,21 +1414,26 @@ class OnlineRLConfig(RecipeConfig):
                 if self.rollout.asynchronous:
                     raise ValueError("cluster.colocated=true with rollout.asynchronous=true: generation in the "
                                      "trainer's process cannot run ahead of training; set one of them to false")
-                for key in ("generation_workers", "cpus_per_generation_worker"):
+                for key in ("generation_workers", "cpus_per_generation_worker", "gpus_per_generation_worker"):
                     if key in c.model_fields_set:
                         raise ValueError(f"cluster.{key} does not apply with cluster.colocated=true (generation "
                                          "runs in the driver's process)")
                 if "method" in self.weight_sync.model_fields_set:
                     raise ValueError("weight_sync.method does not apply with cluster.colocated=true: the generator "
                                      "samples from the trained module, nothing is copied")
-            if self.cluster.policy_workers and self.cluster.address is None:
-                c = self.cluster
+            c = self.cluster
+            if (c.policy_workers or c.reference_workers or c.teacher_workers) and c.address is None:
                 wanted = {"cluster.policy_workers x cpus_per_policy_worker":
                               c.policy_workers * c.cpus_per_policy_worker,
                           "cluster.generation_workers x cpus_per_generation_worker":
-                              c.generation_workers * c.cpus_per_generation_worker,
+                              0 if c.colocated else c.generation_workers * c.cpus_per_generation_worker,
                           "cluster.environment_workers x cpus_per_environment_worker":
-                              c.environment_workers * c.cpus_per_environment_worker}
+                              c.environment_workers * c.cpus_per_environment_worker,
+                          "cluster.reference_workers x cpus_per_scoring_worker":
+                              c.reference_workers * c.cpus_per_scoring_worker,
+                          "cluster.teacher_workers x cpus_per_scoring_worker":
+                              c.teacher_workers * c.cpus_per_scoring_worker}
+                wanted = {key: value for key, value in wanted.items() if value}
                 if sum(wanted.values()) > c.num_cpus:
                     listed = " + ".join(f"{key} = {value:g}" for key, value in wanted.items())
                     raise ValueError(f"the actors ask for more CPUs than the local Ray instance offers: {listed} > "
@@ -1412,6 +1446,33 @@ class OnlineRLConfig(RecipeConfig):
         elif self.cluster.policy_workers:
             raise ValueError("cluster.policy_workers needs cluster.backend=ray (under torchrun the ranks are the "
                              "processes torchrun starts: --nproc-per-node)")
+        else:
+            for key in ("reference_workers", "teacher_workers", "gpus_per_generation_worker",
+                        "gpus_per_environment_worker", "cpus_per_scoring_worker", "gpus_per_scoring_worker"):
+                if key in self.cluster.model_fields_set:
+                    raise ValueError(f"cluster.{key} needs cluster.backend=ray (Ray worker groups and their "
+                                     "placement)")
+
+    def check_scoring_groups(self, needs_reference: bool, teacher: TeacherSection | None) -> None:
+        """ValueError for a reference or teacher group (cluster.reference_workers, teacher_workers) that would load
+        a model nothing reads, or that cannot hold the scorer: the recipe says whether its KL terms need the
+        reference and which teacher it has."""
+        c = self.cluster
+        if c.reference_workers and not needs_reference:
+            raise ValueError(f"cluster.reference_workers={c.reference_workers}: this run has no KL term to the "
+                             "reference (loss.reference_kl_penalty, and for PPO gae.kl_coef, are 0), so no reference "
+                             "is loaded; set cluster.reference_workers=0 or give a KL penalty")
+        if c.reference_workers and self.lora.enabled:
+            raise ValueError(f"cluster.reference_workers={c.reference_workers} with lora.enabled=true: a LoRA "
+                             "policy's reference is its own weights with the adapters off (no second copy); set "
+                             "cluster.reference_workers=0")
+        if c.teacher_workers and teacher is None:
+            raise ValueError(f"cluster.teacher_workers={c.teacher_workers}: this run has no teacher (on-policy "
+                             "distillation: advantage.estimator=opd with teacher:); set cluster.teacher_workers=0")
+        if c.teacher_workers and teacher.backend != "transformers":
+            raise ValueError(f"cluster.teacher_workers={c.teacher_workers} with teacher.backend={teacher.backend}: "
+                             "teacher actors run the transformers backend for now; set teacher.backend=transformers "
+                             "or cluster.teacher_workers=0")
 
 
 class GRPOConfig(OnlineRLConfig):
@@ -1432,6 +1493,7 @@ class GRPOConfig(OnlineRLConfig):
     @model_validator(mode="after")
     def _check(self) -> GRPOConfig:
         self.check_online_rl("GRPO")
+        self.check_scoring_groups(self.loss.reference_kl_penalty > 0, self.teacher)
         if (self.advantage.estimator == "opd") != (self.teacher is not None):
             raise ValueError("advantage.estimator='opd' and teacher go together: on-policy distillation needs "
                              "teacher.name_or_path, and a teacher is read only by advantage.estimator='opd'")
@@ -1529,6 +1591,7 @@ class PPOConfig(OnlineRLConfig):
     @model_validator(mode="after")
     def _check(self) -> PPOConfig:
         self.check_online_rl("PPO")
+        self.check_scoring_groups(self.loss.reference_kl_penalty > 0 or self.gae.kl_coef > 0, None)
         if self.rollout.dynamic_sampling:
             raise ValueError("rollout.dynamic_sampling filters groups with equal rewards, a GRPO device; PPO's "
                              "baseline is the critic, so leave it off")

@@ -62,7 +62,11 @@ def build_critic(init_from: str, model: ModelConfig, trainer: TrainerConfig, tok
 def build_scorer(model: ModelConfig, trainer: TrainerConfig, device: torch.device,
                  role: str = "reference", offload: bool = False, cluster: Any | None = None) -> ScoringWorker:
     """A frozen scoring worker: local in one process (with `offload`, its weights in CPU memory between passes),
-    FSDP2-sharded under torchrun (offload refused there) or over a Ray `cluster`'s policy group when it has one."""
+    FSDP2-sharded under torchrun (offload refused there); with a Ray `cluster`, a group of its own when the cluster
+    section gives `role` actors (cluster.reference_workers, teacher_workers), else over the policy group when it
+    has one."""
+    if cluster is not None and cluster.section.scoring_workers(role):
+        return cluster.scoring_group(model, trainer, role=role, offload=offload)
     if cluster is not None and cluster.section.policy_workers:
         return cluster.scorer(model, trainer, role=role, offload=offload)
     if not is_distributed():
@@ -77,8 +81,9 @@ def build_teacher(teacher: TeacherSection, trainer: TrainerConfig, device: torch
                   max_length: int | None = None, topk: int = 20, cluster: Any | None = None) -> ScoringWorker:
     """A frozen teacher by its teacher.backend: transformers, `build_scorer` (with teacher.offload); vllm, a vLLM
     engine in this process (generation/vllm_scorer.py) taking rows of up to `max_length` tokens (None: the
-    model's own limit) and top-k requests up to `topk`; with a Ray `cluster` that has a policy group, a transformers
-    teacher is sharded over its ranks. RunError under torchrun for vllm."""
+    model's own limit) and top-k requests up to `topk`; with a Ray `cluster`, a transformers teacher runs in
+    cluster.teacher_workers actors of its own, or sharded over the policy group's ranks. RunError under torchrun
+    for vllm."""
     if teacher.backend == "transformers":
         return build_scorer(teacher.as_model(), trainer, device, role="teacher", offload=teacher.offload,
                             cluster=cluster)

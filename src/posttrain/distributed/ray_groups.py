@@ -59,6 +59,8 @@ import numpy as np
 import ray
 import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from posttrain.config.schema import ClusterSection, LoraSection, ModelConfig, TrainerConfig, WeightSyncSection
 from posttrain.data.types import RolloutBatch
@@ -66,11 +68,15 @@ from posttrain.envs.base import EnvStep, Message
 from posttrain.errors import RunError
 from posttrain.generation.base import Completion, GenerationOutput, SamplingParams, weight_buckets
 from posttrain.generation.transformers_backend import TransformersGenerator
-from posttrain.models.loading import load_causal_lm
+from posttrain.models.loading import default_device, load_causal_lm
 from posttrain.preemption import PREEMPTION_SIGNALS
+from posttrain.checkpoint import capture_rng_state, restore_rng_state
 from posttrain.distributed.ray_policy import (
     RankGroup,
+    group_resources,
     one_line,
+    place_actors,
+    refuse_missing_gpus,
     RankZeroWeights,
     RayCriticWorker,
     RayPolicyWorker,
@@ -91,6 +97,8 @@ from posttrain.distributed.weight_broadcast import (
     plan_digest,
 )
 from posttrain.distributed.weight_check import weight_digests
+from posttrain.workers import local
+from posttrain.workers.forward import AnyBatch
 from posttrain.workers.local import LocalScoringWorker
 
 HOLDER = -1
@@ -671,6 +679,80 @@ class RayEnvironment:
         self.group.kill()
 
 
+# ---- scorers: the reference, the teacher ---------------------------------------------------------------------
+
+
+class ScoringProcess:
+    """A frozen scorer (reference, teacher) on its own copy of the model, built in this actor's process as
+    `local.build_scorer` builds it in the driver. `ScoringActor` is this class as a Ray actor."""
+
+    def __init__(self, model: ModelConfig, trainer: TrainerConfig, role: str, offload: bool, num_threads: int,
+                 rng_state: dict):
+        # The driver's thread count and deterministic kernels (configure_torch's settings): the same sums, rounded
+        # the same way, as the scorer the driver would have built.
+        torch.set_num_threads(num_threads)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        restore_rng_state(rng_state)  # the driver's random stream, so that loading draws what it draws there
+        self.scorer = local.build_scorer(model, trainer, default_device(), role, offload)
+        self._rng_state = capture_rng_state()
+
+    def ready(self) -> bool:
+        return True
+
+    def rng_state(self) -> dict:
+        """The random state right after building (where the driver continues)."""
+        return self._rng_state
+
+    def logprobs(self, batch: AnyBatch, temperature: float) -> torch.Tensor:
+        return self.scorer.logprobs(batch, temperature)
+
+    def topk_logprobs(self, batch: AnyBatch, k: int, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.scorer.topk_logprobs(batch, k, temperature)
+
+    def sequence_scores(self, batch: AnyBatch) -> torch.Tensor:
+        return self.scorer.sequence_scores(batch)
+
+
+ScoringActor = ray.remote(ScoringProcess)
+
+
+class RayScoringGroup:
+    """The `ScoringWorker` protocol over a group of `ScoringActor`s (cluster.reference_workers, teacher_workers):
+    a rollout batch is cut into the micro-batches a local scorer would score (micro_batch_size rows each), the
+    actors score contiguous runs of them, and the answers are joined in row order, so each row is scored exactly as
+    in one process. Another batch (pairs, packed rows) goes whole to the next actor in turn. Every call has the
+    group's deadline (cluster.timeout_s); a dead actor is replaced and its share re-sent (`WorkerGroup`)."""
+
+    def __init__(self, group: WorkerGroup, role: str, micro_batch_size: int):
+        self.group, self.role, self.micro_batch_size = group, role, micro_batch_size
+        self._next = itertools.count()
+
+    def logprobs(self, batch: AnyBatch, temperature: float = 1.0) -> torch.Tensor:
+        return torch.cat(self._scatter("logprobs", batch, f"the log-probabilities of {len(batch)} rows",
+                                       temperature))
+
+    def topk_logprobs(self, batch: AnyBatch, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = self._scatter("topk_logprobs", batch, f"the top-{k} log-probabilities of {len(batch)} rows", k,
+                              temperature)
+        return torch.cat([values for values, _ in parts]), torch.cat([ids for _, ids in parts])
+
+    def sequence_scores(self, batch: AnyBatch) -> torch.Tensor:
+        return torch.cat(self._scatter("sequence_scores", batch, f"the scores of {len(batch)} rows"))
+
+    def _scatter(self, method: str, batch: AnyBatch, waiting_for: str, *args: Any) -> list[Any]:
+        """The actors' answers to `method` on their shares of `batch`, in row order."""
+        if not isinstance(batch, RolloutBatch):
+            index = next(self._next) % len(self.group.actors)
+            return self.group.call([Call(index, method, (batch, *args), samples=len(batch))], waiting_for)
+        rows, size = len(batch), self.micro_batch_size
+        chunks = -(-rows // size)
+        calls = []
+        for index, (start, stop) in enumerate(contiguous_blocks(chunks, len(self.group.actors)) or [(0, 0)]):
+            first, last = start * size, min(stop * size, rows)
+            calls.append(Call(index, method, (batch.select(torch.arange(first, last)), *args), samples=last - first))
+        return self.group.call(calls, waiting_for)
+
+
 # ---- the cluster ---------------------------------------------------------------------------------------------
 
 
@@ -684,18 +766,33 @@ class RayCluster:
         self.groups: list[WorkerGroup | RankGroup] = []
         self.started = False
         self._short_temp_dir: Path | None = None
-        if ray.is_initialized():
-            return
-        handlers = {number: signal.getsignal(number) for number in PREEMPTION_SIGNALS}
-        if section.address is not None:
-            ray.init(address=section.address, include_dashboard=False)
-        else:
-            temp_dir = ray_temp_dir(Path(output_dir))
-            if temp_dir.parent != Path(output_dir).resolve():
-                self._short_temp_dir = temp_dir
-            ray.init(num_cpus=section.num_cpus, _temp_dir=str(temp_dir), include_dashboard=False)
-            self.started = True
-        keep_signal_handlers(handlers)
+        self._placements: list[Any] = []
+        """The placement groups of the generation, environment and scoring groups (removed on close; the policy
+        group removes its own)."""
+        if not ray.is_initialized():
+            handlers = {number: signal.getsignal(number) for number in PREEMPTION_SIGNALS}
+            if section.address is not None:
+                ray.init(address=section.address, include_dashboard=False)
+            else:
+                temp_dir = ray_temp_dir(Path(output_dir))
+                if temp_dir.parent != Path(output_dir).resolve():
+                    self._short_temp_dir = temp_dir
+                ray.init(num_cpus=section.num_cpus, _temp_dir=str(temp_dir), include_dashboard=False)
+                self.started = True
+            keep_signal_handlers(handlers)
+        try:  # GPUs the cluster lacks stop the run now, before any actor or model
+            for group in group_resources(section).values():
+                refuse_missing_gpus(group)
+        except RunError:
+            self.close()
+            raise
+
+    def _placement(self, name: str) -> PlacementGroupSchedulingStrategy:
+        """Where group `name`'s actors go: a placement group of one bundle per actor (`place_actors`); a replacement
+        actor takes the bundle its dead predecessor freed."""
+        placement = place_actors(group_resources(self.section)[name], self.section, self.started)
+        self._placements.append(placement)
+        return PlacementGroupSchedulingStrategy(placement)
 
     def _start(self, group: WorkerGroup) -> WorkerGroup:
         self.groups.append(group)
@@ -705,7 +802,9 @@ class RayCluster:
     def generator(self, model: ModelConfig, tokenizer, *, batch_size: int, seed: int) -> RayGenerator:
         """cluster.generation_workers generation actors, each loading `model` (its weights then come from the
         policy's pushes)."""
-        actor = GenerationActor.options(num_cpus=self.section.cpus_per_generation_worker)
+        actor = GenerationActor.options(num_cpus=self.section.cpus_per_generation_worker,
+                                        num_gpus=self.section.gpus_per_generation_worker,
+                                        scheduling_strategy=self._placement("generation"))
         threads = torch.get_num_threads()
         generator = RayGenerator(lambda: actor.remote(model, tokenizer, batch_size, seed, threads),
                                  self.section.generation_workers, self.section, int(self.weight_sync.bucket_mb * 2**20),
@@ -731,6 +830,20 @@ class RayCluster:
         """A frozen scorer (reference, teacher) sharded over the policy group's actors."""
         return start_scorer(self._policy_group(), model, trainer, role, offload)
 
+    def scoring_group(self, model: ModelConfig, trainer: TrainerConfig, *, role: str, offload: bool = False
+                      ) -> RayScoringGroup:
+        """A frozen scorer (reference, teacher) in a group of its own: cluster.reference_workers (teacher_workers)
+        actors of cluster.cpus_per_scoring_worker CPUs and gpus_per_scoring_worker GPUs, each loading `model`."""
+        actor = ScoringActor.options(num_cpus=self.section.cpus_per_scoring_worker,
+                                     num_gpus=self.section.gpus_per_scoring_worker,
+                                     scheduling_strategy=self._placement(role))
+        threads, state = torch.get_num_threads(), capture_rng_state()
+        group = self._start(WorkerGroup(role, lambda: actor.remote(model, trainer, role, offload, threads, state),
+                                        self.section.scoring_workers(role), self.section.timeout_s,
+                                        self.section.max_restarts))
+        restore_rng_state(group.call([Call(0, "rng_state")], f"the {role}'s random state after building")[0])
+        return RayScoringGroup(group, role, trainer.micro_batch_size)
+
     def _policy_group(self) -> RankGroup:
         for group in self.groups:
             if isinstance(group, RankGroup):
@@ -743,7 +856,9 @@ class RayCluster:
     def environment(self, build: Callable[[Any], Any], section: Any) -> RayEnvironment:
         """cluster.environment_workers environment actors, each running `build(section)` (a module-level function,
         so that it travels by name)."""
-        actor = EnvironmentActor.options(num_cpus=self.section.cpus_per_environment_worker)
+        actor = EnvironmentActor.options(num_cpus=self.section.cpus_per_environment_worker,
+                                         num_gpus=self.section.gpus_per_environment_worker,
+                                         scheduling_strategy=self._placement("environment"))
         masks = self.section.on_actor_failure == "mask"
         group = self._start(WorkerGroup("environment", lambda: actor.remote(build, section),
                                         self.section.environment_workers, self.section.timeout_s,
@@ -781,6 +896,9 @@ class RayCluster:
         for group in self.groups:
             group.kill()
         self.groups = []
+        for placement in self._placements:
+            remove_placement_group(placement)
+        self._placements = []
         if self.started:
             ray.shutdown()
             self.started = False

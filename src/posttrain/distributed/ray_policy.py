@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from dataclasses import dataclass
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -288,9 +289,9 @@ class RankGroup:
 
 
 def start_rank_group(section: ClusterSection, local_instance: bool) -> RankGroup:
-    """cluster.policy_workers actors in their placement group (`place_ranks`), not yet connected: the caller keeps
+    """cluster.policy_workers actors in their placement group (`place_actors`), not yet connected: the caller keeps
     the group (so that closing the cluster kills the actors whatever happens next), then calls `connect`."""
-    placement = place_ranks(section, local_instance)
+    placement = place_actors(group_resources(section)[GROUP], section, local_instance)
     threads = torch.get_num_threads()
     actors = [TrainerRankActor.options(
         num_cpus=section.cpus_per_policy_worker, num_gpus=section.gpus_per_policy_worker,
@@ -299,31 +300,75 @@ def start_rank_group(section: ClusterSection, local_instance: bool) -> RankGroup
     return RankGroup(actors, section.timeout_s, placement)
 
 
-def place_ranks(section: ClusterSection, local_instance: bool) -> Any:
-    """A placement group of one bundle per rank, packed; RunError when the cluster cannot hold it: at once for GPUs
-    it does not have (or a local instance short of CPUs), else past cluster.timeout_s."""
-    size, cpus, gpus = section.policy_workers, section.cpus_per_policy_worker, section.gpus_per_policy_worker
-    bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-    offered = ray.cluster_resources()
-    if gpus and offered.get("GPU", 0) < gpus * size:
-        raise RunError(f"cluster.gpus_per_policy_worker={gpus:g} asks for {gpus * size:g} GPUs for {size} policy "
-                       f"workers; the Ray cluster offers {offered.get('GPU', 0):g}: set "
-                       "cluster.gpus_per_policy_worker=0 to train on CPUs, or join a cluster with GPUs")
+@dataclass(frozen=True)
+class GroupResources:
+    """What one worker group asks of the cluster: `size` actors of `cpus` CPUs and `gpus` GPUs each, set by the
+    cluster keys `size_key`, `cpus_key` and `gpus_key` (named in refusals)."""
+
+    name: str
+    size: int
+    cpus: float
+    gpus: float
+    size_key: str
+    cpus_key: str
+    gpus_key: str
+
+    @property
+    def bundle(self) -> dict[str, float]:
+        """One actor's bundle in the group's placement group."""
+        return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
+
+
+def group_resources(section: ClusterSection) -> dict[str, GroupResources]:
+    """Every worker group the cluster section asks for, by name (groups of 0 actors left out): the policy group, the
+    generation actors (not when colocated), the environment actors, the reference and teacher groups."""
+    c = section
+    groups = [GroupResources(GROUP, c.policy_workers, c.cpus_per_policy_worker, c.gpus_per_policy_worker,
+                             "policy_workers", "cpus_per_policy_worker", "gpus_per_policy_worker"),
+              GroupResources("generation", 0 if c.colocated else c.generation_workers, c.cpus_per_generation_worker,
+                             c.gpus_per_generation_worker, "generation_workers", "cpus_per_generation_worker",
+                             "gpus_per_generation_worker"),
+              GroupResources("environment", c.environment_workers, c.cpus_per_environment_worker,
+                             c.gpus_per_environment_worker, "environment_workers", "cpus_per_environment_worker",
+                             "gpus_per_environment_worker"),
+              *(GroupResources(role, c.scoring_workers(role), c.cpus_per_scoring_worker, c.gpus_per_scoring_worker,
+                               f"{role}_workers", "cpus_per_scoring_worker", "gpus_per_scoring_worker")
+                for role in ("reference", "teacher"))]
+    return {group.name: group for group in groups if group.size}
+
+
+def refuse_missing_gpus(group: GroupResources) -> None:
+    """RunError, naming the key, when `group` asks for more GPUs than the Ray cluster has (checked for every group
+    when the cluster starts, before any actor, and again when a group is placed)."""
+    offered = ray.cluster_resources().get("GPU", 0)
+    if group.gpus and offered < group.gpus * group.size:
+        raise RunError(f"cluster.{group.gpus_key}={group.gpus:g} asks for {group.gpus * group.size:g} GPUs for "
+                       f"{group.size} {group.name} workers; the Ray cluster offers {offered:g}: set "
+                       f"cluster.{group.gpus_key}=0 to run them on CPUs, or join a cluster with GPUs")
+
+
+def place_actors(group: GroupResources, section: ClusterSection, local_instance: bool) -> Any:
+    """A placement group of one bundle per actor of `group`, packed onto as few nodes as hold them; RunError when
+    the cluster cannot hold it: at once for GPUs it does not have (or a local instance short of CPUs), else past
+    cluster.timeout_s."""
+    refuse_missing_gpus(group)
+    wanted = group.cpus * group.size
     available = ray.available_resources().get("CPU", 0)
-    if local_instance and available < cpus * size:
-        raise RunError(f"the policy group needs {cpus * size:g} CPUs (cluster.policy_workers={size} x "
-                       f"cluster.cpus_per_policy_worker={cpus:g}); this run's Ray instance has {available:g} free: "
-                       "raise cluster.num_cpus (a count of slots: the actors then share this machine's cores) or "
-                       "lower cluster.cpus_per_policy_worker")
-    group = placement_group([dict(bundle) for _ in range(size)], strategy="PACK")
+    if local_instance and available < wanted:
+        raise RunError(f"the {group.name} group needs {wanted:g} CPUs (cluster.{group.size_key}={group.size} x "
+                       f"cluster.{group.cpus_key}={group.cpus:g}); this run's Ray instance has {available:g} free: "
+                       f"raise cluster.num_cpus (a count of slots: the actors then share this machine's cores) or "
+                       f"lower cluster.{group.cpus_key}")
+    placement = placement_group([group.bundle for _ in range(group.size)], strategy="PACK")
     try:
-        ray.get(group.ready(), timeout=section.timeout_s)
+        ray.get(placement.ready(), timeout=section.timeout_s)
     except GetTimeoutError:
-        remove_placement_group(group)
-        raise RunError(f"the policy group's placement ({size} bundles of {bundle}) was not granted within "
-                       f"cluster.timeout_s={section.timeout_s:g} s; the cluster has {ray.available_resources()} free: "
-                       "lower cluster.policy_workers or the resources per worker") from None
-    return group
+        remove_placement_group(placement)
+        raise RunError(f"the {group.name} group's placement ({group.size} bundles of {group.bundle}) was not "
+                       f"granted within cluster.timeout_s={section.timeout_s:g} s; the cluster has "
+                       f"{ray.available_resources()} free: lower cluster.{group.size_key} or the resources per "
+                       "worker") from None
+    return placement
 
 
 class RayPolicyWorker:
