@@ -4,6 +4,7 @@ protocols, so that `algorithms/grpo.py` and `ppo.py` drive them unchanged (docs/
     cluster = RayCluster(cfg.cluster, cfg.weight_sync, output_dir)   # a local Ray instance, or join cluster.address
     generator = cluster.generator(model, tokenizer, batch_size=..., seed=...)   # a RayGenerator
     environment = cluster.environment(build_recipe_environment, cfg.environment)   # a RayEnvironment
+    reference = cluster.scoring_group(model, trainer, role="reference")   # a RayScoringGroup (reference_workers)
     ...
     cluster.close()                                                  # kill the actors, shut the instance down
 
@@ -26,6 +27,11 @@ What this first slice builds, and where it departs from the full design:
   whole draws from one stream and goes to the first actor, so it samples what one process samples.
 - Environment actors build the environment from its config section in their own process; a step's episodes are
   divided among them in contiguous blocks, single episodes (multi-turn) go round-robin.
+- With cluster.reference_workers (teacher_workers) > 0 the reference (teacher) is a group of `ScoringActor`s
+  behind the `ScoringWorker` protocol (`RayScoringGroup`): a rollout batch's micro-batches are divided among them
+  in contiguous runs and the answers joined in row order.
+- Each group's actors are placed by a placement group of one bundle per actor (cluster.cpus_per_<group>_worker,
+  gpus_per_<group>_worker; ray_policy.place_actors); GPUs the cluster lacks stop the run when it starts.
 - Every remote call waits at most cluster.timeout_s (actor start-up included); past it the run stops with a
   RunError naming the worker, the call and what it waited for (the newest checkpoint on disk is the one to resume
   from). A stuck actor is not restarted: it may be slow rather than dead, and its answer would come twice.

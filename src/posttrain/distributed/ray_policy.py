@@ -9,13 +9,15 @@ torch.distributed group, behind the same `PolicyWorker` and `CriticWorker` proto
 
 How it is built, and where it departs from the full design:
 - `cluster.policy_workers` actors, one per rank, placed by a Ray placement group of one bundle per rank
-  (`cluster.cpus_per_policy_worker` CPUs and `cluster.gpus_per_policy_worker` GPUs each, packed). Rank 0 picks a free
+  (`cluster.cpus_per_policy_worker` CPUs and `cluster.gpus_per_policy_worker` GPUs each, packed; `place_actors`,
+  which places the other worker groups too, from `group_resources`). Rank 0 picks a free
   port on its node; every rank joins the group there (gloo on CPU, NCCL on GPU) with cluster.timeout_s as the
   deadline of every collective.
 - Each actor builds its worker with the builders a torchrun rank uses (distributed/builders.py): an FSDP2 worker
   sharded over the group, restored from the run's checkpoint when resuming. The critic, the reference and a
   transformers teacher live on the same actors, in the same process group, as they do on torchrun's ranks (a LoRA
-  policy's reference is its own shards with the adapters off). Scoring groups of their own are planned.
+  policy's reference is its own shards with the adapters off), unless cluster.reference_workers (teacher_workers)
+  gives them a group of their own (RayScoringGroup, distributed/ray_groups.py).
 - The driver's proxy sends every protocol call to every rank with the whole minibatch (each FSDP2 rank takes every
   N-th micro-batch itself) and returns rank 0's answer; the workers reduce metrics over ranks themselves. The
   driver's random stream continues where a rank's stops after building, so a run draws what one process draws.
