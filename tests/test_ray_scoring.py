@@ -118,6 +118,29 @@ def test_on_policy_distillation_with_a_two_actor_teacher_group_logs_the_in_proce
     assert remote[-1]["faults/teacher_restarts"] == 0
 
 
+@needs_ray
+@pytest.mark.slow  # about 60 s: an in-process PPO run, then one with a 2-actor reference group
+def test_ppo_with_the_kl_in_its_reward_and_a_two_actor_reference_group_logs_the_in_process_run(tmp_path,
+                                                                                               tiny_model_dir,
+                                                                                               monkeypatch):
+    from posttrain.algorithms.ppo import train_ppo
+
+    def ppo(output_dir: Path, *overrides: str) -> PPOConfig:
+        return load_config(PPOConfig, None, [*TINY_RL, *DIGITS, f"output_dir={output_dir}", "trainer.max_steps=3",
+                                             "trainer.micro_batch_size=8", "gae.kl_coef=0.05",
+                                             *overrides])
+
+    train_ppo(ppo(tmp_path / "local"))
+    with monkeypatch.context() as patches:
+        no_scorer_in_the_driver(patches)
+        train_ppo(ppo(tmp_path / "ray", *RAY, "cluster.reference_workers=2"))
+    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
+    assert len(local) == 3
+    assert_same_steps(local, remote, ("reward/mean", "loss", "grad_norm", "value/loss", "kl_in_reward"))
+    assert local[-1]["kl_in_reward"] != 0  # the policy moved: the reference's log-probabilities enter the reward
+
+
 def rollouts(rows: int, width: int = 5):
     """A rollout batch whose row i holds token i + 3 at every position (so each row's answer names the row)."""
     from posttrain.data.types import RolloutBatch

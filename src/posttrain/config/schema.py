@@ -832,8 +832,9 @@ class ClusterSection(NumericSection):
     setting, so that its numbers equal the driver's)."""
 
     gpus_per_generation_worker: float = Field(0.0, ge=0)
-    """ray: GPUs the generation group's placement group reserves for each generation actor (0: sample on CPUs). A
-    cluster without that many GPUs stops the run at start-up, before any actor starts, naming this key."""
+    """ray: GPUs the generation group's placement group reserves for each generation actor (the transformers
+    generation actor still samples on the CPU: sampling on the GPU is planned). A cluster without that many GPUs
+    stops the run at start-up, before any actor starts, naming this key."""
 
     environment_workers: int = Field(1, gt=0)
     """ray: environment actors; a step's episodes are divided among them for scoring."""
