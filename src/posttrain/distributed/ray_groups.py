@@ -68,6 +68,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from posttrain.checkpoint import capture_rng_state, restore_rng_state
 from posttrain.config.schema import ClusterSection, LoraSection, ModelConfig, TrainerConfig, WeightSyncSection
 from posttrain.data.types import RolloutBatch
 from posttrain.envs.base import EnvStep, Message
@@ -76,7 +77,6 @@ from posttrain.generation.base import Completion, GenerationOutput, SamplingPara
 from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.models.loading import default_device, load_causal_lm
 from posttrain.preemption import PREEMPTION_SIGNALS
-from posttrain.checkpoint import capture_rng_state, restore_rng_state
 from posttrain.distributed.ray_policy import (
     RankGroup,
     group_resources,
