@@ -251,7 +251,7 @@ def load_rl_data(cfg: GRPOConfig, cluster: Any | None = None) -> RLData:
     if cluster is None:
         environment = build_recipe_environment(cfg.environment, tokenizer)
     else:
-        environment = cluster.environment(build_recipe_environment, cfg.environment)
+        environment = cluster.environment(build_recipe_environment, cfg.environment, tokenizer)
     prompts = offer_tools(prompts, tokenizer, environment, cfg.data.max_length)
     eval_prompts = offer_tools(eval_prompts[: cfg.data.max_eval_examples], tokenizer, environment, cfg.data.max_length)
     return RLData(tokenizer, prompts, eval_prompts, data_summary, environment)

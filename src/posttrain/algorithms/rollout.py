@@ -27,7 +27,7 @@ import torch
 from posttrain.data.formats import Message, Messages
 from posttrain.data.types import RolloutBatch
 from posttrain.data.tokenize import tokenize_next_turn
-from posttrain.envs.base import Environment, EnvStep, Reward, ToolUse, tool_use_of
+from posttrain.envs.base import Environment, EnvStep, EpisodeLost, Reward, ToolUse, tool_use_of
 from posttrain.errors import RunError
 from posttrain.envs.rewards import combine_components, validate_reward
 from posttrain.generation.base import Generator, SamplingParams
@@ -76,6 +76,9 @@ class Episode:
     """With in-flight weight updates (rollout.in_flight_updates): (index of the first sampled token, version) where
     the weights that sampled its tokens changed: a token was sampled by the version of the last span starting at or
     before it. Empty: every token was sampled by `policy_version`."""
+    restarts: int = 0
+    """Times the episode was restarted from its first turn because the environment lost its state (`EpisodeLost`:
+    the Ray environment actor holding it died); everything else it holds is of the last attempt."""
 
     @property
     def reply(self) -> str:
@@ -134,7 +137,12 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
 
     An environment that offers tools (`envs.base.tool_use_of`) has its tools rendered into every observation's
     tokens (the prompts were rendered with them when loaded), and its token budget bounds each episode: a turn
-    samples at most the tokens left, and an observation that would not fit ends the episode (truncated)."""
+    samples at most the tokens left, and an observation that would not fit ends the episode (truncated).
+
+    An environment call of a multi-turn episode that raises `EpisodeLost` (the process holding the episode's state
+    died) restarts that episode from its first turn: its turns are dropped and its first turn is sampled again
+    from its per-episode stream (with `group_seed` the stream of its original first turn, so it samples what it did
+    before), and counted in `Episode.restarts`."""
     tool_use = tool_use_of(environment)
     episodes = [
         Episode(group_id=first_group_id + i, messages=_initial_messages(row.prompt), metadata=dict(row.metadata),
@@ -142,6 +150,7 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
                 policy_version=generator.weights_version)
         for i, row in enumerate(rows) for _ in range(num_samples)
     ]
+    row_of = {id(e): rows[k // num_samples] for k, e in enumerate(episodes)}
     sample_index = {id(e): k % num_samples for k, e in enumerate(episodes)}
     times = _Times()
 
@@ -182,7 +191,13 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
             ready = []
             for future in finished:
                 episode = pending.pop(future)
-                _apply_step([episode], future.result(), environment, tokenizer, max_turns, tool_use)
+                try:
+                    result = future.result()
+                except EpisodeLost:
+                    _restart(episode, row_of[id(episode)], generator.weights_version)
+                    ready.append(episode)
+                    continue
+                _apply_step([episode], result, environment, tokenizer, max_turns, tool_use)
                 if not episode.done:
                     ready.append(episode)
             if not ready:
@@ -287,6 +302,14 @@ def _apply_step(episodes: list[Episode], result: EnvStep, environment: Environme
         episode.sampled += [False] * len(next_ids)
         episode.generator_logprobs += [0.0] * len(next_ids)
         episode.messages += [observation] if isinstance(observation, dict) else list(observation)
+
+
+def _restart(episode: Episode, row: PromptRow, version: int) -> None:
+    """Put `episode` back at its prompt (`row`), as before its first turn, sampled next by weights `version`."""
+    fresh = Episode(group_id=episode.group_id, messages=_initial_messages(row.prompt), metadata=dict(row.metadata),
+                    token_ids=list(row.prompt_ids), prompt_length=len(row.prompt_ids), policy_version=version,
+                    restarts=episode.restarts + 1)
+    episode.__dict__.update(fresh.__dict__)
 
 
 def _by_token_cap(episodes: list[Episode], max_new_tokens: int, tool_use: ToolUse | None) -> dict[int, list[Episode]]:
@@ -418,6 +441,8 @@ def rollout_metrics(episodes: list[Episode], weights: dict[str, float]) -> dict[
         "turns/mean": sum(e.num_turns for e in episodes) / len(episodes),
     }
     metrics.update(tool_metrics(episodes))
+    if restarts := sum(e.restarts for e in episodes):  # episodes whose environment state was lost (EpisodeLost)
+        metrics["faults/restarted_episodes"] = restarts
     correct = [e.metadata["correct"] for e in episodes if e.reward is not None and "correct" in e.metadata]
     if correct:
         metrics["accuracy"] = sum(map(float, correct)) / len(correct)

@@ -1358,12 +1358,12 @@ class OnlineRLConfig(RecipeConfig):
                 if key in self.rollout.model_fields_set:
                     raise ValueError(f"rollout.{key} applies only with rollout.asynchronous=true")
         if self.cluster.backend == "ray":
-            if self.environment.kind in ("tools", "swe", "cua"):
-                why = ("an episode's desktop lives in one process, and the environment actors would share its steps "
-                       "out among several" if self.environment.kind == "cua" else "its tools would run in the "
-                       "environment actors while the prompts offering them are rendered in the driver")
-                raise ValueError(f"environment.kind={self.environment.kind} with cluster.backend=ray is planned, not "
-                                 f"built: {why}; use cluster.backend=local")
+            if self.environment.kind == "cua":
+                raise ValueError("environment.kind=cua with cluster.backend=ray is planned, not built: an episode's "
+                                 "desktop (a virtual display and the programs on it) lives in the process that "
+                                 "started it, and the environment actors keep only tool-using episodes (tools, swe) "
+                                 "on the actor holding them, so a desktop's later steps would reach another actor; "
+                                 "use cluster.backend=local")
             if self.rollout.backend != "transformers":
                 raise ValueError(f"cluster.backend=ray with rollout.backend={self.rollout.backend}: Ray generation "
                                  "workers run the transformers backend for now; set rollout.backend=transformers")
