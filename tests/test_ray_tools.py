@@ -1,0 +1,273 @@
+"""Tool-using and SWE environments on Ray environment actors (environment.kind=tools|swe with cluster.backend=ray):
+every turn of an episode on the actor holding its state, an episode whose actor died restarted from its first turn
+and counted, the tool metrics, rewards and losses of the in-process run, the deadline of a tool that never answers,
+and a SWE episode scored on an actor. Skipped without ray; one small Ray instance per test (run them one at a
+time)."""
+
+import importlib.util
+import os
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+from posttrain.algorithms import grpo as grpo_module
+from posttrain.algorithms.environments import build_recipe_environment
+from posttrain.algorithms.grpo import train_grpo
+from posttrain.algorithms.rollout import PromptRow, rollout_metrics, run_episodes
+from posttrain.config import load_config
+from posttrain.config.schema import ClusterSection, GRPOConfig, WeightSyncSection
+from posttrain.data.tokenize import tokenize_prompt
+from posttrain.envs.tools import ToolCall, parser_of
+from posttrain.generation.base import Completion, GenerationOutput, SamplingParams
+from posttrain.logging import read_metrics
+from posttrain.models.tiny import build_tokenizer
+from forced_tool_calls import FirstTurnForced
+from rl_configs import REWARDS, TINY_RL
+from tool_templates import QWEN25
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                                reason="cluster.backend=ray needs the ray extra (pip install 'posttrain[ray]')")
+
+TOOL_FNS = str(Path(__file__).with_name("tool_fns_for_tests.py"))
+HERMES = parser_of("hermes")
+
+
+def wait_until_dead(actor) -> None:
+    """ray.kill, then wait until the actor is seen dead (the kill is asynchronous)."""
+    import ray
+
+    ray.kill(actor, no_restart=True)
+    with pytest.raises(ray.exceptions.RayActorError):
+        while True:
+            ray.get(actor.ready.remote(), timeout=60)
+
+
+# ---- the actor holding an episode ---------------------------------------------------------------------------------
+
+
+class ProcessIdScript:
+    """A stand-in model: turns 1 to 3 call the process_id tool, turn 4 answers; `on_turn(turn)` runs before a call
+    whose prompts are at that turn."""
+
+    def __init__(self, tokenizer, on_turn=lambda turn: None):
+        self.tokenizer, self.on_turn = tokenizer, on_turn
+        self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.weights_version = 0
+
+    def generate(self, prompts, params, num_samples=1):
+        completions = []
+        for prompt in prompts:
+            turn = self.tokenizer.decode(prompt).count("<|im_start|>assistant")
+            self.on_turn(turn)
+            text = HERMES.render([ToolCall("process_id", {})]) if turn < 4 else "777777"
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.im_end]
+            completions.append([Completion(prompt, ids, [-0.5] * len(ids), text, "stop")] * num_samples)
+        return GenerationOutput(completions, num_generated_tokens=sum(len(s[0].token_ids) for s in completions))
+
+
+def tool_answers(episode) -> list[str]:
+    return [m["content"] for m in episode.messages if m["role"] == "tool"]
+
+
+@pytest.mark.slow  # about 30 s: a Ray instance, two environment actors, one killed and replaced
+def test_every_turn_of_an_episode_runs_on_the_actor_holding_it_and_a_lost_episode_restarts(tmp_path):
+    from posttrain.distributed.ray_groups import HOLDER_KEY, RayCluster
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = QWEN25
+    section = {"kind": "tools", "options": {"tools": [f"{TOOL_FNS}:process_id"], "task": {"kind": "arithmetic"},
+                                            "tool_call_format": "hermes"}}
+    cluster = RayCluster(ClusterSection(backend="ray", environment_workers=2, num_cpus=2, timeout_s=120),
+                         WeightSyncSection(), Path(tempfile_dir()))
+    try:
+        environment = cluster.environment(build_recipe_environment, section, tokenizer)
+        # The prompts offer the tools the actors built: one description, rendered by the driver.
+        assert [tool["function"]["name"] for tool in environment.tool_use.tools] == ["process_id"]
+        question = [{"role": "user", "content": "What is 123456 + 654321?"}]
+        row = PromptRow(question, tokenize_prompt(question, tokenizer, environment.tool_use.tools),
+                        {"answer": "777777"})
+        params = SamplingParams(max_new_tokens=50, seed=1)
+
+        episodes, _ = run_episodes([row, row], 0, 2, ProcessIdScript(tokenizer), environment, tokenizer, params,
+                                   max_turns=4)
+        pids = [set(tool_answers(e)) for e in episodes]
+        assert all(len(e.messages) == 8 and e.reward == 1.0 and e.restarts == 0 for e in episodes)
+        assert all(len(p) == 1 for p in pids)  # three tool calls, one process: the actor holding the episode
+        assert len(set.union(*pids)) == 2 and str(os.getpid()) not in set.union(*pids)  # both actors, not here
+        assert not any(HOLDER_KEY in e.metadata for e in episodes)  # removed when the episode ended
+        metrics = rollout_metrics(episodes, {})
+        assert metrics["tools/calls_mean"] == 3.0 and metrics["tools/errors_mean"] == 0.0
+
+        # Worker 0 dies while its episodes wait for their third turn: they start again from their first turn.
+        killed = []
+
+        def kill_worker_0(turn: int) -> None:
+            if turn == 3 and not killed:
+                killed.append(cluster.groups[0].actors[0])
+                wait_until_dead(killed[0])
+
+        episodes, _ = run_episodes([row, row], 4, 2, ProcessIdScript(tokenizer, kill_worker_0), environment,
+                                   tokenizer, params, max_turns=4)
+        group = cluster.groups[0]
+        restarted = [e for e in episodes if e.restarts]
+        assert killed and group.restarts == 1 and group.actors[0] is not killed[0]
+        assert len(restarted) == 2 == group.retried_samples  # worker 0's two episodes, each restarted once
+        assert all(e.restarts == 1 for e in restarted)
+        for episode in episodes:  # every episode, restarted or not, whole and on one live actor
+            assert len(episode.messages) == 8 and episode.reward == 1.0 and len(set(tool_answers(episode))) == 1
+        assert rollout_metrics(episodes, {})["faults/restarted_episodes"] == 2
+        environment.close()
+    finally:
+        cluster.close()
+
+
+def tempfile_dir() -> str:
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="pt-ray-")  # short: Ray's socket paths must fit in 107 characters
+
+
+# ---- GRPO with the calculator on Ray -------------------------------------------------------------------------------
+
+
+def word_problem_call(text: str) -> ToolCall:
+    """The forced first turn on a word problem: the calculator on its two numbers, except for problems whose first
+    number is divisible by 3, which call a tool that does not exist (an unknown_tool error to count)."""
+    a, b = re.findall(r"\d{5}", text)[-2:]
+    if int(a) % 3 == 0:
+        return ToolCall("abacus", {"expression": f"{a}+{b}"})
+    return ToolCall("calculator", {"expression": f"{a}{'+' if 'more' in text else '-'}{b}"})
+
+
+TOOLS = ["model.name_or_path=posttrain/tiny", "data.train_files=['posttrain/arithmetic-tools:train[:64]']",
+         "data.max_length=128", "environment.kind=tools",
+         "environment.options={tools: [calculator], tool_call_format: hermes, task: {kind: python, options: "
+         f"{{functions: ['{REWARDS}:digit_fraction'], num_workers: 0}}}}}}",
+         "rollout.max_turns=2", "rollout.max_new_tokens=8", "rollout.prompts_per_step=4",
+         "rollout.num_generations_per_prompt=2", "trainer.micro_batch_size=8", "trainer.learning_rate=1e-3",
+         "trainer.lr_scheduler=constant", "trainer.save_every=0", "logging.progress=none", "logging.plot=false"]
+RAY = ["cluster.backend=ray", "cluster.timeout_s=600", "cluster.environment_workers=2", "cluster.num_cpus=3"]
+COMPARED = ("reward/mean", "loss", "grad_norm", "generator_logprob_error", "turns/mean", "tokens/model_mean",
+            "tokens/observation_mean", "tools/calls_mean", "tools/errors_mean", "tools/calls_per_turn",
+            "tools/budget_stop_rate", "tools/errors/unknown_tool", "tools/errors/malformed")
+
+
+def forced_first_turns(monkeypatch, on_later_turn=lambda: None) -> list:
+    """Every run's generator, the policy's (the Ray generation workers on Ray) with a forced first turn
+    (`word_problem_call`); `on_later_turn()` runs before each call that samples a later turn."""
+    generators = []
+    policy_generator = grpo_module.policy_generator
+
+    class Forced(FirstTurnForced):
+        def generate(self, prompts, params, num_samples=1):
+            if any("<|im_start|>tool" in self.tokenizer.decode(prompt) for prompt in prompts):
+                on_later_turn()
+            return super().generate(prompts, params, num_samples)
+
+    def forced(cfg, tokenizer, policy, cluster=None):
+        generators.append(Forced(policy_generator(cfg, tokenizer, policy, cluster), tokenizer, word_problem_call))
+        return generators[-1]
+
+    monkeypatch.setattr(grpo_module, "policy_generator", forced)
+    return generators
+
+
+@pytest.mark.slow  # about 60 s: an in-process run and a Ray run with two environment actors
+def test_ray_grpo_with_the_calculator_logs_the_in_process_rewards_tool_metrics_and_losses(tmp_path, tiny_model_dir,
+                                                                                         monkeypatch):
+    import ray
+
+    generators = forced_first_turns(monkeypatch)
+    for name, extra in (("local", []), ("ray", RAY)):
+        with pytest.warns(RuntimeWarning, match="does not render tools"):  # the embedded ChatML template
+            train_grpo(load_config(GRPOConfig, None, [*TOOLS, *extra, f"output_dir={tmp_path / name}",
+                                                      "trainer.max_steps=3"]))
+    assert not ray.is_initialized()
+    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
+    assert len(local) == len(remote) == 3 and [g.forced for g in generators] == [24, 24]
+    for a, b in zip(local, remote):
+        for key in COMPARED:
+            assert b[key] == pytest.approx(a[key], abs=1e-5), key
+        assert b["turns/mean"] == 2.0 and b["tools/calls_mean"] == 1.0
+        assert b["weight_sync/bytes"] > 0 == a["weight_sync/bytes"]  # later turns sampled by the Ray generators
+        assert b["faults/environment_restarts"] == 0 and "faults/restarted_episodes" not in b
+    assert any(record["tools/errors/unknown_tool"] > 0 for record in local)  # the error kinds are compared too
+    assert len({record["reward/mean"] for record in local}) > 1 and all(r["grad_norm"] > 0 for r in local)
+
+
+@pytest.mark.slow  # about 60 s: an in-process run, then a Ray run one of whose environment actors dies in step 2
+def test_an_environment_actor_killed_mid_episode_is_replaced_and_its_episodes_restarted_and_counted(
+        tmp_path, tiny_model_dir, monkeypatch):
+    from posttrain.distributed import cluster as clusters
+
+    killed = []
+    steps_seen = []
+
+    def kill_in_step_two() -> None:
+        """Before the later turns of step 2 are sampled: environment worker 0 holds half of its episodes."""
+        steps_seen.append(1)
+        metrics = tmp_path / "ray" / "metrics.jsonl"
+        if killed or not metrics.is_file() or len(metrics.read_text().splitlines()) != 1:
+            return
+        (group,) = [g for g in clusters._started[0].groups if g.name == "environment"]
+        killed.append(group.actors[0])
+        wait_until_dead(killed[0])
+
+    forced_first_turns(monkeypatch, kill_in_step_two)
+    for name, extra in (("local", []), ("ray", RAY)):
+        with pytest.warns(RuntimeWarning, match="does not render tools"):
+            train_grpo(load_config(GRPOConfig, None, [*TOOLS, *extra, f"output_dir={tmp_path / name}",
+                                                      "trainer.max_steps=3"]))
+    assert killed
+    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
+    assert len(local) == len(remote) == 3
+    for a, b in zip(local, remote):  # the restarted episodes sampled and scored what the lost ones had
+        for key in COMPARED:
+            assert b[key] == pytest.approx(a[key], abs=1e-5), key
+    assert remote[0]["faults/environment_restarts"] == 0 and "faults/restarted_episodes" not in remote[0]
+    restarted = remote[1]["faults/restarted_episodes"]
+    assert 1 <= restarted <= 4  # worker 0's episodes of step 2 (4 of 8) that it held when it died
+    assert remote[-1]["faults/environment_restarts"] == 1
+    assert remote[-1]["faults/environment_retried_samples"] == restarted
+    assert "faults/restarted_episodes" not in remote[2]
+
+
+@pytest.mark.slow  # about 40 s: a Ray run whose tool never answers, stopped at the 20 s deadline
+def test_a_tool_that_never_answers_stops_the_run_within_the_deadline_naming_the_environment_worker(
+        tmp_path, tiny_model_dir, monkeypatch):
+    import time
+
+    import ray
+
+    from posttrain.errors import RunError
+
+    policy_generator = grpo_module.policy_generator
+    monkeypatch.setattr(grpo_module, "policy_generator", lambda cfg, tokenizer, policy, cluster=None: FirstTurnForced(
+        policy_generator(cfg, tokenizer, policy, cluster), tokenizer,
+        lambda text: ToolCall("never_returns", {"question": "?"})))
+    hangs = [f"environment.options={{tools: ['{TOOL_FNS}:never_returns'], timeout_s: 3600, tool_call_format: "
+             "hermes, task: {kind: arithmetic}}"]
+    cfg = load_config(GRPOConfig, None, [*TOOLS, *hangs, f"output_dir={tmp_path}", "trainer.max_steps=2",
+                                         "cluster.backend=ray", "cluster.timeout_s=20"])
+    started = []
+
+    def step_started(*args, **kwargs):
+        started.append(time.monotonic())
+        return run_episodes_of_grpo(*args, **kwargs)
+
+    from posttrain.algorithms import rollout_source
+
+    run_episodes_of_grpo = rollout_source.run_episodes
+    monkeypatch.setattr(rollout_source, "run_episodes", step_started)
+    with pytest.warns(RuntimeWarning, match="does not render tools"), pytest.raises(RunError) as error:
+        train_grpo(cfg)  # without the deadline this call would never return
+    waited = time.monotonic() - started[0]
+    message = str(error.value)
+    assert "environment worker 0 of 1 did not answer `step` within cluster.timeout_s=20 s" in message
+    assert "waiting for the environment's answer to turn 1 of an episode" in message
+    assert waited < 20 + 30  # the deadline, plus the first turn's sampling
+    assert not ray.is_initialized()
