@@ -249,8 +249,7 @@ def test_a_tool_that_never_answers_stops_the_run_within_the_deadline_naming_the_
     monkeypatch.setattr(grpo_module, "policy_generator", lambda cfg, tokenizer, policy, cluster=None: FirstTurnForced(
         policy_generator(cfg, tokenizer, policy, cluster), tokenizer,
         lambda text: ToolCall("never_returns", {"question": "?"})))
-    hangs = [f"environment.options={{tools: ['{TOOL_FNS}:never_returns'], timeout_s: 3600, tool_call_format: "
-             "hermes, task: {kind: arithmetic}}"]
+    hangs = [f"environment.options={{tools: ['{TOOL_FNS}:never_returns'], timeout_s: 3600}}"]
     cfg = load_config(GRPOConfig, None, [*TOOLS, *hangs, f"output_dir={tmp_path}", "trainer.max_steps=2",
                                          "cluster.backend=ray", "cluster.timeout_s=20"])
     started = []
@@ -271,3 +270,38 @@ def test_a_tool_that_never_answers_stops_the_run_within_the_deadline_naming_the_
     assert "waiting for the environment's answer to turn 1 of an episode" in message
     assert waited < 20 + 30  # the deadline, plus the first turn's sampling
     assert not ray.is_initialized()
+
+
+# ---- SWE on Ray ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # about 60 s: the embedded model's step on 1,000-token prompts, with a Ray instance
+def test_ray_grpo_with_the_swe_environment_scores_the_gold_edit_1_on_the_environment_actors(tmp_path, tiny_model_dir,
+                                                                                           monkeypatch):
+    import json
+
+    from posttrain.envs import sandbox
+    from posttrain.envs.swe.bundled import ensure_bundled_tasks
+    from posttrain.envs.swe.environment import prompt_rows
+    from posttrain.envs.swe.tasks import load_tasks
+
+    if not sandbox.sandbox_info().namespaces:
+        pytest.skip("SWE episodes run only inside the sandbox's namespaces")
+    (task,) = [t for t in load_tasks(ensure_bundled_tasks()) if t.instance_id == "posttrain__clamp-1"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in prompt_rows([task]) * 2))
+    gold_edit = ToolCall("str_replace", {"path": "numbers_util.py", "old_str": "        return low\n",
+                                         "new_str": "        return low\n    if value > high:\n        return high\n"})
+    policy_generator = grpo_module.policy_generator
+    monkeypatch.setattr(grpo_module, "policy_generator", lambda cfg, tokenizer, policy, cluster=None: FirstTurnForced(
+        policy_generator(cfg, tokenizer, policy, cluster), tokenizer, lambda text: gold_edit))
+    cfg = load_config(GRPOConfig, None, [*TINY_RL, f"data.train_files=['{prompts}']", "environment.kind=swe",
+                                         "environment.options={tool_call_format: hermes}", f"output_dir={tmp_path}/run",
+                                         "trainer.max_steps=1", "trainer.save_every=0", "trainer.micro_batch_size=4",
+                                         "rollout.max_turns=2", "rollout.max_new_tokens=4", "data.max_length=1024",
+                                         "rollout.prompts_per_step=2", "rollout.num_generations_per_prompt=2", *RAY])
+    with pytest.warns(RuntimeWarning, match="does not render tools"):  # the embedded ChatML template
+        train_grpo(cfg)
+    (record,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert record["reward/mean"] == 1.0 and record["tools/calls_mean"] == 1.0 and record["tools/errors_mean"] == 0.0
+    assert record["turns/mean"] == 2.0 and record["faults/environment_restarts"] == 0
