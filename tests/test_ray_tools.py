@@ -8,6 +8,7 @@ import importlib.util
 import os
 import re
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -47,23 +48,28 @@ def wait_until_dead(actor) -> None:
 # ---- the actor holding an episode ---------------------------------------------------------------------------------
 
 
-class ProcessIdScript:
-    """A stand-in model: turns 1 to 3 call the process_id tool, turn 4 answers; `on_turn(turn)` runs before a call
-    whose prompts are at that turn."""
+class ToolScript:
+    """A stand-in model: turns 1 to 3 call `call(sample)` (sample: a count of the samples drawn), turn 4 answers;
+    `on_turn(turn)` runs before a call whose prompts are at that turn."""
 
-    def __init__(self, tokenizer, on_turn=lambda turn: None):
-        self.tokenizer, self.on_turn = tokenizer, on_turn
+    def __init__(self, tokenizer, on_turn=lambda turn: None, call=lambda sample: ToolCall("process_id", {})):
+        self.tokenizer, self.on_turn, self.call = tokenizer, on_turn, call
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.weights_version = 0
+        self.samples = 0
 
     def generate(self, prompts, params, num_samples=1):
         completions = []
         for prompt in prompts:
             turn = self.tokenizer.decode(prompt).count("<|im_start|>assistant")
             self.on_turn(turn)
-            text = HERMES.render([ToolCall("process_id", {})]) if turn < 4 else "777777"
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.im_end]
-            completions.append([Completion(prompt, ids, [-0.5] * len(ids), text, "stop")] * num_samples)
+            samples = []
+            for _ in range(num_samples):
+                self.samples += 1
+                text = HERMES.render([self.call(self.samples)]) if turn < 4 else "777777"
+                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.im_end]
+                samples.append(Completion(prompt, ids, [-0.5] * len(ids), text, "stop"))
+            completions.append(samples)
         return GenerationOutput(completions, num_generated_tokens=sum(len(s[0].token_ids) for s in completions))
 
 
@@ -77,20 +83,21 @@ def test_every_turn_of_an_episode_runs_on_the_actor_holding_it_and_a_lost_episod
 
     tokenizer = build_tokenizer()
     tokenizer.chat_template = QWEN25
-    section = {"kind": "tools", "options": {"tools": [f"{TOOL_FNS}:process_id"], "task": {"kind": "arithmetic"},
-                                            "tool_call_format": "hermes"}}
+    section = {"kind": "tools", "options": {"tools": [f"{TOOL_FNS}:process_id", f"{TOOL_FNS}:rendezvous"],
+                                            "task": {"kind": "arithmetic"}, "tool_call_format": "hermes",
+                                            "timeout_s": 60}}
     cluster = RayCluster(ClusterSection(backend="ray", environment_workers=2, num_cpus=2, timeout_s=120),
                          WeightSyncSection(), Path(tempfile_dir()))
     try:
-        environment = cluster.environment(build_recipe_environment, section, tokenizer)
+        environment = cluster.environment(build_recipe_environment, section, tokenizer, concurrency=8)
         # The prompts offer the tools the actors built: one description, rendered by the driver.
-        assert [tool["function"]["name"] for tool in environment.tool_use.tools] == ["process_id"]
+        assert [tool["function"]["name"] for tool in environment.tool_use.tools] == ["process_id", "rendezvous"]
         question = [{"role": "user", "content": "What is 123456 + 654321?"}]
         row = PromptRow(question, tokenize_prompt(question, tokenizer, environment.tool_use.tools),
                         {"answer": "777777"})
         params = SamplingParams(max_new_tokens=50, seed=1)
 
-        episodes, _ = run_episodes([row, row], 0, 2, ProcessIdScript(tokenizer), environment, tokenizer, params,
+        episodes, _ = run_episodes([row, row], 0, 2, ToolScript(tokenizer), environment, tokenizer, params,
                                    max_turns=4)
         pids = [set(tool_answers(e)) for e in episodes]
         assert all(len(e.messages) == 8 and e.reward == 1.0 and e.restarts == 0 for e in episodes)
@@ -100,6 +107,13 @@ def test_every_turn_of_an_episode_runs_on_the_actor_holding_it_and_a_lost_episod
         metrics = rollout_metrics(episodes, {})
         assert metrics["tools/calls_mean"] == 3.0 and metrics["tools/errors_mean"] == 0.0
 
+        # An actor answers several episodes' calls at once: each of its two episodes' tool waits for the other's.
+        meeting = f"m{os.getpid()}-{time.monotonic_ns()}"
+        script = ToolScript(tokenizer, call=lambda sample: ToolCall("rendezvous", {"meeting": meeting,
+                                                                                   "party": str(sample)}))
+        episodes, _ = run_episodes([row, row], 8, 2, script, environment, tokenizer, params, max_turns=2)
+        assert [tool_answers(e) for e in episodes] == [["met"]] * 4
+
         # Worker 0 dies while its episodes wait for their third turn: they start again from their first turn.
         killed = []
 
@@ -108,7 +122,7 @@ def test_every_turn_of_an_episode_runs_on_the_actor_holding_it_and_a_lost_episod
                 killed.append(cluster.groups[0].actors[0])
                 wait_until_dead(killed[0])
 
-        episodes, _ = run_episodes([row, row], 4, 2, ProcessIdScript(tokenizer, kill_worker_0), environment,
+        episodes, _ = run_episodes([row, row], 4, 2, ToolScript(tokenizer, kill_worker_0), environment,
                                    tokenizer, params, max_turns=4)
         group = cluster.groups[0]
         restarted = [e for e in episodes if e.restarts]

@@ -2,7 +2,9 @@
 in a Ray environment actor too."""
 
 import os
+import tempfile
 import time
+from pathlib import Path
 
 
 def process_id() -> str:
@@ -18,3 +20,22 @@ def never_returns(question: str) -> str:
     """
     time.sleep(3600)
     return question
+
+
+def rendezvous(meeting: str, party: str) -> str:
+    """Wait up to 20 s for a second party to the same meeting in this process: "met" when one came, "alone" when
+    none did.
+
+    Args:
+        meeting: the meeting's name
+        party: the caller's name, unique in the meeting
+    """
+    folder = Path(tempfile.gettempdir()) / f"posttrain-rendezvous-{meeting}-{os.getpid()}"
+    folder.mkdir(exist_ok=True)
+    (folder / party).touch()
+    give_up = time.monotonic() + 20
+    while time.monotonic() < give_up:
+        if len(list(folder.iterdir())) >= 2:
+            return "met"
+        time.sleep(0.01)
+    return "alone"

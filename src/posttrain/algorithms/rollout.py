@@ -107,6 +107,9 @@ ENVIRONMENT_STEP_DEADLINE_SECONDS = 900.0
 """How long a multi-turn rollout waits for any one of its episodes' environment calls before it gives up, naming
 the episode (reward functions and judges have shorter limits of their own; this catches an environment that has
 none)."""
+EPISODE_THREADS = 32
+"""Multi-turn episodes whose environment calls run at once (one thread each); an environment that holds episodes'
+state in another process (a Ray environment actor) answers this many calls at once too."""
 GATHER_SECONDS = 0.02
 """After an episode's environment call answers, how long the rollout waits for others to answer too before sampling
 their next turns: the episodes that answered within it share one generate call instead of one call each (a turn of
@@ -175,7 +178,7 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
         return episodes, times.rollout_times()
 
     stream_base = group_seed if group_seed is not None else params.seed
-    pool = ThreadPoolExecutor(max_workers=min(len(episodes), 32), thread_name_prefix="environment-step")
+    pool = ThreadPoolExecutor(max_workers=min(len(episodes), EPISODE_THREADS), thread_name_prefix="environment-step")
     try:
         pending = {pool.submit(environment.step, [e.messages], [e.metadata]): e for e in episodes}
         while pending:

@@ -795,10 +795,13 @@ class RayCluster:
         group.connect()
         return group
 
-    def environment(self, build: Callable[..., Any], section: Any, *args: Any) -> RayEnvironment:
+    def environment(self, build: Callable[..., Any], section: Any, *args: Any, concurrency: int = 1
+                    ) -> RayEnvironment:
         """cluster.environment_workers environment actors, each running `build(section, *args)` (a module-level
-        function, so that it travels by name)."""
-        actor = EnvironmentActor.options(num_cpus=self.section.cpus_per_environment_worker)
+        function, so that it travels by name) and answering up to `concurrency` calls at once (each in a thread of
+        its own: the environment must take `step` calls from several threads, as tool environments do)."""
+        actor = EnvironmentActor.options(num_cpus=self.section.cpus_per_environment_worker,
+                                         max_concurrency=concurrency)
         masks = self.section.on_actor_failure == "mask"
         group = self._start(WorkerGroup("environment", lambda: actor.remote(build, section, *args),
                                         self.section.environment_workers, self.section.timeout_s,
