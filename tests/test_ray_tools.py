@@ -168,9 +168,9 @@ COMPARED = ("reward/mean", "loss", "grad_norm", "generator_logprob_error", "turn
             "tools/budget_stop_rate", "tools/errors/unknown_tool", "tools/errors/malformed")
 
 
-def forced_first_turns(monkeypatch, on_later_turn=lambda: None) -> list:
+def forced_first_turns(monkeypatch, on_later_turn=lambda: None, call_for=word_problem_call) -> list:
     """Every run's generator, the policy's (the Ray generation workers on Ray) with a forced first turn
-    (`word_problem_call`); `on_later_turn()` runs before each call that samples a later turn."""
+    (`call_for(prompt text)`); `on_later_turn()` runs before each call that samples a later turn."""
     generators = []
     policy_generator = grpo_module.policy_generator
 
@@ -181,7 +181,7 @@ def forced_first_turns(monkeypatch, on_later_turn=lambda: None) -> list:
             return super().generate(prompts, params, num_samples)
 
     def forced(cfg, tokenizer, policy, cluster=None):
-        generators.append(Forced(policy_generator(cfg, tokenizer, policy, cluster), tokenizer, word_problem_call))
+        generators.append(Forced(policy_generator(cfg, tokenizer, policy, cluster), tokenizer, call_for))
         return generators[-1]
 
     monkeypatch.setattr(grpo_module, "policy_generator", forced)
@@ -319,3 +319,34 @@ def test_ray_grpo_with_the_swe_environment_scores_the_gold_edit_1_on_the_environ
     (record,) = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert record["reward/mean"] == 1.0 and record["tools/calls_mean"] == 1.0 and record["tools/errors_mean"] == 0.0
     assert record["turns/mean"] == 2.0 and record["faults/environment_restarts"] == 0
+
+
+# ---- asynchronous multi-turn rounds ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # about 60 s: a 4-step asynchronous Ray run with tool calls
+def test_asynchronous_multi_turn_rounds_stay_within_the_staleness_bound_counted_from_the_oldest_version(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """Each episode's first turn calls a tool that, once the run has logged a step, answers only when it logs the
+    next one: the rounds sent ahead at steps 2 and 3 sample their first turns from the weights of before the push
+    that ends that step and their second turns from the weights after it. Their age still counts from the first
+    turn's version, so every step stays within max_staleness=1."""
+    metrics = tmp_path / "metrics.jsonl"
+    generators = forced_first_turns(monkeypatch, call_for=lambda text: ToolCall("wait_for_the_next_step",
+                                                                                {"metrics": str(metrics)}))
+    slow = [f"environment.options={{tools: ['{TOOL_FNS}:wait_for_the_next_step'], timeout_s: 120}}"]
+    cfg = load_config(GRPOConfig, None, [*TOOLS, *slow, *RAY, f"output_dir={tmp_path}", "trainer.max_steps=4",
+                                         "rollout.asynchronous=true", "loss.importance_correction=tis",
+                                         "rollout.max_staleness=1"])
+    with pytest.warns(RuntimeWarning, match="does not render tools"):
+        train_grpo(cfg)
+    records = read_metrics(metrics)
+    assert len(records) == 4 and generators[0].forced >= 4 * 8  # round 5, sent at step 4, may be sampled too
+    for step, record in enumerate(records, start=1):
+        assert record["turns/mean"] == 2.0 and record["tools/calls_mean"] == 1.0
+        assert record["rollout/stale_groups_dropped"] == 0 and record["rollout/staleness_max"] <= 1
+        assert 0 <= record["rollout/in_flight_updated_fraction"] <= 1
+        assert record["grad_norm"] > 0
+    assert [r["rollout/staleness_max"] for r in records] == [0, 1, 1, 1]  # rounds 2-4 began a version behind
+    # Rounds 3 and 4: every episode's second turn sampled by newer weights than its first.
+    assert [r["rollout/in_flight_updated_fraction"] for r in records] == [0, 0, 1, 1]

@@ -39,3 +39,20 @@ def rendezvous(meeting: str, party: str) -> str:
             return "met"
         time.sleep(0.01)
     return "alone"
+
+
+def wait_for_the_next_step(metrics: str) -> str:
+    """Once a run has logged a step, wait (up to 60 s) until it logs the next one, which comes after its next weight
+    push: what the episode samples after this answer, newer weights sample. Before the first step, no wait.
+
+    Args:
+        metrics: the run's metrics.jsonl
+    """
+    path = Path(metrics)
+    logged = len(path.read_text().splitlines()) if path.is_file() else 0
+    give_up = time.monotonic() + 60
+    while logged and time.monotonic() < give_up:
+        if len(path.read_text().splitlines()) > logged:
+            return "next"
+        time.sleep(0.01)
+    return "first" if not logged else "timed out"

@@ -71,11 +71,12 @@ class Episode:
     done: bool = False
     policy_version: int = 0
     """The policy version (optimizer steps taken) whose weights the generator held when it sampled this episode; with
-    in-flight weight updates the oldest version that sampled any of its tokens."""
+    in-flight weight updates, or later turns of an asynchronous round sampled after a weight push, the oldest version
+    that sampled any of its tokens."""
     version_spans: list[tuple[int, int]] = field(default_factory=list)
-    """With in-flight weight updates (rollout.in_flight_updates): (index of the first sampled token, version) where
-    the weights that sampled its tokens changed: a token was sampled by the version of the last span starting at or
-    before it. Empty: every token was sampled by `policy_version`."""
+    """Where the weights that sampled its tokens changed (rollout.in_flight_updates; later turns of an asynchronous
+    multi-turn round): (index among the tokens after the prompt, version); a token was sampled by the version of the
+    last span starting at or before it. Empty: every token was sampled by `policy_version`."""
     restarts: int = 0
     """Times the episode was restarted from its first turn because the environment lost its state (`EpisodeLost`:
     the Ray environment actor holding it died); everything else it holds is of the last attempt."""
@@ -266,7 +267,10 @@ class _Times:
         self.generate += time.perf_counter() - started
         self.tokens += output.num_generated_tokens
         completions = [completion for samples in output.completions for completion in samples]
+        versions = output.extra.get("weights_versions")  # Ray generation actors say which weights sampled
         for episode, completion in zip(episodes, completions, strict=True):
+            if versions:
+                _record_version(episode, min(versions))
             episode.token_ids += completion.token_ids
             episode.sampled += [True] * len(completion.token_ids)
             episode.generator_logprobs += completion.logprobs
@@ -305,6 +309,23 @@ def _apply_step(episodes: list[Episode], result: EnvStep, environment: Environme
         episode.sampled += [False] * len(next_ids)
         episode.generator_logprobs += [0.0] * len(next_ids)
         episode.messages += [observation] if isinstance(observation, dict) else list(observation)
+
+
+def _record_version(episode: Episode, version: int) -> None:
+    """Note that policy `version` samples the episode's next tokens: its first turn's version is its policy_version;
+    a later turn sampled by another version (an asynchronous round's later turns, sampled after a weight push) opens
+    a span (`Episode.version_spans`, indexed by the tokens after the prompt), and the episode's age counts from the
+    oldest version of any of its tokens."""
+    if not episode.sampled:
+        episode.policy_version = version
+        return
+    current = episode.version_spans[-1][1] if episode.version_spans else episode.policy_version
+    if version == current:
+        return
+    if not episode.version_spans:
+        episode.version_spans.append((0, episode.policy_version))
+    episode.version_spans.append((len(episode.sampled), version))
+    episode.policy_version = min(episode.policy_version, version)
 
 
 def _restart(episode: Episode, row: PromptRow, version: int) -> None:

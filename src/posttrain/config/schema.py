@@ -1333,14 +1333,18 @@ class OnlineRLConfig(RecipeConfig):
             raise ValueError("rollout.overlong_buffer_length must be smaller than rollout.max_new_tokens")
         if self.rollout.asynchronous:
             problems = {"cluster.backend=ray": self.cluster.backend == "ray",
-                        "rollout.max_turns=1": self.rollout.max_turns == 1,
                         "rollout.dynamic_sampling=false": not self.rollout.dynamic_sampling,
                         "loss.importance_correction other than none": self.loss.importance_correction != "none"}
             if missing := [need for need, met in problems.items() if not met]:
                 raise ValueError(f"rollout.asynchronous=true needs {', '.join(missing)} (episodes sampled by an older "
                                  "policy need the importance correction between generator and trainer; generation "
-                                 "runs ahead in Ray actors; multi-turn and dynamic-sampling rounds are not pipelined "
-                                 "yet)")
+                                 "runs ahead in Ray actors; dynamic-sampling rounds are not pipelined yet)")
+            if self.rollout.max_turns > 1:
+                for key in ("group_timeout_s", "in_flight_updates"):
+                    if getattr(self.rollout, key):
+                        raise ValueError(f"rollout.{key} with rollout.asynchronous=true needs rollout.max_turns=1 "
+                                         "for now: a multi-turn round's later turns are sampled and scored episode by "
+                                         "episode, which neither the group timeout nor the chunked sampling covers")
             updates = self.update.ppo_epochs * self.update.num_minibatches
             if updates > 1:
                 raise ValueError(f"rollout.asynchronous=true with update.ppo_epochs × update.num_minibatches = {updates} "
