@@ -193,7 +193,9 @@ class AsynchronousRolloutSource:
     `state_dict` waits for the rounds in flight and keeps their episodes (and which of their groups timed out), so
     a resumed run trains on exactly the episodes an uninterrupted one would (it is called only when a checkpoint is
     written). With rollout.in_flight_updates each round is a `ChunkedGeneration`, and every episode records the
-    version of each span of its tokens (`Episode.version_spans`); its age counts from the oldest."""
+    version of each span of its tokens (`Episode.version_spans`); its age counts from the oldest. In multi-turn rounds
+    the later turns are generation calls of their own, sent when each episode's environment call answers and
+    sampled by the weights the generators hold then; `run_episodes` records their versions the same way."""
 
     def __init__(self, cfg: GRPOConfig, prompts: list[PromptRow], sampler: EpochSampler, generator,
                  environment: Environment, tokenizer, sampling: SamplingParams, weights: dict[str, float],

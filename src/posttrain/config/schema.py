@@ -768,7 +768,8 @@ class RolloutSection(SamplingSection):
     asynchronous: bool = False
     """Asynchronous RL (cluster.backend=ray, docs/ray.md): the generation actors sample the next steps' prompts while
     the policy trains, up to max_staleness policy versions behind it; needs loss.importance_correction to correct
-    for the older sampling policy, and single-turn episodes without dynamic sampling."""
+    for the older sampling policy, and no dynamic sampling. Multi-turn episodes sample their later turns with the
+    weights the actors hold then; an episode's age counts from the oldest version that sampled any of its tokens."""
 
     max_staleness: int = Field(1, ge=1)
     """asynchronous: how many policy versions (optimizer steps) the weights that sampled an episode may lag the

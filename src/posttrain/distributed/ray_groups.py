@@ -25,7 +25,10 @@ What this first slice builds, and where it departs from the full design:
   per-prompt seeds (rollout.seed_per_group) is divided among the actors in contiguous blocks; a call seeded as a
   whole draws from one stream and goes to the first actor, so it samples what one process samples.
 - Environment actors build the environment from its config section in their own process; a step's episodes are
-  divided among them in contiguous blocks, single episodes (multi-turn) go round-robin.
+  divided among them in contiguous blocks, single episodes (multi-turn) go round-robin. The episodes of a
+  tool-using environment (tools, swe) stay on the actor that stepped their first turn, which holds their work
+  directories and checkouts; the driver renders the tools from the description that actor gives (`tool_use`), and an
+  episode whose actor died is not re-sent to the replacement but restarted from its first turn (`EpisodeLost`).
 - Every remote call waits at most cluster.timeout_s (actor start-up included); past it the run stops with a
   RunError naming the worker, the call and what it waited for (the newest checkpoint on disk is the one to resume
   from). A stuck actor is not restarted: it may be slow rather than dead, and its answer would come twice.
