@@ -348,5 +348,7 @@ def test_asynchronous_multi_turn_rounds_stay_within_the_staleness_bound_counted_
         assert 0 <= record["rollout/in_flight_updated_fraction"] <= 1
         assert record["grad_norm"] > 0
     assert [r["rollout/staleness_max"] for r in records] == [0, 1, 1, 1]  # rounds 2-4 began a version behind
-    # Rounds 3 and 4: every episode's second turn sampled by newer weights than its first.
-    assert [r["rollout/in_flight_updated_fraction"] for r in records] == [0, 0, 1, 1]
+    # Rounds 3 and 4: every episode's second turn sampled by newer weights than its first. (Round 2's second turns
+    # come before or after the push that ends step 1, as the cores allow; round 1's all before it.)
+    fractions = [r["rollout/in_flight_updated_fraction"] for r in records]
+    assert fractions[0] == 0 and 0 <= fractions[1] <= 1 and fractions[2:] == [1, 1]
