@@ -7,7 +7,8 @@ time)."""
 import importlib.util
 import os
 import re
-import threading
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -86,8 +87,10 @@ def test_every_turn_of_an_episode_runs_on_the_actor_holding_it_and_a_lost_episod
     section = {"kind": "tools", "options": {"tools": [f"{TOOL_FNS}:process_id", f"{TOOL_FNS}:rendezvous"],
                                             "task": {"kind": "arithmetic"}, "tool_call_format": "hermes",
                                             "timeout_s": 60}}
+    temp_dir = tempfile.mkdtemp(prefix="pt-ray-")  # short: Ray's socket paths must fit in 107 characters
+    meeting = f"m{os.getpid()}-{time.monotonic_ns()}"
     cluster = RayCluster(ClusterSection(backend="ray", environment_workers=2, num_cpus=2, timeout_s=120),
-                         WeightSyncSection(), Path(tempfile_dir()))
+                         WeightSyncSection(), Path(temp_dir))
     try:
         environment = cluster.environment(build_recipe_environment, section, tokenizer, concurrency=8)
         # The prompts offer the tools the actors built: one description, rendered by the driver.
@@ -108,7 +111,6 @@ def test_every_turn_of_an_episode_runs_on_the_actor_holding_it_and_a_lost_episod
         assert metrics["tools/calls_mean"] == 3.0 and metrics["tools/errors_mean"] == 0.0
 
         # An actor answers several episodes' calls at once: each of its two episodes' tool waits for the other's.
-        meeting = f"m{os.getpid()}-{time.monotonic_ns()}"
         script = ToolScript(tokenizer, call=lambda sample: ToolCall("rendezvous", {"meeting": meeting,
                                                                                    "party": str(sample)}))
         episodes, _ = run_episodes([row, row], 8, 2, script, environment, tokenizer, params, max_turns=2)
@@ -135,12 +137,9 @@ def test_every_turn_of_an_episode_runs_on_the_actor_holding_it_and_a_lost_episod
         environment.close()
     finally:
         cluster.close()
-
-
-def tempfile_dir() -> str:
-    import tempfile
-
-    return tempfile.mkdtemp(prefix="pt-ray-")  # short: Ray's socket paths must fit in 107 characters
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        for folder in Path(tempfile.gettempdir()).glob(f"posttrain-rendezvous-{meeting}-*"):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 # ---- GRPO with the calculator on Ray -------------------------------------------------------------------------------
