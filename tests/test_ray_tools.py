@@ -1,8 +1,9 @@
 """Tool-using and SWE environments on Ray environment actors (environment.kind=tools|swe with cluster.backend=ray):
-every turn of an episode on the actor holding its state, an episode whose actor died restarted from its first turn
-and counted, the tool metrics, rewards and losses of the in-process run, the deadline of a tool that never answers,
-and a SWE episode scored on an actor. Skipped without ray; one small Ray instance per test (run them one at a
-time)."""
+every turn of an episode on the actor holding its state, several episodes' tools running at once on one actor, an
+episode whose actor died restarted from its first turn and counted, the tool metrics, rewards and losses of the
+in-process run, the deadline of a tool that never answers, a SWE episode scored on an actor, and asynchronous
+multi-turn rounds within the staleness bound. Skipped without ray; one small Ray instance per test (run them one at
+a time)."""
 
 import importlib.util
 import os
