@@ -352,3 +352,33 @@ def test_asynchronous_multi_turn_rounds_stay_within_the_staleness_bound_counted_
     # come before or after the push that ends step 1, as the cores allow; round 1's all before it.)
     fractions = [r["rollout/in_flight_updated_fraction"] for r in records]
     assert fractions[0] == 0 and 0 <= fractions[1] <= 1 and fractions[2:] == [1, 1]
+
+
+@pytest.mark.slow  # about 70 s: an asynchronous multi-turn Ray run stopped after step 2, then resumed to step 4
+def test_an_asynchronous_multi_turn_run_resumes_with_the_round_in_flight_and_its_versions(tmp_path, tiny_model_dir,
+                                                                                        monkeypatch):
+    """The checkpoint of step 2 waits for round 3 (sent ahead: its first turns from version 1, its second turns, held
+    by the tool until step 2 is logged, from version 2) and keeps its episodes with their versions; the resumed run
+    trains on them at step 3, then on a round it samples itself."""
+    import json
+
+    metrics = tmp_path / "metrics.jsonl"
+    forced_first_turns(monkeypatch, call_for=lambda text: ToolCall("wait_for_the_next_step", {"metrics": str(metrics)}))
+    slow = [f"environment.options={{tools: ['{TOOL_FNS}:wait_for_the_next_step'], timeout_s: 120}}"]
+    for steps in (2, 4):
+        with pytest.warns(RuntimeWarning, match="does not render tools"):
+            train_grpo(load_config(GRPOConfig, None, [
+                *TOOLS, *slow, *RAY, f"output_dir={tmp_path}", f"trainer.max_steps={steps}", "trainer.save_every=2",
+                "rollout.asynchronous=true", "loss.importance_correction=tis", "rollout.max_staleness=1",
+                "logging.samples_per_step=8"]))
+    records = read_metrics(metrics)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["rollout/staleness_max"] for r in records] == [0, 1, 1, 1]
+    assert [r["rollout/in_flight_updated_fraction"] for r in records][2:] == [1, 1]  # round 3's spans kept
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    by_step = {}
+    for sample in samples:
+        by_step.setdefault(sample["step"], []).append(sample)
+    for step in (1, 2, 3, 4):  # each step its own round's four groups, none twice
+        assert sorted({s["group_id"] for s in by_step[step]}) == list(range(4 * (step - 1), 4 * step)), step
+    assert {s["policy_version"] for s in by_step[3]} == {1} and {s["policy_version"] for s in by_step[4]} == {2}
