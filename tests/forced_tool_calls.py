@@ -26,7 +26,14 @@ class FirstTurnForced:
         return self.inner.update_weights(version, weights)
 
     def generate(self, prompts, params, num_samples=1):
-        output = self.inner.generate(prompts, params, num_samples)
+        return self.forced_output(prompts, self.inner.generate(prompts, params, num_samples))
+
+    def submit(self, prompts, params, num_samples=1):
+        """A call sent now and answered later (asynchronous rollouts), forced as `generate` is."""
+        answer = self.inner.submit(prompts, params, num_samples)
+        return lambda: self.forced_output(prompts, answer())
+
+    def forced_output(self, prompts, output):
         completions = []
         for prompt, samples in zip(prompts, output.completions):
             text = self.tokenizer.decode(prompt)
@@ -37,4 +44,5 @@ class FirstTurnForced:
             ids = self.tokenizer(call, add_special_tokens=False)["input_ids"] + [self.im_end]
             completions.append([Completion(prompt, ids, [-1.0] * len(ids), call, "stop")] * len(samples))
             self.forced += len(samples)
-        return GenerationOutput(completions, output.seconds, sum(len(c.token_ids) for s in completions for c in s))
+        return GenerationOutput(completions, output.seconds, sum(len(c.token_ids) for s in completions for c in s),
+                                output.extra)

@@ -307,18 +307,26 @@ def test_in_flight_weight_updates_sample_in_chunks_and_stay_within_the_staleness
     assert all(s["step"] - 2 <= s["policy_version"] <= s["step"] - 1 for s in samples)
 
 
-def test_asynchronous_rollouts_need_ray_the_importance_correction_and_single_turn_episodes(tmp_path):
+def test_asynchronous_rollouts_need_ray_the_importance_correction_and_no_dynamic_sampling(tmp_path):
     from posttrain.config import ConfigError
 
     with pytest.raises(ConfigError, match="needs cluster.backend=ray, loss.importance_correction other than none"):
         config(tmp_path, "rollout.asynchronous=true")
-    with pytest.raises(ConfigError, match="needs rollout.max_turns=1"):
-        config(tmp_path, *ASYNC, "rollout.max_turns=2")
-    for kind, settings in (("tools", ["environment.options={tools: [calculator], task: {kind: arithmetic}}"]),
-                           ("cua", ["environment.options={}", "rollout.max_turns=10"])):  # refused at load
-        with pytest.raises(ConfigError, match=f"environment.kind={kind} with cluster.backend=ray is planned"):
-            load_config(GRPOConfig, "configs/grpo_arithmetic.yaml",
-                        ["cluster.backend=ray", f"environment.kind={kind}", "rollout.max_turns=2", *settings])
+    with pytest.raises(ConfigError, match="needs rollout.dynamic_sampling=false"):
+        config(tmp_path, *ASYNC, "rollout.dynamic_sampling=true")
+    assert config(tmp_path, *ASYNC, "rollout.max_turns=2").rollout.max_turns == 2  # multi-turn rounds pipelined
+    for key in ("in_flight_updates=true", "group_timeout_s=5"):
+        with pytest.raises(ConfigError, match=f"rollout.{key.split('=')[0]} with rollout.asynchronous=true needs "
+                                              "rollout.max_turns=1"):
+            config(tmp_path, *ASYNC, "rollout.max_turns=2", f"rollout.{key}")
+    with pytest.raises(ConfigError, match="environment.kind=cua with cluster.backend=ray is planned, not built: an "
+                                          "episode's desktop"):  # refused at load
+        load_config(GRPOConfig, "configs/grpo_arithmetic.yaml",
+                    ["cluster.backend=ray", "environment.kind=cua", "environment.options={}", "rollout.max_turns=10"])
+    tools = load_config(GRPOConfig, "configs/grpo_arithmetic.yaml",  # tool-using episodes run on the actors
+                        ["cluster.backend=ray", "environment.kind=tools", "rollout.max_turns=2",
+                         "environment.options={tools: [calculator], task: {kind: arithmetic}}"])
+    assert tools.environment.kind == "tools"
     with pytest.raises(ConfigError, match=r"update.num_minibatches = 2 optimizer steps per rollout batch"):
         config(tmp_path, *ASYNC, "update.num_minibatches=2")  # versions would count 2 per step: all rounds dropped
     with pytest.raises(ConfigError, match="rollout.max_staleness applies only with rollout.asynchronous=true"):

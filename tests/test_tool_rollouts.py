@@ -160,3 +160,73 @@ def test_a_slow_tool_in_one_episode_does_not_hold_back_another():
     assert events.index("B turn 3") < events.index("slow tool returned") < events.index("A turn 2")
     assert episodes[0].messages[2]["content"] == "released"
     assert [e.reward for e in episodes] == [1.0, 1.0] and [e.num_turns for e in episodes] == [2, 3]
+
+
+def test_an_episode_whose_environment_state_is_lost_restarts_from_its_first_turn():
+    """An environment that raises EpisodeLost at an episode's second turn (the process holding its state died): the
+    episode starts again from its prompt, keeps nothing of the lost attempt, and ends as an undisturbed one does."""
+    from posttrain.envs.base import EpisodeLost
+
+    class LosesTheFirstEpisodeOnce(ToolEnvironment):
+        lost = False
+
+        def step(self, message_logs, metadata):
+            if len(message_logs[0]) == 4 and not self.lost:  # its second reply: the state is gone
+                type(self).lost = True
+                raise EpisodeLost("the environment worker holding the episode died")
+            return super().step(message_logs, metadata)
+
+    undisturbed, prompt_ids, _ = calculator_episode()
+    environment = LosesTheFirstEpisodeOnce(ArithmeticEnvironment(), [CALCULATOR])
+    generator = ScriptedGenerator(lambda text, turn: TURN_1 if turn == 1 else TURN_2)
+    episodes, _ = run_episodes([PromptRow(QUESTION, prompt_ids, {"answer": "777777"})], 0, 1, generator,
+                               environment, TOKENIZER, SamplingParams(max_new_tokens=200, seed=3), max_turns=3)
+    environment.close()
+    (episode,) = episodes
+    assert LosesTheFirstEpisodeOnce.lost and episode.restarts == 1
+    assert [turn for _, turn, _ in generator.calls] == [1, 2, 1, 2]  # the first turn sampled again
+    assert episode.token_ids == undisturbed.token_ids and episode.sampled == undisturbed.sampled
+    assert episode.generator_logprobs == undisturbed.generator_logprobs
+    assert episode.reward == 1.0 and episode.num_turns == 2 and episode.metadata["tool_calls"] == 1
+    assert rollout_metrics(episodes, {})["faults/restarted_episodes"] == 1
+    assert "faults/restarted_episodes" not in rollout_metrics([undisturbed], {})
+
+
+def test_a_later_turn_sampled_by_newer_weights_opens_a_version_span_and_the_age_counts_from_the_oldest():
+    """As in an asynchronous multi-turn round: the first turn sampled by version 3, a weight push, the second turn by
+    version 4. The episode records both spans and keeps policy_version 3, the oldest that sampled any token."""
+
+    class Versioned(ScriptedGenerator):
+        version = 3
+
+        def generate(self, prompts, params, num_samples=1):
+            output = super().generate(prompts, params, num_samples)
+            output.extra["weights_versions"] = [self.version, self.version]  # what each Ray actor held
+            type(self).version += 1  # a push between the turns
+            return output
+
+    environment = ToolEnvironment(ArithmeticEnvironment(), [CALCULATOR])
+    prompt_ids = tokenize_prompt(QUESTION, TOKENIZER, environment.tool_use.tools)
+    generator = Versioned(lambda text, turn: TURN_1 if turn == 1 else TURN_2)
+    episodes, _ = run_episodes([PromptRow(QUESTION, prompt_ids, {"answer": "777777"})], 0, 1, generator,
+                               environment, TOKENIZER, SamplingParams(max_new_tokens=200), max_turns=3)
+    environment.close()
+    (episode,) = episodes
+    assert episode.reward == 1.0 and episode.num_turns == 2
+    assert episode.policy_version == 3
+    assert episode.version_spans == [(0, 3), (len(TURN_1) + len(OBSERVATION), 4)]  # the second turn's first token
+    # One version throughout: no spans (the synchronous case).
+    Versioned.version = 5
+    environment = ToolEnvironment(ArithmeticEnvironment(), [CALCULATOR])
+
+    class Fixed(Versioned):
+        def generate(self, prompts, params, num_samples=1):
+            output = ScriptedGenerator.generate(self, prompts, params, num_samples)
+            output.extra["weights_versions"] = [5]
+            return output
+
+    episodes, _ = run_episodes([PromptRow(QUESTION, prompt_ids, {"answer": "777777"})], 0, 1,
+                               Fixed(lambda text, turn: TURN_1 if turn == 1 else TURN_2), environment, TOKENIZER,
+                               SamplingParams(max_new_tokens=200), max_turns=3)
+    environment.close()
+    assert episodes[0].policy_version == 5 and episodes[0].version_spans == []

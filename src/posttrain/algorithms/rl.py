@@ -21,6 +21,7 @@ from posttrain.algorithms.common import (
     seed_everything,
 )
 from posttrain.algorithms.rollout import (
+    EPISODE_THREADS,
     Episode,
     PromptRow,
     overlong_penalty,
@@ -251,7 +252,11 @@ def load_rl_data(cfg: GRPOConfig, cluster: Any | None = None) -> RLData:
     if cluster is None:
         environment = build_recipe_environment(cfg.environment, tokenizer)
     else:
-        environment = cluster.environment(build_recipe_environment, cfg.environment)
+        # A tool-using episode's turns all go to the actor holding it, and its tools may be slow: each actor answers
+        # as many calls at once as the rollout has episodes in flight, so one slow tool holds back no other episode.
+        concurrency = EPISODE_THREADS if kind in ("tools", "swe") else 1
+        environment = cluster.environment(build_recipe_environment, cfg.environment, tokenizer,
+                                          concurrency=concurrency)
     prompts = offer_tools(prompts, tokenizer, environment, cfg.data.max_length)
     eval_prompts = offer_tools(eval_prompts[: cfg.data.max_eval_examples], tokenizer, environment, cfg.data.max_length)
     return RLData(tokenizer, prompts, eval_prompts, data_summary, environment)

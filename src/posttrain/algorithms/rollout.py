@@ -27,7 +27,7 @@ import torch
 from posttrain.data.formats import Message, Messages
 from posttrain.data.types import RolloutBatch
 from posttrain.data.tokenize import tokenize_next_turn
-from posttrain.envs.base import Environment, EnvStep, Reward, ToolUse, tool_use_of
+from posttrain.envs.base import Environment, EnvStep, EpisodeLost, Reward, ToolUse, tool_use_of
 from posttrain.errors import RunError
 from posttrain.envs.rewards import combine_components, validate_reward
 from posttrain.generation.base import Generator, SamplingParams
@@ -71,11 +71,15 @@ class Episode:
     done: bool = False
     policy_version: int = 0
     """The policy version (optimizer steps taken) whose weights the generator held when it sampled this episode; with
-    in-flight weight updates the oldest version that sampled any of its tokens."""
+    in-flight weight updates, or later turns of an asynchronous round sampled after a weight push, the oldest version
+    that sampled any of its tokens."""
     version_spans: list[tuple[int, int]] = field(default_factory=list)
-    """With in-flight weight updates (rollout.in_flight_updates): (index of the first sampled token, version) where
-    the weights that sampled its tokens changed: a token was sampled by the version of the last span starting at or
-    before it. Empty: every token was sampled by `policy_version`."""
+    """Where the weights that sampled its tokens changed (rollout.in_flight_updates; later turns of an asynchronous
+    multi-turn round): (index among the tokens after the prompt, version); a token was sampled by the version of the
+    last span starting at or before it. Empty: every token was sampled by `policy_version`."""
+    restarts: int = 0
+    """Times the episode was restarted from its first turn because the environment lost its state (`EpisodeLost`:
+    the Ray environment actor holding it died); everything else it holds is of the last attempt."""
 
     @property
     def reply(self) -> str:
@@ -104,6 +108,9 @@ ENVIRONMENT_STEP_DEADLINE_SECONDS = 900.0
 """How long a multi-turn rollout waits for any one of its episodes' environment calls before it gives up, naming
 the episode (reward functions and judges have shorter limits of their own; this catches an environment that has
 none)."""
+EPISODE_THREADS = 32
+"""Multi-turn episodes whose environment calls run at once (one thread each); an environment that holds episodes'
+state in another process (a Ray environment actor) answers this many calls at once too."""
 GATHER_SECONDS = 0.02
 """After an episode's environment call answers, how long the rollout waits for others to answer too before sampling
 their next turns: the episodes that answered within it share one generate call instead of one call each (a turn of
@@ -134,7 +141,12 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
 
     An environment that offers tools (`envs.base.tool_use_of`) has its tools rendered into every observation's
     tokens (the prompts were rendered with them when loaded), and its token budget bounds each episode: a turn
-    samples at most the tokens left, and an observation that would not fit ends the episode (truncated)."""
+    samples at most the tokens left, and an observation that would not fit ends the episode (truncated).
+
+    An environment call of a multi-turn episode that raises `EpisodeLost` (the process holding the episode's state
+    died) restarts that episode from its first turn: its turns are dropped and its first turn is sampled again
+    from its per-episode stream (with `group_seed` the stream of its original first turn, so it samples what it did
+    before), and counted in `Episode.restarts`."""
     tool_use = tool_use_of(environment)
     episodes = [
         Episode(group_id=first_group_id + i, messages=_initial_messages(row.prompt), metadata=dict(row.metadata),
@@ -142,6 +154,7 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
                 policy_version=generator.weights_version)
         for i, row in enumerate(rows) for _ in range(num_samples)
     ]
+    row_of = {id(e): rows[k // num_samples] for k, e in enumerate(episodes)}
     sample_index = {id(e): k % num_samples for k, e in enumerate(episodes)}
     times = _Times()
 
@@ -166,7 +179,7 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
         return episodes, times.rollout_times()
 
     stream_base = group_seed if group_seed is not None else params.seed
-    pool = ThreadPoolExecutor(max_workers=min(len(episodes), 32), thread_name_prefix="environment-step")
+    pool = ThreadPoolExecutor(max_workers=min(len(episodes), EPISODE_THREADS), thread_name_prefix="environment-step")
     try:
         pending = {pool.submit(environment.step, [e.messages], [e.metadata]): e for e in episodes}
         while pending:
@@ -182,7 +195,13 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
             ready = []
             for future in finished:
                 episode = pending.pop(future)
-                _apply_step([episode], future.result(), environment, tokenizer, max_turns, tool_use)
+                try:
+                    result = future.result()
+                except EpisodeLost:
+                    _restart(episode, row_of[id(episode)], generator.weights_version)
+                    ready.append(episode)
+                    continue
+                _apply_step([episode], result, environment, tokenizer, max_turns, tool_use)
                 if not episode.done:
                     ready.append(episode)
             if not ready:
@@ -248,7 +267,10 @@ class _Times:
         self.generate += time.perf_counter() - started
         self.tokens += output.num_generated_tokens
         completions = [completion for samples in output.completions for completion in samples]
+        versions = output.extra.get("weights_versions")  # Ray generation actors say which weights sampled
         for episode, completion in zip(episodes, completions, strict=True):
+            if versions:
+                _record_version(episode, min(versions))
             episode.token_ids += completion.token_ids
             episode.sampled += [True] * len(completion.token_ids)
             episode.generator_logprobs += completion.logprobs
@@ -287,6 +309,31 @@ def _apply_step(episodes: list[Episode], result: EnvStep, environment: Environme
         episode.sampled += [False] * len(next_ids)
         episode.generator_logprobs += [0.0] * len(next_ids)
         episode.messages += [observation] if isinstance(observation, dict) else list(observation)
+
+
+def _record_version(episode: Episode, version: int) -> None:
+    """Note that policy `version` samples the episode's next tokens: its first turn's version is its policy_version;
+    a later turn sampled by another version (an asynchronous round's later turns, sampled after a weight push) opens
+    a span (`Episode.version_spans`, indexed by the tokens after the prompt), and the episode's age counts from the
+    oldest version of any of its tokens."""
+    if not episode.sampled:
+        episode.policy_version = version
+        return
+    current = episode.version_spans[-1][1] if episode.version_spans else episode.policy_version
+    if version == current:
+        return
+    if not episode.version_spans:
+        episode.version_spans.append((0, episode.policy_version))
+    episode.version_spans.append((len(episode.sampled), version))
+    episode.policy_version = min(episode.policy_version, version)
+
+
+def _restart(episode: Episode, row: PromptRow, version: int) -> None:
+    """Put `episode` back at its prompt (`row`), as before its first turn, sampled next by weights `version`."""
+    fresh = Episode(group_id=episode.group_id, messages=_initial_messages(row.prompt), metadata=dict(row.metadata),
+                    token_ids=list(row.prompt_ids), prompt_length=len(row.prompt_ids), policy_version=version,
+                    restarts=episode.restarts + 1)
+    episode.__dict__.update(fresh.__dict__)
 
 
 def _by_token_cap(episodes: list[Episode], max_new_tokens: int, tool_use: ToolUse | None) -> dict[int, list[Episode]]:
@@ -418,6 +465,8 @@ def rollout_metrics(episodes: list[Episode], weights: dict[str, float]) -> dict[
         "turns/mean": sum(e.num_turns for e in episodes) / len(episodes),
     }
     metrics.update(tool_metrics(episodes))
+    if restarts := sum(e.restarts for e in episodes):  # episodes whose environment state was lost (EpisodeLost)
+        metrics["faults/restarted_episodes"] = restarts
     correct = [e.metadata["correct"] for e in episodes if e.reward is not None and "correct" in e.metadata]
     if correct:
         metrics["accuracy"] = sum(map(float, correct)) / len(correct)

@@ -193,7 +193,9 @@ class AsynchronousRolloutSource:
     `state_dict` waits for the rounds in flight and keeps their episodes (and which of their groups timed out), so
     a resumed run trains on exactly the episodes an uninterrupted one would (it is called only when a checkpoint is
     written). With rollout.in_flight_updates each round is a `ChunkedGeneration`, and every episode records the
-    version of each span of its tokens (`Episode.version_spans`); its age counts from the oldest."""
+    version of each span of its tokens (`Episode.version_spans`); its age counts from the oldest. In multi-turn rounds
+    the later turns are generation calls of their own, sent when each episode's environment call answers and
+    sampled by the weights the generators hold then; `run_episodes` records their versions the same way."""
 
     def __init__(self, cfg: GRPOConfig, prompts: list[PromptRow], sampler: EpochSampler, generator,
                  environment: Environment, tokenizer, sampling: SamplingParams, weights: dict[str, float],
@@ -227,10 +229,11 @@ class AsynchronousRolloutSource:
         """The round's episodes, scored (in a worker thread; every wait inside has a deadline)."""
         rollout = self.cfg.rollout
         episodes, times = run_episodes(rows, first_group_id, rollout.num_generations_per_prompt, submitted,
-                                       self.environment, self.tokenizer, seeded, max_turns=1,
+                                       self.environment, self.tokenizer, seeded, max_turns=rollout.max_turns,
                                        group_timeout_s=rollout.group_timeout_s)
         samples = rollout.num_generations_per_prompt
-        for index, episode in enumerate(episodes):  # whole groups, in group order
+        for index, episode in enumerate(episodes if rollout.max_turns == 1 else []):  # whole groups, in group order
+            # (A multi-turn episode's versions are recorded turn by turn by `run_episodes`.)
             flat = (episode.group_id - first_group_id) * samples + index % samples
             # The oldest weights that sampled any of its tokens (a replacement actor holds newer ones).
             episode.version_spans = submitted.version_spans(flat)
@@ -269,7 +272,7 @@ class AsynchronousRolloutSource:
                                      "rollout/timed_out_groups_total": float(self.timed_out_groups),
                                      "rollout/wait_seconds": waited}
         sampled = SampledGroups(kept, episodes, metrics, times)
-        if self.cfg.rollout.in_flight_updates:
+        if self.cfg.rollout.in_flight_updates or self.cfg.rollout.max_turns > 1:
             updated = [len(e.version_spans) > 1 for group in kept for e in group]
             metrics["rollout/in_flight_updated_fraction"] = sum(updated) / max(len(updated), 1)
         metrics.update(rollout_metrics(sampled.episodes, self.weights))
@@ -316,17 +319,24 @@ class Round:
 
 class SubmittedGeneration:
     """A generation call sent when it was made (`generator.submit`: queued on the actors before any later weight
-    push), answered when `run_episodes` asks for it with the same prompts and parameters."""
+    push), answered when `run_episodes` asks for it with the same prompts and parameters. The calls after it (the
+    later turns of multi-turn episodes) go to the generator when they are made, sampled by the weights it then
+    holds; their outputs say which version that was."""
 
     def __init__(self, generator, prompts: list[list[int]], params: SamplingParams, num_samples: int):
+        self.generator = generator
         self.weights_version = generator.weights_version
         self.request = (prompts, params, num_samples)
         self._answer = generator.submit(prompts, params, num_samples)
+        self._answered = False
         self.oldest_version = self.weights_version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
+        if self._answered:  # a later turn
+            return self.generator.submit(prompts, params, num_samples)()
         if (prompts, params, num_samples) != self.request:
             raise ValueError("a submitted generation was asked for other prompts or parameters than it was sent with")
+        self._answered = True
         output = self._answer()
         self.oldest_version = min(output.extra.get("weights_versions", [self.weights_version]))
         return output

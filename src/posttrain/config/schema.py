@@ -768,7 +768,8 @@ class RolloutSection(SamplingSection):
     asynchronous: bool = False
     """Asynchronous RL (cluster.backend=ray, docs/ray.md): the generation actors sample the next steps' prompts while
     the policy trains, up to max_staleness policy versions behind it; needs loss.importance_correction to correct
-    for the older sampling policy, and single-turn episodes without dynamic sampling."""
+    for the older sampling policy, and no dynamic sampling. Multi-turn episodes sample their later turns with the
+    weights the actors hold then; an episode's age counts from the oldest version that sampled any of its tokens."""
 
     max_staleness: int = Field(1, ge=1)
     """asynchronous: how many policy versions (optimizer steps) the weights that sampled an episode may lag the
@@ -1363,14 +1364,18 @@ class OnlineRLConfig(RecipeConfig):
             raise ValueError("rollout.overlong_buffer_length must be smaller than rollout.max_new_tokens")
         if self.rollout.asynchronous:
             problems = {"cluster.backend=ray": self.cluster.backend == "ray",
-                        "rollout.max_turns=1": self.rollout.max_turns == 1,
                         "rollout.dynamic_sampling=false": not self.rollout.dynamic_sampling,
                         "loss.importance_correction other than none": self.loss.importance_correction != "none"}
             if missing := [need for need, met in problems.items() if not met]:
                 raise ValueError(f"rollout.asynchronous=true needs {', '.join(missing)} (episodes sampled by an older "
                                  "policy need the importance correction between generator and trainer; generation "
-                                 "runs ahead in Ray actors; multi-turn and dynamic-sampling rounds are not pipelined "
-                                 "yet)")
+                                 "runs ahead in Ray actors; dynamic-sampling rounds are not pipelined yet)")
+            if self.rollout.max_turns > 1:
+                for key in ("group_timeout_s", "in_flight_updates"):
+                    if getattr(self.rollout, key):
+                        raise ValueError(f"rollout.{key} with rollout.asynchronous=true needs rollout.max_turns=1 "
+                                         "for now: a multi-turn round's later turns are sampled and scored episode by "
+                                         "episode, which neither the group timeout nor the chunked sampling covers")
             updates = self.update.ppo_epochs * self.update.num_minibatches
             if updates > 1:
                 raise ValueError(f"rollout.asynchronous=true with update.ppo_epochs × update.num_minibatches = {updates} "
@@ -1388,12 +1393,12 @@ class OnlineRLConfig(RecipeConfig):
                 if key in self.rollout.model_fields_set:
                     raise ValueError(f"rollout.{key} applies only with rollout.asynchronous=true")
         if self.cluster.backend == "ray":
-            if self.environment.kind in ("tools", "swe", "cua"):
-                why = ("an episode's desktop lives in one process, and the environment actors would share its steps "
-                       "out among several" if self.environment.kind == "cua" else "its tools would run in the "
-                       "environment actors while the prompts offering them are rendered in the driver")
-                raise ValueError(f"environment.kind={self.environment.kind} with cluster.backend=ray is planned, not "
-                                 f"built: {why}; use cluster.backend=local")
+            if self.environment.kind == "cua":
+                raise ValueError("environment.kind=cua with cluster.backend=ray is planned, not built: an episode's "
+                                 "desktop (a virtual display and the programs on it) lives in the process that "
+                                 "started it, and the environment actors keep only tool-using episodes (tools, swe) "
+                                 "on the actor holding them, so a desktop's later steps would reach another actor; "
+                                 "use cluster.backend=local")
             if self.rollout.backend != "transformers":
                 raise ValueError(f"cluster.backend=ray with rollout.backend={self.rollout.backend}: Ray generation "
                                  "workers run the transformers backend for now; set rollout.backend=transformers")

@@ -26,7 +26,10 @@ What this first slice builds, and where it departs from the full design:
   per-prompt seeds (rollout.seed_per_group) is divided among the actors in contiguous blocks; a call seeded as a
   whole draws from one stream and goes to the first actor, so it samples what one process samples.
 - Environment actors build the environment from its config section in their own process; a step's episodes are
-  divided among them in contiguous blocks, single episodes (multi-turn) go round-robin.
+  divided among them in contiguous blocks, single episodes (multi-turn) go round-robin. The episodes of a
+  tool-using environment (tools, swe) stay on the actor that stepped their first turn, which holds their work
+  directories and checkouts; the driver renders the tools from the description that actor gives (`tool_use`), and an
+  episode whose actor died is not re-sent to the replacement but restarted from its first turn (`EpisodeLost`).
 - With cluster.reference_workers (teacher_workers) > 0 the reference (teacher) is a group of `ScoringActor`s
   behind the `ScoringWorker` protocol (`RayScoringGroup`): a rollout batch's micro-batches are divided among them
   in contiguous runs and the answers joined in row order.
@@ -71,7 +74,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from posttrain.checkpoint import capture_rng_state, restore_rng_state
 from posttrain.config.schema import ClusterSection, LoraSection, ModelConfig, TrainerConfig, WeightSyncSection
 from posttrain.data.types import RolloutBatch
-from posttrain.envs.base import EnvStep, Message
+from posttrain.envs.base import EnvStep, EpisodeLost, Message, ToolUse, tool_use_of
 from posttrain.errors import RunError
 from posttrain.generation.base import Completion, GenerationOutput, SamplingParams, weight_buckets
 from posttrain.generation.transformers_backend import TransformersGenerator
@@ -111,6 +114,10 @@ HOLDER = -1
 """The weights' holder (the policy group's rank 0 or the driver) among the members of a weight-sync group, whose
 generation actors are numbered 0..N-1 as their worker group numbers them."""
 
+HOLDER_KEY = "_environment_worker"
+"""The metadata key under which a running tool-using episode records the environment actor holding its state:
+(its index in the group, its incarnation). Removed when the episode ends."""
+
 SOCKET_PATH_ROOM = 60
 """Characters Ray appends to its temporary directory for a socket path (session_<date>_<pid>/sockets/plasma_store);
 a Unix socket path holds at most 107."""
@@ -126,6 +133,14 @@ class Call:
     samples: int = 0
     """Samples the call carries (prompts x samples, episodes): counted as retried when it is re-sent to a restarted
     actor."""
+    resend: bool = True
+    """Whether the call may be re-sent to the replacement of a dead actor. False for a call that needs what the dead
+    actor held (a multi-turn episode's work directory): it then raises `EpisodeLost` (counting its samples as
+    retried), and the caller starts the episode again."""
+    incarnation: int | None = None
+    """For a call that needs what one actor holds: the incarnation of the actor that holds it (`WorkerGroup.
+    incarnations`); when the actor at `index` has been replaced since, the call is not sent and raises
+    `EpisodeLost`."""
 
 
 class WorkerGroup:
@@ -143,6 +158,9 @@ class WorkerGroup:
         self.name, self.make, self.timeout_s, self.max_restarts = name, make, timeout_s, max_restarts
         self.on_restart, self.mask = on_restart, mask
         self.actors = [make() for _ in range(count)]
+        self.incarnations = [0] * count
+        """Per actor: how many times it was replaced (what an episode held by one actor records, to find out that
+        the actor holding it is gone)."""
         self.last_progress = time.monotonic()
         self.restarts = 0
         self.retried_samples = 0
@@ -176,6 +194,11 @@ class WorkerGroup:
                     break
                 except RayActorError as error:
                     self.restart(call.index, actor, error, f"`{call.method}` (waiting for {waiting_for})")
+                    if not call.resend:  # what the call needs died with the actor: the caller starts again
+                        with self._lock:
+                            self.retried_samples += call.samples
+                        raise EpisodeLost(f"{self.worker_name(call.index)} died during `{call.method}` (waiting for "
+                                          f"{waiting_for}): {one_line(error)}")
                     if self.mask is not None and call.samples:  # its samples are masked, not sampled again
                         with self._lock:
                             self.masked_samples += call.samples
@@ -193,6 +216,10 @@ class WorkerGroup:
     def _send(self, call: Call) -> tuple[Any, Any]:
         """(the actor, the object ref of its answer); waits while a replacement catches up (`restart`)."""
         with self._lock:
+            if call.incarnation is not None and call.incarnation != self.incarnations[call.index]:
+                self.retried_samples += call.samples
+                raise EpisodeLost(f"{self.worker_name(call.index)}, which held what `{call.method}` needs, died and "
+                                  "was replaced")
             actor = self.actors[call.index]
             return actor, getattr(actor, call.method).remote(*call.args)
 
@@ -220,6 +247,7 @@ class WorkerGroup:
                                "re-run the same command to resume from the newest checkpoint") from None
             ray.kill(dead, no_restart=True)
             self.actors[index] = self.make()
+            self.incarnations[index] += 1
             self.restarts += 1
             deadline = time.monotonic() + self.timeout_s
             catch_up = [Call(index, "ready"), *(self.on_restart(index) if self.on_restart is not None else [])]
@@ -628,16 +656,21 @@ class RayGenerator:
 
 @ray.remote
 class EnvironmentActor:
-    """An environment built in this actor's process from its config section."""
+    """An environment built in this actor's process from its config section (`build(section, *args)`)."""
 
-    def __init__(self, build: Callable[[Any], Any], section: Any):
-        self.environment = build(section)
+    def __init__(self, build: Callable[..., Any], section: Any, *args: Any):
+        self.environment = build(section, *args)
 
     def ready(self) -> bool:
         return True
 
     def reward_weights(self) -> dict[str, float]:
         return dict(getattr(self.environment, "reward_weights", {}))  # only multi-component environments have it
+
+    def tool_use(self) -> ToolUse | None:
+        """The tools (their schemas) and token budget of the environment built here, or None: the driver renders
+        the prompts and observations offering the tools from this, the one description of them."""
+        return tool_use_of(self.environment)
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:
         return self.environment.step(message_logs, metadata)
@@ -654,15 +687,24 @@ def masked_rewards(call: Call, why: str) -> EnvStep:
 
 
 class RayEnvironment:
-    """The `Environment` protocol over a group of `EnvironmentActor`s (see the module docstring)."""
+    """The `Environment` protocol over a group of `EnvironmentActor`s (see the module docstring).
 
-    def __init__(self, group: WorkerGroup, reward_weights: dict[str, float]):
+    tool_use: the tools of the environment the actors built (None when it offers none). The episodes of an
+    environment that offers tools hold state in the actor that stepped their first turn (work directories, sandboxed
+    checkouts): every later turn goes to that actor (`HOLDER_KEY` in the episode's metadata while it runs), and when
+    that actor has died and been replaced the step raises `EpisodeLost`, so that the rollout starts the episode
+    again from its first turn; the call is never re-sent to the replacement, which lacks the episode's state."""
+
+    def __init__(self, group: WorkerGroup, reward_weights: dict[str, float], tool_use: ToolUse | None):
         self.group = group
         self.reward_weights = reward_weights
+        self.tool_use = tool_use
         self._next = itertools.count()
         self._lock = threading.Lock()
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:
+        if len(message_logs) == 1 and self.tool_use is not None:
+            return self._step_episode(message_logs[0], metadata[0])
         actors = self.group.actors
         if len(message_logs) == 1:  # one episode (multi-turn): the next actor in turn
             with self._lock:
@@ -675,6 +717,22 @@ class RayEnvironment:
         results = self.group.call(calls, f"the rewards of {len(message_logs)} episodes")
         return EnvStep(*([item for result in results for item in getattr(result, field)]
                          for field in ("rewards", "done", "observations", "errors", "metadata")))
+
+    def _step_episode(self, messages: list[Message], row: dict[str, Any]) -> EnvStep:
+        """One turn of a tool-using episode, on the actor holding it (the next in turn for a first turn)."""
+        holder = row.get(HOLDER_KEY)
+        if holder is None:
+            with self._lock:
+                index = next(self._next) % len(self.group.actors)
+            holder = (index, self.group.incarnations[index])
+        index, incarnation = holder
+        turn = sum(message["role"] == "assistant" for message in messages)
+        row = {key: value for key, value in row.items() if key != HOLDER_KEY}
+        call = Call(index, "step", ([messages], [row]), samples=1, resend=False, incarnation=incarnation)
+        (result,) = self.group.call([call], f"the environment's answer to turn {turn} of an episode")
+        if not result.done[0]:
+            result.metadata[0] = {**result.metadata[0], HOLDER_KEY: holder}
+        return result
 
     def close(self) -> None:
         """Let each actor's environment release what it holds (reward worker processes), then kill the actors; a
@@ -859,18 +917,22 @@ class RayCluster:
         group.connect()
         return group
 
-    def environment(self, build: Callable[[Any], Any], section: Any) -> RayEnvironment:
-        """cluster.environment_workers environment actors, each running `build(section)` (a module-level function,
-        so that it travels by name)."""
+    def environment(self, build: Callable[..., Any], section: Any, *args: Any, concurrency: int = 1
+                    ) -> RayEnvironment:
+        """cluster.environment_workers environment actors, each running `build(section, *args)` (a module-level
+        function, so that it travels by name) and answering up to `concurrency` calls at once (each in a thread of
+        its own: the environment must take `step` calls from several threads, as tool environments do)."""
         actor = EnvironmentActor.options(num_cpus=self.section.cpus_per_environment_worker,
                                          num_gpus=self.section.gpus_per_environment_worker,
-                                         scheduling_strategy=self._placement("environment"))
+                                         scheduling_strategy=self._placement("environment"),
+                                         max_concurrency=concurrency)
         masks = self.section.on_actor_failure == "mask"
-        group = self._start(WorkerGroup("environment", lambda: actor.remote(build, section),
+        group = self._start(WorkerGroup("environment", lambda: actor.remote(build, section, *args),
                                         self.section.environment_workers, self.section.timeout_s,
                                         self.section.max_restarts, mask=masked_rewards if masks else None))
         weights = group.call([Call(0, "reward_weights")], "the environment's reward weights")[0]
-        return RayEnvironment(group, weights)
+        tool_use = group.call([Call(0, "tool_use")], "the environment's tools")[0]
+        return RayEnvironment(group, weights, tool_use)
 
     def metrics(self) -> dict[str, float]:
         """Per worker group, logged every step: heartbeat/<group>_seconds (since it last answered a call),

@@ -37,6 +37,12 @@ class EnvStep:
     """[N] per-rollout details to carry to the next turn and to metrics (for example `correct`)."""
 
 
+class EpisodeLost(Exception):
+    """Raised by an environment's `step` for an episode whose state it no longer holds: the process that held the
+    episode's work directory, sandbox or checkout died (a Ray environment actor, replaced). The rollout then
+    restarts the episode from its first turn; nothing of its earlier turns is kept."""
+
+
 @runtime_checkable
 class Environment(Protocol):
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:

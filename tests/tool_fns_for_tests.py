@@ -1,0 +1,58 @@
+"""Tool functions for the tests, loaded by path ("tests/tool_fns_for_tests.py:NAME") where the environment is built,
+in a Ray environment actor too."""
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+
+def process_id() -> str:
+    """The id of the process that runs the tool."""
+    return str(os.getpid())
+
+
+def never_returns(question: str) -> str:
+    """A tool that never answers (a stuck service).
+
+    Args:
+        question: what it is asked
+    """
+    time.sleep(3600)
+    return question
+
+
+def rendezvous(meeting: str, party: str) -> str:
+    """Wait up to 20 s for a second party to the same meeting in this process: "met" when one came, "alone" when
+    none did.
+
+    Args:
+        meeting: the meeting's name
+        party: the caller's name, unique in the meeting
+    """
+    folder = Path(tempfile.gettempdir()) / f"posttrain-rendezvous-{meeting}-{os.getpid()}"
+    folder.mkdir(exist_ok=True)
+    (folder / party).touch()
+    give_up = time.monotonic() + 20
+    while time.monotonic() < give_up:
+        if len(list(folder.iterdir())) >= 2:
+            return "met"
+        time.sleep(0.01)
+    return "alone"
+
+
+def wait_for_the_next_step(metrics: str) -> str:
+    """Once a run has logged a step, wait (up to 60 s) until it logs the next one, which comes after its next weight
+    push: what the episode samples after this answer, newer weights sample. Before the first step, no wait.
+
+    Args:
+        metrics: the run's metrics.jsonl
+    """
+    path = Path(metrics)
+    logged = len(path.read_text().splitlines()) if path.is_file() else 0
+    give_up = time.monotonic() + 60
+    while logged and time.monotonic() < give_up:
+        if len(path.read_text().splitlines()) > logged:
+            return "next"
+        time.sleep(0.01)
+    return "first" if not logged else "timed out"
