@@ -768,17 +768,18 @@ class RolloutSection(SamplingSection):
     asynchronous: bool = False
     """Asynchronous RL (cluster.backend=ray, docs/ray.md): the generation actors sample the next steps' prompts while
     the policy trains, up to max_staleness policy versions behind it; needs loss.importance_correction to correct
-    for the older sampling policy, and single-turn episodes without dynamic sampling."""
+    for the older sampling policy, and single-turn episodes."""
 
     max_staleness: int = Field(1, ge=1)
     """asynchronous: how many policy versions (optimizer steps) the weights that sampled an episode may lag the
     policy that trains on it; max_staleness + 1 sampling rounds are in flight."""
 
     group_timeout_s: float | None = Field(None, gt=0)
-    """asynchronous: seconds a group's scoring may take once its round's completions have arrived (each group is
-    then scored by a call of its own); a group not scored by then is dropped, never trained on, and counted
-    (rollout/timed_out_groups). Its prompt is not sampled again. null: every group is waited for (up to
-    cluster.timeout_s)."""
+    """asynchronous: seconds a group may take to be generated and scored once the first of its round's completions
+    have arrived (each generation actor's share is waited for on its own, and each group scored by a call of its
+    own as soon as its completions arrive); a group not scored by then is dropped, never trained on, and counted
+    (rollout/timed_out_groups; rollout/generation_timed_out_groups for those whose completions had not arrived). Its
+    prompt is not sampled again. null: every group is waited for (up to cluster.timeout_s)."""
 
     in_flight_updates: bool = False
     """asynchronous: a round's completions are sampled in chunks of in_flight_chunk_tokens tokens, each chunk a
@@ -841,6 +842,13 @@ class ClusterSection(NumericSection):
 
     cpus_per_environment_worker: float = Field(1.0, gt=0)
     """ray: CPUs Ray reserves for each environment actor."""
+
+    environment_concurrency: int = Field(1, gt=0)
+    """ray: environment calls each environment actor runs at once, in threads of its process (Ray's max_concurrency):
+    with rollout.group_timeout_s every group is a call of its own, and one that straggles (a slow judge) then holds
+    a thread, not the groups queued behind it. Above 1 the environment's step must be safe to call from several
+    threads (the built-in ones are; math with num_workers=0 refuses, math-verify timing itself with signal.alarm,
+    which needs the main thread)."""
 
     gpus_per_environment_worker: float = Field(0.0, ge=0)
     """ray: GPUs reserved for each environment actor (a reward model or judge the environment loads); refused at
@@ -1364,13 +1372,11 @@ class OnlineRLConfig(RecipeConfig):
         if self.rollout.asynchronous:
             problems = {"cluster.backend=ray": self.cluster.backend == "ray",
                         "rollout.max_turns=1": self.rollout.max_turns == 1,
-                        "rollout.dynamic_sampling=false": not self.rollout.dynamic_sampling,
                         "loss.importance_correction other than none": self.loss.importance_correction != "none"}
             if missing := [need for need, met in problems.items() if not met]:
                 raise ValueError(f"rollout.asynchronous=true needs {', '.join(missing)} (episodes sampled by an older "
                                  "policy need the importance correction between generator and trainer; generation "
-                                 "runs ahead in Ray actors; multi-turn and dynamic-sampling rounds are not pipelined "
-                                 "yet)")
+                                 "runs ahead in Ray actors; multi-turn rounds are not pipelined yet)")
             updates = self.update.ppo_epochs * self.update.num_minibatches
             if updates > 1:
                 raise ValueError(f"rollout.asynchronous=true with update.ppo_epochs × update.num_minibatches = {updates} "
@@ -1449,7 +1455,7 @@ class OnlineRLConfig(RecipeConfig):
                              "processes torchrun starts: --nproc-per-node)")
         else:
             for key in ("reference_workers", "teacher_workers", "gpus_per_generation_worker",
-                        "gpus_per_environment_worker", "cpus_per_scoring_worker", "gpus_per_scoring_worker"):
+                        "gpus_per_environment_worker", "environment_concurrency", "cpus_per_scoring_worker", "gpus_per_scoring_worker"):
                 if key in self.cluster.model_fields_set:
                     raise ValueError(f"cluster.{key} needs cluster.backend=ray (Ray worker groups and their "
                                      "placement)")

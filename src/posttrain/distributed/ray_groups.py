@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import queue
 import shutil
 import signal
 import tempfile
@@ -73,7 +74,7 @@ from posttrain.config.schema import ClusterSection, LoraSection, ModelConfig, Tr
 from posttrain.data.types import RolloutBatch
 from posttrain.envs.base import EnvStep, Message
 from posttrain.errors import RunError
-from posttrain.generation.base import Completion, GenerationOutput, SamplingParams, weight_buckets
+from posttrain.generation.base import Completion, GenerationOutput, SamplingParams, SubmittedBlock, weight_buckets
 from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.models.loading import default_device, load_causal_lm
 from posttrain.preemption import PREEMPTION_SIGNALS
@@ -110,6 +111,10 @@ from posttrain.workers.local import LocalScoringWorker
 HOLDER = -1
 """The weights' holder (the policy group's rank 0 or the driver) among the members of a weight-sync group, whose
 generation actors are numbered 0..N-1 as their worker group numbers them."""
+
+ENVIRONMENT_COPY_WAIT_S = 60.0
+"""How long an environment call waits for a free copy of the environment (never, when Ray's max_concurrency equals
+the copies; the bound says so if that ever breaks)."""
 
 SOCKET_PATH_ROOM = 60
 """Characters Ray appends to its temporary directory for a socket path (session_<date>_<pid>/sockets/plasma_store);
@@ -406,6 +411,21 @@ class RayGenerator:
         push sent after it (asynchronous rollouts), and while a push is under way it is sent once the push ends. The
         output's extra["weights_versions"] lists the version each actor sampled its share with."""
         started = time.perf_counter()
+        blocks = self.submit_blocks(prompts, params, num_samples)
+
+        def output() -> GenerationOutput:
+            outputs = [block.wait() for block in blocks]
+            return GenerationOutput([samples for output in outputs for samples in output.completions],
+                                    time.perf_counter() - started, sum(o.num_generated_tokens for o in outputs),
+                                    {"weights_versions": [v for o in outputs for v in o.extra["weights_versions"]]})
+
+        return output
+
+    def submit_blocks(self, prompts: list[list[int]], params: SamplingParams,
+                      num_samples: int = 1) -> list[SubmittedBlock]:
+        """`submit`, with each actor's share waited for on its own: a block of contiguous prompts per actor (one
+        block for a whole-call seed), so that a caller can use the blocks that answered while another straggles
+        (rollout.group_timeout_s). Each block's wait has a cluster.timeout_s deadline from when it is asked."""
         params.check_seeds_fit(len(prompts))
         actors = len(self.group.actors) if params.seed is None else 1  # a whole-call seed: one stream, one actor
         calls = []
@@ -415,15 +435,17 @@ class RayGenerator:
                               samples=(stop - start) * num_samples))
         with self._push_lock:
             sent = self.group.send(calls)
-
-        def output() -> GenerationOutput:
-            outputs = self.group.collect(sent, f"{len(prompts)} prompts x {num_samples} samples of up to "
-                                         f"{params.max_new_tokens} tokens")
-            return GenerationOutput([samples for output in outputs for samples in output.completions],
-                                    time.perf_counter() - started, sum(o.num_generated_tokens for o in outputs),
-                                    {"weights_versions": [o.extra["weights_version"] for o in outputs]})
-
-        return output
+        blocks = []
+        for (start, stop), one in zip(contiguous_blocks(len(prompts), actors), sent, strict=True):
+            def wait(one=one, start=start, stop=stop) -> GenerationOutput:
+                started = time.perf_counter()
+                output, = self.group.collect([one], f"prompts {start}..{stop - 1} of {len(prompts)} x {num_samples} "
+                                             f"samples of up to {params.max_new_tokens} tokens")
+                return GenerationOutput(output.completions, time.perf_counter() - started,
+                                        output.num_generated_tokens,
+                                        {"weights_versions": [output.extra["weights_version"]]})
+            blocks.append(SubmittedBlock(start, stop, wait))
+        return blocks
 
     def update_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Send policy `version`'s weights to every actor, one bucket of weight_sync.bucket_mb in flight at a time;
@@ -628,22 +650,34 @@ class RayGenerator:
 
 @ray.remote
 class EnvironmentActor:
-    """An environment built in this actor's process from its config section."""
+    """`copies` environments built in this actor's process from their config section (cluster.environment_concurrency:
+    the actor runs that many calls at once, in threads). Each call takes a copy no other call holds, so an
+    environment is never stepped from two threads at once (a reward worker pool serves one call at a time)."""
 
-    def __init__(self, build: Callable[[Any], Any], section: Any):
-        self.environment = build(section)
+    def __init__(self, build: Callable[[Any], Any], section: Any, copies: int = 1):
+        self.environments = [build(section) for _ in range(copies)]
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        for environment in self.environments:
+            self._free.put(environment)
 
     def ready(self) -> bool:
         return True
 
     def reward_weights(self) -> dict[str, float]:
-        return dict(getattr(self.environment, "reward_weights", {}))  # only multi-component environments have it
+        # Only multi-component environments have it.
+        return dict(getattr(self.environments[0], "reward_weights", {}))
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:
-        return self.environment.step(message_logs, metadata)
+        # Ray runs at most `copies` calls at once (max_concurrency), so a copy is free: the wait is for a release.
+        environment = self._free.get(timeout=ENVIRONMENT_COPY_WAIT_S)
+        try:
+            return environment.step(message_logs, metadata)
+        finally:
+            self._free.put(environment)
 
     def close(self) -> None:
-        self.environment.close()
+        for environment in self.environments:
+            environment.close()
 
 
 def masked_rewards(call: Call, why: str) -> EnvStep:
@@ -864,9 +898,11 @@ class RayCluster:
         so that it travels by name)."""
         actor = EnvironmentActor.options(num_cpus=self.section.cpus_per_environment_worker,
                                          num_gpus=self.section.gpus_per_environment_worker,
+                                         max_concurrency=self.section.environment_concurrency,
                                          scheduling_strategy=self._placement("environment"))
         masks = self.section.on_actor_failure == "mask"
-        group = self._start(WorkerGroup("environment", lambda: actor.remote(build, section),
+        copies = self.section.environment_concurrency
+        group = self._start(WorkerGroup("environment", lambda: actor.remote(build, section, copies),
                                         self.section.environment_workers, self.section.timeout_s,
                                         self.section.max_restarts, mask=masked_rewards if masks else None))
         weights = group.call([Call(0, "reward_weights")], "the environment's reward weights")[0]
