@@ -6,6 +6,7 @@ import importlib.util
 import math
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,58 @@ def test_ray_weight_sync_is_versioned_bucketed_and_bitwise_and_the_actors_logpro
     assert check.tensors == 39 and not check.differing_tensors and check.bytes_sent > 4 * 2**20
     assert check.logprobs_bitwise_equal and check.logprob_max_difference == 0.0
     assert check.sampled_mismatch_max < 1e-4  # the sampler's KV-cached decode, not bitwise but close
+
+
+@needs_ray
+def test_the_groups_of_a_straggling_generation_actor_are_dropped_past_the_group_timeout(tmp_path):
+    """RayGenerator.submit_blocks over two stand-in generation actors (no model), the second of which takes 8 s: its
+    groups are dropped once group_timeout_s has passed since the first actor's share arrived, the others scored."""
+    import ray
+
+    from posttrain.algorithms.rollout import PromptRow, sample_and_score_within
+    from posttrain.config.schema import ClusterSection
+    from posttrain.distributed.ray_groups import RayGenerator
+    from posttrain.envs.base import EnvStep
+    from posttrain.generation.base import Completion, GenerationOutput, SamplingParams
+
+    @ray.remote
+    class StandIn:
+        def __init__(self, index: int):
+            self.index = index
+
+        def ready(self):
+            return True
+
+        def generate(self, prompts, params, num_samples):
+            if self.index == 1:
+                time.sleep(8)
+            return GenerationOutput([[Completion(list(p), [5], [-0.5], "5", "stop")] * num_samples for p in prompts],
+                                    num_generated_tokens=len(prompts) * num_samples, extra={"weights_version": 3})
+
+    class Rows:
+        def step(self, message_logs, metadata):
+            n = len(metadata)
+            return EnvStep([float(m["row"]) for m in metadata], [True] * n, [None] * n, [None] * n,
+                           [dict(m) for m in metadata])
+
+    temp_dir = tempfile.mkdtemp(prefix="pt-ray-")
+    ray.init(num_cpus=2, _temp_dir=temp_dir, include_dashboard=False)
+    try:
+        made = iter(range(2))
+        generator = RayGenerator(lambda: StandIn.remote(next(made)), 2, ClusterSection(timeout_s=60), 2**20)
+        rows = [PromptRow(f"p{i}", [10 + i], {"row": i}) for i in range(4)]
+        blocks = generator.submit_blocks([r.prompt_ids for r in rows], SamplingParams(max_new_tokens=1,
+                                                                                      seeds=(1, 2, 3, 4)), 2)
+        assert [(b.start, b.stop) for b in blocks] == [(0, 2), (2, 4)]
+        started = time.monotonic()
+        within = sample_and_score_within(rows, 100, 2, blocks, Rows(), None, timeout_s=2)
+        assert time.monotonic() - started < 7  # the straggler was not waited for
+        assert within.generation_timed_out == [102, 103] and within.scoring_timed_out == []
+        assert [(e.group_id, e.reward, e.policy_version) for e in within.episodes] == [
+            (100, 0.0, 3), (100, 0.0, 3), (101, 1.0, 3), (101, 1.0, 3)]
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 # ---- deadlines ---------------------------------------------------------------------------------------------------
