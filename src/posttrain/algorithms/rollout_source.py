@@ -6,8 +6,8 @@ The loop neither draws prompts nor counts sampling rounds: the source does. `Syn
 step's groups when asked, from the generator's current weights (every episode records the policy version that
 sampled it), including DAPO's dynamic sampling (more rounds until enough groups carry reward variance).
 `AsynchronousRolloutSource` (rollout.asynchronous, Ray generation actors) keeps the rounds of the next
-rollout.max_staleness steps in flight while the policy trains; agent loops will implement the same protocol. The
-loop does not change.
+rollout.max_staleness steps in flight while the policy trains, with dynamic sampling too (a step takes further rounds
+from the queue); agent loops will implement the same protocol. The loop does not change.
 
 A source owns the prompt sampler's draws, the run's group counter (which seeds sampling, so a resumed run samples
 what an uninterrupted one would) and the reward-error budget; `state_dict` / `load_state_dict` carry them through
@@ -191,6 +191,11 @@ class AsynchronousRolloutSource:
     arrives, and a group not generated and scored within that many seconds of the round's first share is dropped,
     counted (rollout/timed_out_groups, rollout/generation_timed_out_groups) and not sampled again: the sampler has
     moved past its prompt, as it has past every prompt of the round (`sample_and_score_within`).
+
+    With dynamic sampling a step takes rounds from the queue until rollout.prompts_per_step groups with reward
+    variance are kept or rollout.max_sampling_rounds were taken, each taken round replaced at once (sent with the
+    current weights): every step sends at least one round, so the rounds in flight were all sent within the last
+    max_staleness + 1 steps and the bound holds, whatever a step takes.
 
     `state_dict` waits for the rounds in flight and keeps their episodes (and which of their groups timed out), so
     a resumed run trains on exactly the episodes an uninterrupted one would (it is called only when a checkpoint is

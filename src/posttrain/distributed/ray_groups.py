@@ -21,12 +21,14 @@ What this first slice builds, and where it departs from the full design:
   weights, and the next push re-forms the group with it.
 - `RayGenerator.submit` sends a generation call at once and waits for it later: an actor answers calls in the
   order they were sent, so a call sent before a weight push samples from the weights before it (asynchronous
-  rollouts, algorithms/rollout_source.py).
+  rollouts, algorithms/rollout_source.py); `submit_blocks` lets the caller wait for each actor's share on its own
+  (rollout.group_timeout_s drops the groups of a share that straggles).
 - Generation actors run the transformers backend on their own copy of the model. A call whose prompts carry
   per-prompt seeds (rollout.seed_per_group) is divided among the actors in contiguous blocks; a call seeded as a
   whole draws from one stream and goes to the first actor, so it samples what one process samples.
 - Environment actors build the environment from its config section in their own process; a step's episodes are
-  divided among them in contiguous blocks, single episodes (multi-turn) go round-robin.
+  divided among them in contiguous blocks, single episodes (multi-turn) go round-robin. With
+  cluster.environment_concurrency = N an actor builds N copies and runs N calls at once, each on a copy of its own.
 - With cluster.reference_workers (teacher_workers) > 0 the reference (teacher) is a group of `ScoringActor`s
   behind the `ScoringWorker` protocol (`RayScoringGroup`): a rollout batch's micro-batches are divided among them
   in contiguous runs and the answers joined in row order.
@@ -669,7 +671,12 @@ class EnvironmentActor:
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:
         # Ray runs at most `copies` calls at once (max_concurrency), so a copy is free: the wait is for a release.
-        environment = self._free.get(timeout=ENVIRONMENT_COPY_WAIT_S)
+        try:
+            environment = self._free.get(timeout=ENVIRONMENT_COPY_WAIT_S)
+        except queue.Empty:
+            raise RuntimeError(f"no copy of the environment was free within {ENVIRONMENT_COPY_WAIT_S:g} s, although "
+                               f"the actor runs at most {len(self.environments)} calls at once "
+                               "(cluster.environment_concurrency)") from None
         try:
             return environment.step(message_logs, metadata)
         finally:
