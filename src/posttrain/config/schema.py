@@ -844,11 +844,11 @@ class ClusterSection(NumericSection):
     """ray: CPUs Ray reserves for each environment actor."""
 
     environment_concurrency: int = Field(1, gt=0)
-    """ray: environment calls each environment actor runs at once, in threads of its process (Ray's max_concurrency):
-    with rollout.group_timeout_s every group is a call of its own, and one that straggles (a slow judge) then holds
-    a thread, not the groups queued behind it. Above 1 the environment's step must be safe to call from several
-    threads (the built-in ones are; math with num_workers=0 refuses, math-verify timing itself with signal.alarm,
-    which needs the main thread)."""
+    """ray: environment calls each environment actor runs at once, in threads of its process (Ray's max_concurrency),
+    each on a copy of the environment of its own (N copies per actor: a reward model or judge loads N times): with
+    rollout.group_timeout_s every group is a call of its own, and one that straggles (a slow judge) then holds one
+    thread, not the groups queued behind it. Above 1 the calls run outside the actor's main thread: math with
+    num_workers=0 refuses that (math-verify times itself with signal.alarm); give it num_workers >= 1."""
 
     gpus_per_environment_worker: float = Field(0.0, ge=0)
     """ray: GPUs reserved for each environment actor (a reward model or judge the environment loads); refused at
