@@ -348,9 +348,22 @@ def test_asynchronous_rollouts_stay_within_the_staleness_bound_and_resume_exactl
 @pytest.mark.slow  # about 50 s: a Ray run, then the episodes' log-probabilities under every checkpointed version
 def test_in_flight_weight_updates_sample_in_chunks_and_stay_within_the_staleness_bound(tmp_path, tiny_model_dir,
                                                                                      monkeypatch):
+    import ray
+
     from posttrain.algorithms import grpo
+    from posttrain.distributed import ray_groups
     from posttrain.logging.samples import read_samples
 
+    class SlowerGenerationWorker(ray_groups.GenerationWorker):
+        """The transformers generation actor, 0.1 s slower per call (as a larger model is): a round of one-token
+        chunks then outlasts a training step of the tiny model, so the push that ends a step reaches a round in the
+        middle of its completions whatever the machine's load."""
+
+        def generate(self, prompts, params, num_samples):
+            time.sleep(0.1)
+            return super().generate(prompts, params, num_samples)
+
+    monkeypatch.setattr(ray_groups, "GenerationActor", ray.remote(SlowerGenerationWorker))
     trained = []  # (step, token ids, prompt length, generator log-probabilities, version spans, policy version)
     real_rollout_batch = grpo.rollout_batch
 
@@ -361,8 +374,7 @@ def test_in_flight_weight_updates_sample_in_chunks_and_stay_within_the_staleness
         return real_rollout_batch(episodes, cfg, run, weights, metrics)
 
     monkeypatch.setattr(grpo, "rollout_batch", recording)
-    # Completions of up to 12 tokens sampled one token per call: a round takes longer than a training step, so the
-    # push that ends a step reaches rounds in the middle of their completions.
+    # Completions of up to 12 tokens sampled one token per call.
     steps, chunk = 4, 1
     cfg = config(tmp_path, f"trainer.max_steps={steps}", "trainer.save_every=1", "trainer.keep_last=10",
                  "logging.samples_per_step=32", *ASYNC, "rollout.in_flight_updates=true", "rollout.max_new_tokens=12",
@@ -410,7 +422,8 @@ def test_in_flight_weight_updates_sample_in_chunks_and_stay_within_the_staleness
                               .abs().max()) for v, l in logits.items()}
             assert error[span_version] < 1e-4, (step, spans, error)
             assert error[span_version] == min(error.values()), (step, spans, error)
-    assert changed > 0  # the weights changed mid-generation at least once: some episode has two versions
+    # The weights changed mid-generation: some episodes have tokens of two versions.
+    assert changed > 0, [r["rollout/in_flight_updated_fraction"] for r in records]
 
 
 def test_asynchronous_rollouts_need_ray_the_importance_correction_and_single_turn_episodes(tmp_path):
