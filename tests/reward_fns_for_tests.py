@@ -96,3 +96,10 @@ def digit_fraction_third_call_straggles(prompts, completions, **kwargs):
     if _calls_before_straggling == 3:
         time.sleep(12)
     return digit_fraction(prompts, completions, **kwargs)
+
+
+def digit_fraction_or_constant(prompts, completions, **kwargs):
+    """digit_fraction for prompts whose characters' code points sum to an odd number, 0.5 for the others: about half
+    the groups carry no reward variance, whatever the policy writes (dynamic sampling filters them)."""
+    scores = digit_fraction(prompts, completions)
+    return [score if sum(map(ord, str(prompt))) % 2 else 0.5 for prompt, score in zip(prompts, scores)]

@@ -17,7 +17,7 @@ from posttrain.config.schema import GRPOConfig
 from posttrain.data.sampler import EpochSampler
 from posttrain.envs.base import EnvStep
 from posttrain.envs.rewards import RewardErrorBudget
-from posttrain.generation.base import Completion, GenerationOutput, SamplingParams
+from posttrain.generation.base import Completion, GenerationOutput, SamplingParams, SubmittedBlock
 
 from rl_configs import TINY_RL
 
@@ -32,8 +32,33 @@ class InstantGenerator:
 
     def submit(self, prompts, params, num_samples=1):
         output = GenerationOutput([[Completion(list(p), [7, 8], [-0.5, -0.25], "78", "stop")] * num_samples
-                                   for p in prompts], num_generated_tokens=2 * num_samples * len(prompts))
+                                   for p in prompts], num_generated_tokens=2 * num_samples * len(prompts),
+                                  extra={"weights_versions": [self.weights_version]})
         return lambda: output
+
+    def submit_blocks(self, prompts, params, num_samples=1):
+        return [SubmittedBlock(0, len(prompts), self.submit(prompts, params, num_samples))]
+
+
+class TwoActorGenerator(InstantGenerator):
+    """Two generation actors, each sampling a contiguous half of a call's prompts (`submit_blocks`); the second
+    actor's half of the first call does not answer until `release` is set (a straggling actor)."""
+
+    def __init__(self, straggles: bool = True):
+        self.release, self.calls, self.straggles = threading.Event(), 0, straggles
+
+    def submit_blocks(self, prompts, params, num_samples=1):
+        self.calls += 1
+        half = len(prompts) // 2
+        first, second = (self.submit(part, params, num_samples) for part in (prompts[:half], prompts[half:]))
+        straggles = self.straggles and self.calls == 1
+
+        def late():
+            if straggles:
+                assert self.release.wait(timeout=120), "the test never released the straggling actor"
+            return second()
+
+        return [SubmittedBlock(0, half, first), SubmittedBlock(half, len(prompts), late)]
 
 
 class StragglingEnvironment:
@@ -52,9 +77,9 @@ class StragglingEnvironment:
                        [dict(m) for m in metadata])
 
 
-def source(cfg: GRPOConfig, environment) -> AsynchronousRolloutSource:
+def source(cfg: GRPOConfig, environment, generator=None) -> AsynchronousRolloutSource:
     sampler = EpochSampler(ROWS, seed=cfg.seed, shuffle=True)
-    return AsynchronousRolloutSource(cfg, PROMPTS, sampler, InstantGenerator(), environment, None,
+    return AsynchronousRolloutSource(cfg, PROMPTS, sampler, generator or InstantGenerator(), environment, None,
                                      SamplingParams(max_new_tokens=2), {}, RewardErrorBudget(1.0), deadline_s=120)
 
 
@@ -102,6 +127,44 @@ def test_a_group_scored_past_the_group_timeout_is_dropped_counted_and_not_sample
     assert [g for g, _ in groups] == [g for g in range(32) if g != 2]
     rows = [row for _, row in groups]
     assert sorted(rows[:15]) == sorted(set(range(ROWS)) - {slow_row}) and sorted(rows[15:]) == list(range(ROWS))
+
+
+def test_the_groups_of_a_generation_actor_that_straggles_past_the_group_timeout_are_dropped_and_counted(tmp_path):
+    cfg = load_config(GRPOConfig, None, [*TINY_RL, f"output_dir={tmp_path}", "cluster.backend=ray",
+                                         "rollout.asynchronous=true", "loss.importance_correction=tis",
+                                         "rollout.group_timeout_s=2"])
+    first_round = EpochSampler(ROWS, seed=cfg.seed, shuffle=True).next_indices(8)
+    generator = TwoActorGenerator()
+    running = source(cfg, WordCount(), generator)
+    try:
+        step_1 = running.next_groups(1)
+        # The first actor's four groups were scored and trained; the straggler's four were dropped and counted.
+        assert trained(step_1) == [(g, row) for g, row in enumerate(first_round[:4])]
+        assert all(len(group) == 4 for group in step_1.groups)
+        assert step_1.metrics["rollout/generation_timed_out_groups"] == 4
+        assert step_1.metrics["rollout/timed_out_groups"] == 4 == step_1.metrics["rollout/timed_out_groups_total"]
+        state = running.state_dict()
+        assert state["generation_timed_out_groups"] == 4 and state["timed_out_groups"] == 4
+        assert state["next_group_id"] == 16
+        restored = source(cfg, WordCount(), TwoActorGenerator(straggles=False))
+        restored.load_state_dict(state)
+        restored.sampler.load_state_dict(running.sampler.state_dict())
+        generator.release.set()  # the late answer arrives now: it is never read
+        later = []
+        try:
+            for step in (2, 3):
+                a, b = running.next_groups(step), restored.next_groups(step)
+                assert trained(a) == trained(b), step
+                assert b.metrics["rollout/generation_timed_out_groups"] == 0
+                assert b.metrics["rollout/generation_timed_out_groups_total"] == 4
+                later += trained(b)
+        finally:
+            restored.close()
+    finally:
+        generator.release.set()
+        running.close()
+    # The dropped prompts were not sampled again and nothing repeats: group ids 4..7 are missing, 8..23 trained.
+    assert [g for g, _ in trained(step_1) + later] == [0, 1, 2, 3, *range(8, 24)]
 
 
 class VersionStampingGenerator:
@@ -250,3 +313,65 @@ def test_masked_samples_of_a_dead_generation_worker_are_not_scored_and_carry_the
     assert [e.reward for e in episodes] == [1.0, 1.0, None, None, 1.0, 1.0]
     assert [e.error for e in episodes[2:4]] == ["generation worker 0 of 1 died"] * 2
     assert all(e.num_sampled_tokens == 0 for e in episodes[2:4]) and episodes[0].num_sampled_tokens == 1
+
+
+class OddRowsVary:
+    """Rewards 0, 1, 0, 1, ... to the samples of odd rows and 1 to every sample of even rows: the groups of even rows
+    carry no signal (dynamic sampling filters them)."""
+
+    def step(self, message_logs, metadata):
+        count = len(metadata)
+        rewards = [float(k % 2) if m["row"] % 2 else 1.0 for k, m in enumerate(metadata)]
+        return EnvStep(rewards, [True] * count, [None] * count, [None] * count, [dict(m) for m in metadata])
+
+
+def dapo_source(cfg: GRPOConfig, generator: InstantGenerator) -> AsynchronousRolloutSource:
+    return AsynchronousRolloutSource(cfg, PROMPTS, EpochSampler(ROWS, seed=cfg.seed, shuffle=True), generator,
+                                     OddRowsVary(), None, SamplingParams(max_new_tokens=2), {}, RewardErrorBudget(1.0),
+                                     deadline_s=120, dynamic_sampling=True)
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_dynamic_sampling_rounds_filter_equal_rewards_keep_the_staleness_bound_and_resume_exactly(tmp_path,
+                                                                                                  max_staleness):
+    cfg = load_config(GRPOConfig, None, [*TINY_RL, f"output_dir={tmp_path}", "cluster.backend=ray",
+                                         "rollout.asynchronous=true", "loss.importance_correction=tis",
+                                         "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=3",
+                                         f"rollout.max_staleness={max_staleness}"])
+    generator = InstantGenerator()
+    running = dapo_source(cfg, generator)
+    steps, seen, restored = 5, [], None
+    try:
+        for step in range(1, steps + 1):
+            if step == 3:  # a checkpoint after step 2: the restored source must go on exactly as this one
+                restored = dapo_source(cfg, InstantGenerator())
+                restored.load_state_dict(running.state_dict())
+                restored.sampler.load_state_dict(running.sampler.state_dict())
+                restored.generator.weights_version = generator.weights_version
+            sampled = running.next_groups(step)
+            if restored is not None:
+                again = restored.next_groups(step)
+                assert trained(again) == trained(sampled) and again.metrics == pytest.approx(
+                    {k: v for k, v in sampled.metrics.items() if k != "rollout/wait_seconds"} |
+                    {"rollout/wait_seconds": again.metrics["rollout/wait_seconds"]}), step
+                restored.generator.weights_version = step
+            # Only groups with reward variance (odd rows), whole; a 16-row epoch holds 8 of them, so 8 groups take
+            # two rounds of 8 prompts, or three when the rounds straddle epochs.
+            assert all(row % 2 for _, row in trained(sampled)) and all(len(g) == 4 for g in sampled.groups)
+            rounds = sampled.metrics["sampling/rounds"]
+            assert 2 <= rounds <= 3 and sampled.metrics["sampling/groups_kept"] == len(sampled.groups)
+            assert sampled.metrics["sampling/groups_filtered"] == 8 * rounds - len(sampled.groups)
+            assert len(sampled.groups) == 8 or rounds == 3
+            # Within the bound, counted from each group's oldest sample; none had to be dropped for it.
+            ages = [step - 1 - e.policy_version for e in sampled.episodes]
+            assert max(ages) <= max_staleness and sampled.metrics["rollout/staleness_max"] == max(ages)
+            assert sampled.metrics["rollout/stale_groups_dropped"] == 0
+            seen += trained(sampled)
+            generator.weights_version = step  # the weight push that ends the step
+    finally:
+        running.close()
+        if restored is not None:
+            restored.close()
+    ids = [g for g, _ in seen]
+    assert ids == sorted(set(ids))  # no group trained twice, in draw order
+    assert generator.weights_version == steps and max(ids) < 8 * 3 * steps

@@ -399,7 +399,7 @@ def test_grpo_logs_training_samples_and_evaluation_sets_without_changing_the_run
     samples = read_samples(tmp_path / "evaluated" / "samples.jsonl")
     assert [(s["step"], s["split"]) for s in samples] == \
         [(1, "train")] * 4 + [(2, "train")] * 4 + [(2, "eval/arith")] * 2
-    assert all(set(s) == SAMPLE_KEYS | ({"group_id", "policy_version"} if s["split"] == "train" else set())
+    assert all(set(s) == SAMPLE_KEYS | ({"group_id", "policy_version", "version_spans"} if s["split"] == "train" else set())
                for s in samples)
     train = [s for s in samples if s["split"] == "train"]
     # digit_fraction scores the completion itself; python rewards judge no correctness.

@@ -3,8 +3,10 @@ weight sync to them, deadlines, replaced actors, asynchronous rollouts. One smal
 them one at a time); the Ray tests are skipped when ray is not installed."""
 
 import importlib.util
+import math
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -12,8 +14,9 @@ import torch
 
 from posttrain.algorithms.grpo import train_grpo
 from posttrain.config import load_config
-from posttrain.config.schema import GRPOConfig
+from posttrain.config.schema import GRPOConfig, ModelConfig
 from posttrain.logging import read_metrics
+from posttrain.models.loading import load_causal_lm
 
 from rl_configs import DIGITS, TINY_RL
 
@@ -126,6 +129,58 @@ def test_ray_weight_sync_is_versioned_bucketed_and_bitwise_and_the_actors_logpro
     assert check.tensors == 39 and not check.differing_tensors and check.bytes_sent > 4 * 2**20
     assert check.logprobs_bitwise_equal and check.logprob_max_difference == 0.0
     assert check.sampled_mismatch_max < 1e-4  # the sampler's KV-cached decode, not bitwise but close
+
+
+@needs_ray
+def test_the_groups_of_a_straggling_generation_actor_are_dropped_past_the_group_timeout(tmp_path):
+    """RayGenerator.submit_blocks over two stand-in generation actors (no model), the second of which takes 8 s: its
+    groups are dropped once group_timeout_s has passed since the first actor's share arrived, the others scored."""
+    import ray
+
+    from posttrain.algorithms.rollout import PromptRow, sample_and_score_within
+    from posttrain.config.schema import ClusterSection
+    from posttrain.distributed.ray_groups import RayGenerator
+    from posttrain.envs.base import EnvStep
+    from posttrain.generation.base import Completion, GenerationOutput, SamplingParams
+
+    @ray.remote
+    class StandIn:
+        def __init__(self, index: int):
+            self.index = index
+
+        def ready(self):
+            return True
+
+        def generate(self, prompts, params, num_samples):
+            if self.index == 1:
+                time.sleep(8)
+            return GenerationOutput([[Completion(list(p), [5], [-0.5], "5", "stop")] * num_samples for p in prompts],
+                                    num_generated_tokens=len(prompts) * num_samples, extra={"weights_version": 3})
+
+    class Rows:
+        def step(self, message_logs, metadata):
+            n = len(metadata)
+            return EnvStep([float(m["row"]) for m in metadata], [True] * n, [None] * n, [None] * n,
+                           [dict(m) for m in metadata])
+
+    temp_dir = tempfile.mkdtemp(prefix="pt-ray-")
+    ray.init(num_cpus=2, _temp_dir=temp_dir, include_dashboard=False)
+    try:
+        made = iter(range(2))
+        generator = RayGenerator(lambda: StandIn.remote(next(made)), 2, ClusterSection(timeout_s=60), 2**20)
+        rows = [PromptRow(f"p{i}", [10 + i], {"row": i}) for i in range(4)]
+        blocks = generator.submit_blocks([r.prompt_ids for r in rows], SamplingParams(max_new_tokens=1,
+                                                                                      seeds=(1, 2, 3, 4)), 2)
+        assert [(b.start, b.stop) for b in blocks] == [(0, 2), (2, 4)]
+        started = time.monotonic()
+        within = sample_and_score_within(rows, 100, 2, blocks, Rows(), None, timeout_s=2)
+        assert time.monotonic() - started < 7  # the straggler was not waited for
+        assert within.generation_timed_out == [102, 103] and within.scoring_timed_out == []
+        assert [(e.group_id, e.reward, e.policy_version) for e in within.episodes] == [
+            (100, 0.0, 3), (100, 0.0, 3), (101, 1.0, 3), (101, 1.0, 3)]
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 # ---- deadlines ---------------------------------------------------------------------------------------------------
@@ -290,21 +345,85 @@ def test_asynchronous_rollouts_stay_within_the_staleness_bound_and_resume_exactl
 
 
 @needs_ray
-@pytest.mark.slow  # about 40 s: a Ray run
-def test_in_flight_weight_updates_sample_in_chunks_and_stay_within_the_staleness_bound(tmp_path, tiny_model_dir):
+@pytest.mark.slow  # about 50 s: a Ray run, then the episodes' log-probabilities under every checkpointed version
+def test_in_flight_weight_updates_sample_in_chunks_and_stay_within_the_staleness_bound(tmp_path, tiny_model_dir,
+                                                                                     monkeypatch):
+    import ray
+
+    from posttrain.algorithms import grpo
+    from posttrain.distributed import ray_groups
     from posttrain.logging.samples import read_samples
 
-    train_grpo(config(tmp_path, "trainer.max_steps=4", "logging.samples_per_step=32", *ASYNC,
-                      "rollout.in_flight_updates=true", "rollout.in_flight_chunk_tokens=2"))
+    class SlowerGenerationWorker(ray_groups.GenerationWorker):
+        """The transformers generation actor, 0.1 s slower per call (as a larger model is): a round of one-token
+        chunks then outlasts a training step of the tiny model, so the push that ends a step reaches a round in the
+        middle of its completions whatever the machine's load."""
+
+        def generate(self, prompts, params, num_samples):
+            time.sleep(0.1)
+            return super().generate(prompts, params, num_samples)
+
+    monkeypatch.setattr(ray_groups, "GenerationActor", ray.remote(SlowerGenerationWorker))
+    trained = []  # (step, token ids, prompt length, generator log-probabilities, version spans, policy version)
+    real_rollout_batch = grpo.rollout_batch
+
+    def recording(episodes, cfg, run, weights, metrics):  # called once per step that trains
+        step = len({t[0] for t in trained}) + 1
+        trained.extend((step, list(e.token_ids), e.prompt_length, list(e.generator_logprobs), list(e.version_spans),
+                        e.policy_version) for e in episodes)
+        return real_rollout_batch(episodes, cfg, run, weights, metrics)
+
+    monkeypatch.setattr(grpo, "rollout_batch", recording)
+    # Completions of up to 12 tokens sampled one token per call.
+    steps, chunk = 4, 1
+    cfg = config(tmp_path, f"trainer.max_steps={steps}", "trainer.save_every=1", "trainer.keep_last=10",
+                 "logging.samples_per_step=32", *ASYNC, "rollout.in_flight_updates=true", "rollout.max_new_tokens=12",
+                 f"rollout.in_flight_chunk_tokens={chunk}")
+    train_grpo(cfg)
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for record in records:  # every batch within the bound, counted from each episode's oldest token
         assert record["rollout/staleness_max"] <= 1 and record["rollout/stale_groups_dropped"] == 0
         assert 0 <= record["rollout/in_flight_updated_fraction"] <= 1
         assert record["is_weight_mean"] > 0
+        assert all(math.isfinite(record[key]) for key in ("reward/mean", "loss", "grad_norm", "is_weight_mean"))
     samples = read_samples(tmp_path / "samples.jsonl")
-    assert len(samples) == 4 * 32
+    assert len(samples) == 4 * 32 == len(trained)
     assert all(s["step"] - 2 <= s["policy_version"] <= s["step"] - 1 for s in samples)
+
+    # The weights of every version: 0 is the starting model, k the policy checkpointed after step k.
+    versions = {0: load_causal_lm(ModelConfig(name_or_path="posttrain/tiny")).eval()}
+    for k in range(1, steps):
+        versions[k] = load_causal_lm(ModelConfig(name_or_path=str(tmp_path / "checkpoints" / f"step_{k}" / "policy")
+                                                 )).eval()
+    changed = 0
+    for (step, ids, prompt_length, logprobs, spans, version), sample in zip(trained, samples, strict=True):
+        assert sample["step"] == step and sample["policy_version"] == version
+        assert sample["version_spans"] == [list(span) for span in spans]
+        completion = len(ids) - prompt_length
+        starts = [start for start, _ in spans]
+        # Spans start at chunk boundaries, in order, inside the completion; each later span a newer version, every
+        # one within the bound of the step that trains on it; the episode's age counts from its oldest token.
+        assert starts[0] == 0 and starts == sorted(set(starts)) and all(s % chunk == 0 and s < completion
+                                                                        for s in starts)
+        span_versions = [v for _, v in spans]
+        assert span_versions == sorted(set(span_versions)) and step - 2 <= span_versions[0] <= span_versions[-1]
+        assert span_versions[-1] <= step - 1 and version == span_versions[0]
+        changed += len(spans) > 1
+        # Each span's tokens were sampled by the version it names: the sampler's log-probabilities are that
+        # version's (to float32 rounding of the KV-cached decode) and no other version explains them better.
+        with torch.no_grad():
+            logits = {v: model(torch.tensor([ids])).logits[0, prompt_length - 1:-1].float() / cfg.rollout.temperature
+                      for v, model in versions.items()}
+        for (start, span_version), end in zip(spans, starts[1:] + [completion]):
+            tokens = torch.tensor(ids[prompt_length + start:prompt_length + end])
+            sampler = torch.tensor(logprobs[start:end])
+            error = {v: float((torch.log_softmax(l[start:end], -1).gather(1, tokens[:, None])[:, 0] - sampler)
+                              .abs().max()) for v, l in logits.items()}
+            assert error[span_version] < 1e-4, (step, spans, error)
+            assert error[span_version] == min(error.values()), (step, spans, error)
+    # The weights changed mid-generation: some episodes have tokens of two versions.
+    assert changed > 0, [r["rollout/in_flight_updated_fraction"] for r in records]
 
 
 def test_asynchronous_rollouts_need_ray_the_importance_correction_and_no_dynamic_sampling(tmp_path):
@@ -312,8 +431,17 @@ def test_asynchronous_rollouts_need_ray_the_importance_correction_and_no_dynamic
 
     with pytest.raises(ConfigError, match="needs cluster.backend=ray, loss.importance_correction other than none"):
         config(tmp_path, "rollout.asynchronous=true")
-    with pytest.raises(ConfigError, match="needs rollout.dynamic_sampling=false"):
-        config(tmp_path, *ASYNC, "rollout.dynamic_sampling=true")
+    assert config(tmp_path, *ASYNC, "rollout.dynamic_sampling=true").rollout.dynamic_sampling  # pipelined
+    with pytest.raises(ConfigError, match="rollout.dynamic_sampling=true with rollout.asynchronous=true needs "
+                                          "rollout.max_turns=1"):  # multi-turn rounds: not with dynamic sampling
+        config(tmp_path, *ASYNC, "rollout.max_turns=2", "rollout.dynamic_sampling=true")
+    with pytest.raises(ConfigError, match="cluster.environment_concurrency needs cluster.backend=ray"):
+        config(tmp_path, "cluster.environment_concurrency=4")
+    with pytest.raises(ConfigError, match="cluster.environment_concurrency=4 with environment.kind=tools"):
+        load_config(GRPOConfig, "configs/grpo_arithmetic.yaml",
+                    ["cluster.backend=ray", "environment.kind=tools", "rollout.max_turns=2",
+                     "cluster.environment_concurrency=4",
+                     "environment.options={tools: [calculator], task: {kind: arithmetic}}"])
     assert config(tmp_path, *ASYNC, "rollout.max_turns=2").rollout.max_turns == 2  # multi-turn rounds pipelined
     for key in ("in_flight_updates=true", "group_timeout_s=5"):
         with pytest.raises(ConfigError, match=f"rollout.{key.split('=')[0]} with rollout.asynchronous=true needs "
@@ -374,6 +502,31 @@ def test_groups_whose_scoring_straggles_past_the_group_timeout_are_dropped_count
     assert 1 <= total < steps * 8 and trained
     ids = sorted(g for groups in trained.values() for g in groups)
     assert len(ids) == len(set(ids)) == steps * 8 - total and set(ids) <= set(range(steps * 8))
+
+
+@needs_ray
+@pytest.mark.slow  # about 50 s: a Ray run whose environment straggles for 12 s once
+def test_an_environment_actor_scoring_several_groups_at_once_drops_only_the_straggling_group(tmp_path,
+                                                                                            tiny_model_dir):
+    from posttrain.logging.samples import read_samples
+
+    from rl_configs import REWARDS
+
+    straggles = ["environment.kind=python", "environment.options={functions: ['" + REWARDS +
+                 ":digit_fraction_third_call_straggles'], num_workers: 0}"]
+    steps = 4
+    cfg = load_config(GRPOConfig, None, [*TINY_RL, *straggles, *ASYNC, f"output_dir={tmp_path}",
+                                         f"trainer.max_steps={steps}", "rollout.group_timeout_s=4",
+                                         "cluster.environment_concurrency=4", "logging.samples_per_step=32"])
+    train_grpo(cfg)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    # One environment actor, four calls at once: the straggler holds one thread for 12 s while the groups queued
+    # behind it are scored by the others, so it alone is dropped (with one call at a time they time out with it).
+    assert [r["rollout/timed_out_groups"] for r in records] == [1, 0, 0, 0]
+    assert [r["rollout/generation_timed_out_groups"] for r in records] == [0] * steps
+    assert records[-1]["rollout/timed_out_groups_total"] == 1
+    ids = sorted({s["group_id"] for s in read_samples(tmp_path / "samples.jsonl")})
+    assert len(ids) == steps * 8 - 1 and set(ids) <= set(range(steps * 8))
 
 
 @needs_ray

@@ -18,7 +18,7 @@ import pytest
 
 from posttrain.checkpoint import latest_checkpoint, list_checkpoints
 
-from rl_configs import DIGITS, TINY_RL
+from rl_configs import DIGITS, REWARDS, TINY_RL
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra"),
               pytest.mark.slow]  # about 2 minutes: three runs, each starting a Ray instance and two actors
@@ -104,6 +104,59 @@ def test_a_killed_asynchronous_run_resumes_without_repeating_or_skipping_a_promp
     assert [r["step"] for r in again] == list(range(1, STEPS + 1))
     for want, got in zip(full, again, strict=True):
         for key in STALENESS:
+            assert got[key] == want[key], (want["step"], key)
+        for key in TRAINED:
+            assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), (want["step"], key)
+
+
+DAPO = ["environment.kind=python", "environment.options={functions: ['" + REWARDS +
+        ":digit_fraction_or_constant'], num_workers: 0}", "rollout.dynamic_sampling=true",
+        "rollout.max_sampling_rounds=3"]
+SAMPLING = ("sampling/rounds", "sampling/groups_kept", "sampling/groups_filtered")
+
+
+def trained_groups(output_dir: Path) -> dict[int, dict[int, list[float]]]:
+    """Per step, every trained group's rewards."""
+    steps: dict[int, dict[int, list[float]]] = {}
+    for sample in records(output_dir, "samples.jsonl"):
+        if sample["split"] == "train":
+            steps.setdefault(sample["step"], {}).setdefault(sample["group_id"], []).append(sample["reward"])
+    return steps
+
+
+def test_a_killed_asynchronous_dynamic_sampling_run_resumes_exactly(tmp_path, tiny_model_dir):
+    argv = [arg for arg in RUN if not arg.startswith("environment.")]
+    full_dir, killed_dir = tmp_path / "full", tmp_path / "killed"
+    finished = run([*argv, *DAPO, f"output_dir={full_dir}"])
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    full = records(full_dir, "metrics.jsonl")
+    # Groups with equal rewards were filtered and more rounds drawn; every batch within the staleness bound, counted
+    # from the oldest weights of each group (rounds drawn later in a step are newer, never older).
+    assert any(r["sampling/rounds"] > 1 for r in full) and all(r["sampling/groups_kept"] > 0 for r in full)
+    assert all(r["rollout/staleness_max"] <= 1 and r["rollout/stale_groups_dropped"] == 0 for r in full)
+    groups = trained_groups(full_dir)
+    for step, kept in groups.items():
+        assert len(kept) == full[step - 1]["sampling/groups_kept"]
+        assert all(len(rewards) == 4 and max(rewards) > min(rewards) for rewards in kept.values()), step
+    ids = [group for kept in groups.values() for group in kept]
+    assert ids == sorted(set(ids))  # none twice, in draw order
+
+    killed_argv = [*argv, *DAPO, f"output_dir={killed_dir}"]
+    killed_at = kill_past_a_checkpoint(killed_argv, killed_dir)
+    checkpoint = latest_checkpoint(killed_dir)
+    assert checkpoint is not None and checkpoint.step < killed_at < STEPS
+    rerun = run(killed_argv)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resuming from {checkpoint.path} (step {checkpoint.step})" in rerun.stdout
+
+    expected, resumed = prompts_by_step(full_dir), prompts_by_step(killed_dir)
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    for step in range(1, STEPS + 1):
+        assert resumed[step] == expected[step], f"step {step}"
+    again = records(killed_dir, "metrics.jsonl")
+    assert [r["step"] for r in again] == list(range(1, STEPS + 1))
+    for want, got in zip(full, again, strict=True):
+        for key in (*STALENESS, *SAMPLING):
             assert got[key] == want[key], (want["step"], key)
         for key in TRAINED:
             assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-7), (want["step"], key)

@@ -223,9 +223,11 @@ def sample_record(episode: Episode, tokenizer, weights: dict[str, float],
 def train_sample(episode: Episode, tokenizer, weights: dict[str, float]) -> dict[str, Any]:
     """A training episode as a samples.jsonl record: `sample_record`'s fields, plus its group id (the run's group
     counter: which prompt draw it answers) and the policy version that sampled it, from which a run's records show
-    which prompts each step trained on and how stale they were."""
+    which prompts each step trained on and how stale they were; with in-flight weight updates also its version
+    spans ([index of the first sampled token, version] where the weights that sampled it changed; else [])."""
     return {**sample_record(episode, tokenizer, weights).to_json(), "group_id": episode.group_id,
-            "policy_version": episode.policy_version}
+            "policy_version": episode.policy_version,
+            "version_spans": [list(span) for span in episode.version_spans]}
 
 
 def reward_weights(environment: Environment) -> dict[str, float]:

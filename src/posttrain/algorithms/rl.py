@@ -317,7 +317,7 @@ class RLRun:
         if cfg.rollout.asynchronous:
             source = AsynchronousRolloutSource(cfg, self.data.prompts, sampler, generator, self.data.environment,
                                                self.data.tokenizer, self.sampling, weights, budget,
-                                               cfg.cluster.timeout_s)
+                                               cfg.cluster.timeout_s, dynamic_sampling)
         else:
             source = SynchronousRolloutSource(cfg, self.data.prompts, sampler, generator, self.data.environment,
                                               self.data.tokenizer, self.sampling, weights, budget, dynamic_sampling)

@@ -15,7 +15,7 @@ like any other failed reward.
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 import math
 import statistics
 import time
@@ -30,7 +30,7 @@ from posttrain.data.tokenize import tokenize_next_turn
 from posttrain.envs.base import Environment, EnvStep, EpisodeLost, Reward, ToolUse, tool_use_of
 from posttrain.errors import RunError
 from posttrain.envs.rewards import combine_components, validate_reward
-from posttrain.generation.base import Generator, SamplingParams
+from posttrain.generation.base import GenerationOutput, Generator, SamplingParams
 from posttrain.metrics import calibration_error
 
 
@@ -266,23 +266,95 @@ class _Times:
         output = generator.generate(prompts, params, num_samples=num_samples)
         self.generate += time.perf_counter() - started
         self.tokens += output.num_generated_tokens
-        completions = [completion for samples in output.completions for completion in samples]
-        versions = output.extra.get("weights_versions")  # Ray generation actors say which weights sampled
-        for episode, completion in zip(episodes, completions, strict=True):
-            if versions:
-                _record_version(episode, min(versions))
-            episode.token_ids += completion.token_ids
-            episode.sampled += [True] * len(completion.token_ids)
-            episode.generator_logprobs += completion.logprobs
-            episode.messages.append({"role": "assistant", "content": completion.text})
-            episode.truncated = completion.truncated
-            episode.last_turn_length = len(completion.token_ids)
-            episode.num_turns += 1
-            if completion.error is not None:  # its generation worker died (cluster.on_actor_failure=mask)
-                episode.error, episode.done = completion.error, True
+        _append_completions(episodes, output)
 
     def rollout_times(self) -> RolloutTimes:
         return RolloutTimes(self.generate, self.score, self.tokens)
+
+
+def _append_completions(episodes: list[Episode], output: GenerationOutput) -> None:
+    """Append each completion of `output` (prompt-major) to its episode as the next assistant turn, noting the
+    weights' version that sampled it when the generator says (Ray generation actors do)."""
+    completions = [completion for samples in output.completions for completion in samples]
+    versions = output.extra.get("weights_versions")
+    for episode, completion in zip(episodes, completions, strict=True):
+        if versions:
+            _record_version(episode, min(versions))
+        episode.token_ids += completion.token_ids
+        episode.sampled += [True] * len(completion.token_ids)
+        episode.generator_logprobs += completion.logprobs
+        episode.messages.append({"role": "assistant", "content": completion.text})
+        episode.truncated = completion.truncated
+        episode.last_turn_length = len(completion.token_ids)
+        episode.num_turns += 1
+        if completion.error is not None:  # its generation worker died (cluster.on_actor_failure=mask)
+            episode.error, episode.done = completion.error, True
+
+
+@dataclass(frozen=True)
+class GroupsWithin:
+    """What `sample_and_score_within` kept and dropped of a round."""
+
+    episodes: list[Episode]
+    """The episodes of the groups generated and scored in time, in group order."""
+    times: RolloutTimes
+    generation_timed_out: list[int]
+    """Group ids whose completions had not arrived by the deadline."""
+    scoring_timed_out: list[int]
+    """Group ids generated in time whose scoring had not answered by the deadline."""
+
+
+def sample_and_score_within(rows: list[PromptRow], first_group_id: int, num_samples: int, blocks: list,
+                            environment: Environment, tokenizer, timeout_s: float) -> GroupsWithin:
+    """A single-turn round whose generation was sent in `blocks` (each with `start`, `stop`: the rows it samples,
+    and `wait()`: its `GenerationOutput`, within a deadline of its own), kept to the groups generated and scored
+    within `timeout_s` of the first block's arrival (rollout.group_timeout_s).
+
+    Each block's groups are scored as soon as the block arrives, each group in an environment call of its own; a
+    block or a scoring call still running at the deadline is not waited for (its answer, if any, is never read)
+    and its groups are dropped. The clock starts when the first block answers, so a round that is slow as a whole
+    (every actor busy with earlier rounds) drops nothing: the timeout is for the groups that straggle behind the
+    others. Each kept episode's policy_version is the version that sampled its block. An error raised by a block
+    or a call answered in time propagates."""
+    episodes = [Episode(group_id=first_group_id + i, messages=_initial_messages(row.prompt),
+                        metadata=dict(row.metadata), token_ids=list(row.prompt_ids), prompt_length=len(row.prompt_ids))
+                for i, row in enumerate(rows) for _ in range(num_samples)]
+    groups = [episodes[i * num_samples:(i + 1) * num_samples] for i in range(len(rows))]
+    started = time.perf_counter()
+    generate_seconds, tokens = 0.0, 0
+    pool = ThreadPoolExecutor(max_workers=len(blocks) + len(rows), thread_name_prefix="round-within")
+    try:
+        arriving = {pool.submit(block.wait): block for block in blocks}
+        # Bounded: every block's wait has a deadline of its own (a Ray generator's cluster.timeout_s).
+        wait(arriving, return_when=FIRST_COMPLETED)
+        deadline = time.monotonic() + timeout_s
+        scoring: dict[Future, int] = {}
+        while True:
+            for future in [f for f in arriving if f.done()]:
+                block = arriving.pop(future)
+                output = future.result()  # raises what the block raised
+                generate_seconds, tokens = time.perf_counter() - started, tokens + output.num_generated_tokens
+                arrived = episodes[block.start * num_samples:block.stop * num_samples]
+                _append_completions(arrived, output)  # a first turn: its version is the episode's policy_version
+                scoring |= {pool.submit(_score_sampled, groups[row], environment, tokenizer): row
+                            for row in range(block.start, block.stop)}
+            outstanding = [*arriving, *(f for f in scoring if not f.done())]
+            if not outstanding or time.monotonic() >= deadline:
+                break
+            wait(outstanding, timeout=deadline - time.monotonic(), return_when=FIRST_COMPLETED)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    late = sorted(first_group_id + row for block in arriving.values() for row in range(block.start, block.stop))
+    scored, unscored = set(), []
+    for future, row in scoring.items():
+        if future.done():
+            future.result()  # raises what the call raised
+            scored.add(row)
+        else:
+            unscored.append(first_group_id + row)
+    kept = [episode for row in sorted(scored) for episode in groups[row]]
+    score_seconds = max(time.perf_counter() - started - generate_seconds, 0.0)
+    return GroupsWithin(kept, RolloutTimes(generate_seconds, score_seconds, tokens), late, sorted(unscored))
 
 
 def _apply_step(episodes: list[Episode], result: EnvStep, environment: Environment, tokenizer, max_turns: int,

@@ -6,8 +6,8 @@ The loop neither draws prompts nor counts sampling rounds: the source does. `Syn
 step's groups when asked, from the generator's current weights (every episode records the policy version that
 sampled it), including DAPO's dynamic sampling (more rounds until enough groups carry reward variance).
 `AsynchronousRolloutSource` (rollout.asynchronous, Ray generation actors) keeps the rounds of the next
-rollout.max_staleness steps in flight while the policy trains; agent loops will implement the same protocol. The
-loop does not change.
+rollout.max_staleness steps in flight while the policy trains, with dynamic sampling too (a step takes further rounds
+from the queue); agent loops will implement the same protocol. The loop does not change.
 
 A source owns the prompt sampler's draws, the run's group counter (which seeds sampling, so a resumed run samples
 what an uninterrupted one would) and the reward-error budget; `state_dict` / `load_state_dict` carry them through
@@ -32,6 +32,7 @@ from posttrain.algorithms.rollout import (
     has_reward_variance,
     rollout_metrics,
     run_episodes,
+    sample_and_score_within,
 )
 from posttrain.config.schema import GRPOConfig
 from posttrain.data.sampler import EpochSampler
@@ -185,10 +186,16 @@ class AsynchronousRolloutSource:
     a run is as reproducible as a synchronous one. Scoring runs in a thread as soon as a round's completions arrive.
     The round of `step` is then taken; a group whose oldest episode is more than max_staleness versions behind the
     generator's weights is dropped and counted (by construction none is; a generation call re-sent to a replacement
-    actor samples from newer weights, never older). With rollout.group_timeout_s each group of a round is scored by a
-    call of its own, and a group not scored within that many seconds of the round's completions is dropped, counted
-    (rollout/timed_out_groups) and not sampled again: the sampler has moved past its prompt, as it has past every
-    prompt of the round.
+    actor samples from newer weights, never older). With rollout.group_timeout_s each generation actor's share of a
+    round is waited for on its own (`submit_blocks`), each group is scored by a call of its own as soon as its share
+    arrives, and a group not generated and scored within that many seconds of the round's first share is dropped,
+    counted (rollout/timed_out_groups, rollout/generation_timed_out_groups) and not sampled again: the sampler has
+    moved past its prompt, as it has past every prompt of the round (`sample_and_score_within`).
+
+    With dynamic sampling a step takes rounds from the queue until rollout.prompts_per_step groups with reward
+    variance are kept or rollout.max_sampling_rounds were taken, each taken round replaced at once (sent with the
+    current weights): every step sends at least one round, so the rounds in flight were all sent within the last
+    max_staleness + 1 steps and the bound holds, whatever a step takes.
 
     `state_dict` waits for the rounds in flight and keeps their episodes (and which of their groups timed out), so
     a resumed run trains on exactly the episodes an uninterrupted one would (it is called only when a checkpoint is
@@ -199,14 +206,16 @@ class AsynchronousRolloutSource:
 
     def __init__(self, cfg: GRPOConfig, prompts: list[PromptRow], sampler: EpochSampler, generator,
                  environment: Environment, tokenizer, sampling: SamplingParams, weights: dict[str, float],
-                 budget: RewardErrorBudget, deadline_s: float):
+                 budget: RewardErrorBudget, deadline_s: float, dynamic_sampling: bool = False):
         self.cfg, self.prompts, self.sampler, self.generator = cfg, prompts, sampler, generator
         self.environment, self.tokenizer, self.sampling, self.weights = environment, tokenizer, sampling, weights
-        self.budget, self.deadline_s = budget, deadline_s
+        self.budget, self.deadline_s, self.dynamic_sampling = budget, deadline_s, dynamic_sampling
         self.max_staleness = cfg.rollout.max_staleness
         self.next_group_id = 0
         self.timed_out_groups = 0
-        """Groups dropped over the run because their scoring outlasted rollout.group_timeout_s."""
+        """Groups dropped over the run because their generation and scoring outlasted rollout.group_timeout_s."""
+        self.generation_timed_out_groups = 0
+        """Those of them whose generation had not answered by then."""
         self.in_flight: deque[Future] = deque()
         self.pool = ThreadPoolExecutor(max_workers=self.max_staleness + 1, thread_name_prefix="rollout")
 
@@ -217,6 +226,11 @@ class AsynchronousRolloutSource:
         self.next_group_id += len(rows)
         seeded = replace(self.sampling, seed=self.cfg.seed * 1_000_003 + first_group_id)
         prompts = [row.prompt_ids for row in rows]
+        if rollout.group_timeout_s is not None and not rollout.in_flight_updates:
+            # Each generation actor's share is waited for on its own: the groups of one that straggles are dropped.
+            blocks = self.generator.submit_blocks(prompts, seeded, rollout.num_generations_per_prompt)
+            self.in_flight.append(self.pool.submit(self._finish_round_within, rows, first_group_id, blocks))
+            return
         if rollout.in_flight_updates:
             submitted = ChunkedGeneration(self.generator, prompts, seeded, rollout.num_generations_per_prompt,
                                           rollout.in_flight_chunk_tokens, first_group_id, self.tokenizer)
@@ -244,35 +258,67 @@ class AsynchronousRolloutSource:
                      if group_id not in scored]
         return Round(episodes, times, timed_out)
 
+    def _finish_round_within(self, rows: list[PromptRow], first_group_id: int, blocks: list) -> Round:
+        """The round's groups generated and scored within rollout.group_timeout_s of its first block's arrival (in a
+        worker thread; every wait inside has a deadline)."""
+        rollout = self.cfg.rollout
+        within = sample_and_score_within(rows, first_group_id, rollout.num_generations_per_prompt, blocks,
+                                         self.environment, self.tokenizer, rollout.group_timeout_s)
+        timed_out = sorted(within.generation_timed_out + within.scoring_timed_out)
+        return Round(within.episodes, within.times, timed_out, within.generation_timed_out)
+
     def next_groups(self, step: int) -> SampledGroups:
-        while len(self.in_flight) < self.max_staleness + 1:
-            self._submit_round()
-        started = time.perf_counter()
-        try:
-            taken: Round = self.in_flight.popleft().result(timeout=3 * self.deadline_s)
-        except FuturesTimeout:
-            raise RunError(f"step {step}'s sampling round did not finish within 3 x cluster.timeout_s="
-                           f"{3 * self.deadline_s:g} s (waiting for its generation and scoring)") from None
-        waited = time.perf_counter() - started
-        episodes, times = taken.episodes, taken.times
-        self.timed_out_groups += len(taken.timed_out_group_ids)
+        rollout = self.cfg.rollout
         current = self.generator.weights_version
-        kept, dropped = [], 0
-        for group in groups_of(episodes):
-            if current - min(e.policy_version for e in group) > self.max_staleness:
-                dropped += 1
-            else:
-                kept.append(group)
+        kept: list[list[Episode]] = []
+        rounds = dropped = errors = timed_out = generation_timed_out = tokens = 0
+        waited = generate_seconds = score_seconds = 0.0
+        while True:
+            # Rounds are taken in the order they were sent and replaced at once: at every step at least one round is
+            # sent, so the max_staleness + 1 in flight were all sent within the last max_staleness + 1 steps.
+            while len(self.in_flight) < self.max_staleness + 1:
+                self._submit_round()
+            started = time.perf_counter()
+            try:
+                taken: Round = self.in_flight.popleft().result(timeout=3 * self.deadline_s)
+            except FuturesTimeout:
+                raise RunError(f"step {step}'s sampling round did not finish within 3 x cluster.timeout_s="
+                               f"{3 * self.deadline_s:g} s (waiting for its generation and scoring)") from None
+            waited += time.perf_counter() - started
+            rounds += 1
+            generate_seconds, score_seconds = generate_seconds + taken.times.generate, score_seconds + taken.times.score
+            tokens += taken.times.generated_tokens
+            errors += self.budget.record([e.error for e in taken.episodes]).step_errors
+            timed_out += len(taken.timed_out_group_ids)
+            generation_timed_out += len(taken.generation_timed_out_group_ids)
+            for group in groups_of(taken.episodes):
+                # A group's age counts from the oldest weights that sampled any of its tokens.
+                if current - min(e.policy_version for e in group) > self.max_staleness:
+                    dropped += 1
+                elif not self.dynamic_sampling or has_reward_variance(group, self.weights):
+                    kept.append(group)
+            if (not self.dynamic_sampling or len(kept) >= rollout.prompts_per_step
+                    or rounds == rollout.max_sampling_rounds):
+                break
+        kept = kept[: rollout.prompts_per_step]
+        self.timed_out_groups += timed_out
+        self.generation_timed_out_groups += generation_timed_out
         ages = [current - e.policy_version for group in kept for e in group]
-        metrics: dict[str, float] = {"reward/errors": self.budget.record([e.error for e in episodes]).step_errors,
+        metrics: dict[str, float] = {"reward/errors": errors,
                                      "rollout/staleness_max": float(max(ages, default=0)),
                                      "rollout/staleness_mean": sum(ages) / max(len(ages), 1),
                                      "rollout/stale_groups_dropped": float(dropped),
-                                     "rollout/timed_out_groups": float(len(taken.timed_out_group_ids)),
+                                     "rollout/timed_out_groups": float(timed_out),
                                      "rollout/timed_out_groups_total": float(self.timed_out_groups),
+                                     "rollout/generation_timed_out_groups": float(generation_timed_out),
+                                     "rollout/generation_timed_out_groups_total":
+                                         float(self.generation_timed_out_groups),
                                      "rollout/wait_seconds": waited}
-        sampled = SampledGroups(kept, episodes, metrics, times)
-        if self.cfg.rollout.in_flight_updates or self.cfg.rollout.max_turns > 1:
+        if self.dynamic_sampling:  # as the synchronous source counts them (dropped groups are not kept either)
+            metrics.update({"sampling/rounds": rounds, "sampling/groups_kept": len(kept),
+                            "sampling/groups_filtered": rounds * rollout.prompts_per_step - len(kept)})
+        sampled = SampledGroups(kept, taken.episodes, metrics, RolloutTimes(generate_seconds, score_seconds, tokens))
+        if rollout.in_flight_updates or rollout.max_turns > 1:
             updated = [len(e.version_spans) > 1 for group in kept for e in group]
             metrics["rollout/in_flight_updated_fraction"] = sum(updated) / max(len(updated), 1)
         metrics.update(rollout_metrics(sampled.episodes, self.weights))
@@ -286,9 +332,11 @@ class AsynchronousRolloutSource:
             saved: Round = future.result(timeout=3 * self.deadline_s)
             rounds.append({"episodes": [asdict(e) for e in saved.episodes],
                            "times": [saved.times.generate, saved.times.score, saved.times.generated_tokens],
-                           "timed_out_group_ids": saved.timed_out_group_ids})
+                           "timed_out_group_ids": saved.timed_out_group_ids,
+                           "generation_timed_out_group_ids": saved.generation_timed_out_group_ids})
         return {"reward_errors": self.budget.state_dict(), "next_group_id": self.next_group_id,
-                "timed_out_groups": self.timed_out_groups, "rounds_in_flight": rounds}
+                "timed_out_groups": self.timed_out_groups,
+                "generation_timed_out_groups": self.generation_timed_out_groups, "rounds_in_flight": rounds}
 
     def load_state_dict(self, state: dict) -> None:
         if not state:
@@ -296,10 +344,12 @@ class AsynchronousRolloutSource:
         self.budget.load_state_dict(state["reward_errors"])
         self.next_group_id = state.get("next_group_id", 0)
         self.timed_out_groups = state.get("timed_out_groups", 0)
+        self.generation_timed_out_groups = state.get("generation_timed_out_groups", 0)
         for saved in state.get("rounds_in_flight", []):
             done: Future = Future()
             done.set_result(Round([Episode(**e) for e in saved["episodes"]], RolloutTimes(*saved["times"]),
-                                  saved.get("timed_out_group_ids", [])))
+                                  saved.get("timed_out_group_ids", []),
+                                  saved.get("generation_timed_out_group_ids", [])))
             self.in_flight.append(done)
 
     def close(self) -> None:
@@ -314,7 +364,10 @@ class Round:
     """The episodes of the groups scored in time, in group order."""
     times: RolloutTimes
     timed_out_group_ids: list[int]
-    """The groups whose scoring outlasted rollout.group_timeout_s: dropped, their prompts not sampled again."""
+    """The groups not generated and scored within rollout.group_timeout_s: dropped, their prompts not sampled
+    again."""
+    generation_timed_out_group_ids: list[int] = field(default_factory=list)
+    """Those of them whose completions had not arrived by then (their generation actor straggled)."""
 
 
 class SubmittedGeneration:

@@ -768,18 +768,19 @@ class RolloutSection(SamplingSection):
     asynchronous: bool = False
     """Asynchronous RL (cluster.backend=ray, docs/ray.md): the generation actors sample the next steps' prompts while
     the policy trains, up to max_staleness policy versions behind it; needs loss.importance_correction to correct
-    for the older sampling policy, and no dynamic sampling. Multi-turn episodes sample their later turns with the
-    weights the actors hold then; an episode's age counts from the oldest version that sampled any of its tokens."""
+    for the older sampling policy. Dynamic sampling takes single-turn episodes only; multi-turn episodes sample their
+    later turns with the weights the actors hold then; an episode's age counts from the oldest version that sampled any of its tokens."""
 
     max_staleness: int = Field(1, ge=1)
     """asynchronous: how many policy versions (optimizer steps) the weights that sampled an episode may lag the
     policy that trains on it; max_staleness + 1 sampling rounds are in flight."""
 
     group_timeout_s: float | None = Field(None, gt=0)
-    """asynchronous: seconds a group's scoring may take once its round's completions have arrived (each group is
-    then scored by a call of its own); a group not scored by then is dropped, never trained on, and counted
-    (rollout/timed_out_groups). Its prompt is not sampled again. null: every group is waited for (up to
-    cluster.timeout_s)."""
+    """asynchronous: seconds a group may take to be generated and scored once the first of its round's completions
+    have arrived (each generation actor's share is waited for on its own, and each group scored by a call of its
+    own as soon as its completions arrive); a group not scored by then is dropped, never trained on, and counted
+    (rollout/timed_out_groups; rollout/generation_timed_out_groups for those whose completions had not arrived). Its
+    prompt is not sampled again. null: every group is waited for (up to cluster.timeout_s)."""
 
     in_flight_updates: bool = False
     """asynchronous: a round's completions are sampled in chunks of in_flight_chunk_tokens tokens, each chunk a
@@ -842,6 +843,13 @@ class ClusterSection(NumericSection):
 
     cpus_per_environment_worker: float = Field(1.0, gt=0)
     """ray: CPUs Ray reserves for each environment actor."""
+
+    environment_concurrency: int = Field(1, gt=0)
+    """ray: environment calls each environment actor runs at once, in threads of its process (Ray's max_concurrency),
+    each on a copy of the environment of its own (N copies per actor: a reward model or judge loads N times): with
+    rollout.group_timeout_s every group is a call of its own, and one that straggles (a slow judge) then holds one
+    thread, not the groups queued behind it. Above 1 the calls run outside the actor's main thread: math with
+    num_workers=0 refuses that (math-verify times itself with signal.alarm); give it num_workers >= 1."""
 
     gpus_per_environment_worker: float = Field(0.0, ge=0)
     """ray: GPUs reserved for each environment actor (a reward model or judge the environment loads); refused at
@@ -1364,13 +1372,16 @@ class OnlineRLConfig(RecipeConfig):
             raise ValueError("rollout.overlong_buffer_length must be smaller than rollout.max_new_tokens")
         if self.rollout.asynchronous:
             problems = {"cluster.backend=ray": self.cluster.backend == "ray",
-                        "rollout.dynamic_sampling=false": not self.rollout.dynamic_sampling,
                         "loss.importance_correction other than none": self.loss.importance_correction != "none"}
             if missing := [need for need, met in problems.items() if not met]:
                 raise ValueError(f"rollout.asynchronous=true needs {', '.join(missing)} (episodes sampled by an older "
                                  "policy need the importance correction between generator and trainer; generation "
-                                 "runs ahead in Ray actors; dynamic-sampling rounds are not pipelined yet)")
+                                 "runs ahead in Ray actors)")
             if self.rollout.max_turns > 1:
+                if self.rollout.dynamic_sampling:
+                    raise ValueError("rollout.dynamic_sampling=true with rollout.asynchronous=true needs "
+                                     "rollout.max_turns=1 for now: multi-turn rounds are not filtered and redrawn "
+                                     "ahead of training yet")
                 for key in ("group_timeout_s", "in_flight_updates"):
                     if getattr(self.rollout, key):
                         raise ValueError(f"rollout.{key} with rollout.asynchronous=true needs rollout.max_turns=1 "
@@ -1399,6 +1410,11 @@ class OnlineRLConfig(RecipeConfig):
                                  "started it, and the environment actors keep only tool-using episodes (tools, swe) "
                                  "on the actor holding them, so a desktop's later steps would reach another actor; "
                                  "use cluster.backend=local")
+            if self.environment.kind in ("tools", "swe") and self.cluster.environment_concurrency > 1:
+                raise ValueError(f"cluster.environment_concurrency={self.cluster.environment_concurrency} with "
+                                 f"environment.kind={self.environment.kind}: a tool-using environment's actors already "
+                                 "answer many calls at once on one copy, which holds its episodes' state; leave "
+                                 "cluster.environment_concurrency at 1")
             if self.rollout.backend != "transformers":
                 raise ValueError(f"cluster.backend=ray with rollout.backend={self.rollout.backend}: Ray generation "
                                  "workers run the transformers backend for now; set rollout.backend=transformers")
@@ -1454,7 +1470,7 @@ class OnlineRLConfig(RecipeConfig):
                              "processes torchrun starts: --nproc-per-node)")
         else:
             for key in ("reference_workers", "teacher_workers", "gpus_per_generation_worker",
-                        "gpus_per_environment_worker", "cpus_per_scoring_worker", "gpus_per_scoring_worker"):
+                        "gpus_per_environment_worker", "environment_concurrency", "cpus_per_scoring_worker", "gpus_per_scoring_worker"):
                 if key in self.cluster.model_fields_set:
                     raise ValueError(f"cluster.{key} needs cluster.backend=ray (Ray worker groups and their "
                                      "placement)")

@@ -21,7 +21,8 @@ What this first slice builds, and where it departs from the full design:
   weights, and the next push re-forms the group with it.
 - `RayGenerator.submit` sends a generation call at once and waits for it later: an actor answers calls in the
   order they were sent, so a call sent before a weight push samples from the weights before it (asynchronous
-  rollouts, algorithms/rollout_source.py).
+  rollouts, algorithms/rollout_source.py); `submit_blocks` lets the caller wait for each actor's share on its own
+  (rollout.group_timeout_s drops the groups of a share that straggles).
 - Generation actors run the transformers backend on their own copy of the model. A call whose prompts carry
   per-prompt seeds (rollout.seed_per_group) is divided among the actors in contiguous blocks; a call seeded as a
   whole draws from one stream and goes to the first actor, so it samples what one process samples.
@@ -29,7 +30,9 @@ What this first slice builds, and where it departs from the full design:
   divided among them in contiguous blocks, single episodes (multi-turn) go round-robin. The episodes of a
   tool-using environment (tools, swe) stay on the actor that stepped their first turn, which holds their work
   directories and checkouts; the driver renders the tools from the description that actor gives (`tool_use`), and an
-  episode whose actor died is not re-sent to the replacement but restarted from its first turn (`EpisodeLost`).
+  episode whose actor died is not re-sent to the replacement but restarted from its first turn (`EpisodeLost`). With
+  cluster.environment_concurrency = N (other environments) an actor builds N copies and runs N calls at once, each on
+  a copy of its own.
 - With cluster.reference_workers (teacher_workers) > 0 the reference (teacher) is a group of `ScoringActor`s
   behind the `ScoringWorker` protocol (`RayScoringGroup`): a rollout batch's micro-batches are divided among them
   in contiguous runs and the answers joined in row order.
@@ -53,6 +56,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import queue
 import shutil
 import signal
 import tempfile
@@ -76,7 +80,7 @@ from posttrain.config.schema import ClusterSection, LoraSection, ModelConfig, Tr
 from posttrain.data.types import RolloutBatch
 from posttrain.envs.base import EnvStep, EpisodeLost, Message, ToolUse, tool_use_of
 from posttrain.errors import RunError
-from posttrain.generation.base import Completion, GenerationOutput, SamplingParams, weight_buckets
+from posttrain.generation.base import Completion, GenerationOutput, SamplingParams, SubmittedBlock, weight_buckets
 from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.models.loading import default_device, load_causal_lm
 from posttrain.preemption import PREEMPTION_SIGNALS
@@ -117,6 +121,9 @@ generation actors are numbered 0..N-1 as their worker group numbers them."""
 HOLDER_KEY = "_environment_worker"
 """The metadata key under which a running tool-using episode records the environment actor holding its state:
 (its index in the group, its incarnation). Removed when the episode ends."""
+ENVIRONMENT_COPY_WAIT_S = 60.0
+"""How long an environment call waits for a free copy of the environment (never, when Ray's max_concurrency equals
+the copies; the bound says so if that ever breaks)."""
 
 SOCKET_PATH_ROOM = 60
 """Characters Ray appends to its temporary directory for a socket path (session_<date>_<pid>/sockets/plasma_store);
@@ -434,6 +441,21 @@ class RayGenerator:
         push sent after it (asynchronous rollouts), and while a push is under way it is sent once the push ends. The
         output's extra["weights_versions"] lists the version each actor sampled its share with."""
         started = time.perf_counter()
+        blocks = self.submit_blocks(prompts, params, num_samples)
+
+        def output() -> GenerationOutput:
+            outputs = [block.wait() for block in blocks]
+            return GenerationOutput([samples for output in outputs for samples in output.completions],
+                                    time.perf_counter() - started, sum(o.num_generated_tokens for o in outputs),
+                                    {"weights_versions": [v for o in outputs for v in o.extra["weights_versions"]]})
+
+        return output
+
+    def submit_blocks(self, prompts: list[list[int]], params: SamplingParams,
+                      num_samples: int = 1) -> list[SubmittedBlock]:
+        """`submit`, with each actor's share waited for on its own: a block of contiguous prompts per actor (one
+        block for a whole-call seed), so that a caller can use the blocks that answered while another straggles
+        (rollout.group_timeout_s). Each block's wait has a cluster.timeout_s deadline from when it is asked."""
         params.check_seeds_fit(len(prompts))
         actors = len(self.group.actors) if params.seed is None else 1  # a whole-call seed: one stream, one actor
         calls = []
@@ -443,15 +465,17 @@ class RayGenerator:
                               samples=(stop - start) * num_samples))
         with self._push_lock:
             sent = self.group.send(calls)
-
-        def output() -> GenerationOutput:
-            outputs = self.group.collect(sent, f"{len(prompts)} prompts x {num_samples} samples of up to "
-                                         f"{params.max_new_tokens} tokens")
-            return GenerationOutput([samples for output in outputs for samples in output.completions],
-                                    time.perf_counter() - started, sum(o.num_generated_tokens for o in outputs),
-                                    {"weights_versions": [o.extra["weights_version"] for o in outputs]})
-
-        return output
+        blocks = []
+        for (start, stop), one in zip(contiguous_blocks(len(prompts), actors), sent, strict=True):
+            def wait(one=one, start=start, stop=stop) -> GenerationOutput:
+                started = time.perf_counter()
+                output, = self.group.collect([one], f"prompts {start}..{stop - 1} of {len(prompts)} x {num_samples} "
+                                             f"samples of up to {params.max_new_tokens} tokens")
+                return GenerationOutput(output.completions, time.perf_counter() - started,
+                                        output.num_generated_tokens,
+                                        {"weights_versions": [output.extra["weights_version"]]})
+            blocks.append(SubmittedBlock(start, stop, wait))
+        return blocks
 
     def update_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Send policy `version`'s weights to every actor, one bucket of weight_sync.bucket_mb in flight at a time;
@@ -656,27 +680,49 @@ class RayGenerator:
 
 @ray.remote
 class EnvironmentActor:
-    """An environment built in this actor's process from its config section (`build(section, *args)`)."""
+    """`copies` environments built in this actor's process from their config section (`build(section, *args)`).
 
-    def __init__(self, build: Callable[..., Any], section: Any, *args: Any):
-        self.environment = build(section, *args)
+    One copy (tool-using environments, and the default): Ray's max_concurrency says how many calls run on it at once,
+    each in a thread (tool environments take that; their episodes' state lives in the one copy). Several copies
+    (cluster.environment_concurrency): each call takes a copy no other call holds, so an environment is never stepped
+    from two threads at once (a reward worker pool serves one call at a time)."""
+
+    def __init__(self, build: Callable[..., Any], section: Any, *args: Any, copies: int = 1):
+        self.environments = [build(section, *args) for _ in range(copies)]
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        for environment in self.environments:
+            self._free.put(environment)
 
     def ready(self) -> bool:
         return True
 
     def reward_weights(self) -> dict[str, float]:
-        return dict(getattr(self.environment, "reward_weights", {}))  # only multi-component environments have it
+        # Only multi-component environments have it.
+        return dict(getattr(self.environments[0], "reward_weights", {}))
 
     def tool_use(self) -> ToolUse | None:
         """The tools (their schemas) and token budget of the environment built here, or None: the driver renders
         the prompts and observations offering the tools from this, the one description of them."""
-        return tool_use_of(self.environment)
+        return tool_use_of(self.environments[0])
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:
-        return self.environment.step(message_logs, metadata)
+        if len(self.environments) == 1:
+            return self.environments[0].step(message_logs, metadata)
+        # Ray runs at most `copies` calls at once (max_concurrency), so a copy is free: the wait is for a release.
+        try:
+            environment = self._free.get(timeout=ENVIRONMENT_COPY_WAIT_S)
+        except queue.Empty:
+            raise RuntimeError(f"no copy of the environment was free within {ENVIRONMENT_COPY_WAIT_S:g} s, although "
+                               f"the actor runs at most {len(self.environments)} calls at once "
+                               "(cluster.environment_concurrency)") from None
+        try:
+            return environment.step(message_logs, metadata)
+        finally:
+            self._free.put(environment)
 
     def close(self) -> None:
-        self.environment.close()
+        for environment in self.environments:
+            environment.close()
 
 
 def masked_rewards(call: Call, why: str) -> EnvStep:
@@ -920,14 +966,20 @@ class RayCluster:
     def environment(self, build: Callable[..., Any], section: Any, *args: Any, concurrency: int = 1
                     ) -> RayEnvironment:
         """cluster.environment_workers environment actors, each running `build(section, *args)` (a module-level
-        function, so that it travels by name) and answering up to `concurrency` calls at once (each in a thread of
-        its own: the environment must take `step` calls from several threads, as tool environments do)."""
+        function, so that it travels by name) and answering up to `concurrency` calls at once on that one copy (each
+        in a thread of its own: the environment must take `step` calls from several threads, as tool environments
+        do), or, with cluster.environment_concurrency = N, building N copies and answering N calls at once, each on
+        a copy of its own."""
+        copies = self.section.environment_concurrency
+        if copies > 1 and concurrency > 1:
+            raise ValueError("an environment that answers several calls at once on one copy (tools, swe) takes no "
+                             "cluster.environment_concurrency: its episodes' state lives in that copy")
         actor = EnvironmentActor.options(num_cpus=self.section.cpus_per_environment_worker,
                                          num_gpus=self.section.gpus_per_environment_worker,
                                          scheduling_strategy=self._placement("environment"),
-                                         max_concurrency=concurrency)
+                                         max_concurrency=max(concurrency, copies))
         masks = self.section.on_actor_failure == "mask"
-        group = self._start(WorkerGroup("environment", lambda: actor.remote(build, section, *args),
+        group = self._start(WorkerGroup("environment", lambda: actor.remote(build, section, *args, copies=copies),
                                         self.section.environment_workers, self.section.timeout_s,
                                         self.section.max_restarts, mask=masked_rewards if masks else None))
         weights = group.call([Call(0, "reward_weights")], "the environment's reward weights")[0]

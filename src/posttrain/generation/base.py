@@ -9,7 +9,7 @@ difference with importance sampling (see losses.policy_gradient).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -83,6 +83,18 @@ class GenerationOutput:
     """Total sampled tokens over every completion."""
     extra: dict = field(default_factory=dict)
     """Backend-specific details (for metrics)."""
+
+
+@dataclass(frozen=True)
+class SubmittedBlock:
+    """One share of a generation call sent ahead (a Ray generation actor's: `RayGenerator.submit_blocks`): prompts
+    `start` to `stop` (exclusive) of the call, waited for on its own."""
+
+    start: int
+    stop: int
+    wait: Callable[[], GenerationOutput]
+    """Waits for the share's completions, within a deadline; extra["weights_versions"] lists the versions that
+    sampled them."""
 
 
 @runtime_checkable

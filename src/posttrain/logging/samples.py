@@ -10,8 +10,10 @@ environments; `algorithms.evaluate.reference_text`), null when the row has none.
 (the weighted sum of `components` when the environment gives named ones), null when scoring failed, and then
 `error` says why; `correct` is null when the environment does not judge correctness. An RL recipe's "train"
 record also has `group_id` (the run's group counter: which prompt draw the episode answers; samples of one prompt
-share it) and `policy_version` (the optimizer steps taken by the policy whose weights sampled it), from which a
-run's file shows which prompts every step trained on and how stale they were.
+share it), `policy_version` (the optimizer steps taken by the policy whose weights sampled it; with in-flight weight
+updates the oldest that sampled any of its tokens) and `version_spans` (with in-flight weight updates, [index of the
+first sampled token, version] where the weights that sampled its tokens changed; else []), from which a run's file
+shows which prompts every step trained on and how stale they were.
 GRPO appends the first `logging.samples_per_step` episodes of each step (split "train"); every evaluation set its
 first `samples_logged` samples (split "eval/<name>"). Like metrics.jsonl each line is one write followed by a
 flush, and a resumed run drops the lines of steps after its checkpoint (`logging.metrics.truncate_metrics`, which
@@ -29,8 +31,8 @@ from typing import IO, Any
 SAMPLES_FILENAME = "samples.jsonl"
 SAMPLE_KEYS = ("prompt", "reference", "completion", "reward", "components", "correct", "error")
 """The keys of a sample record, besides step and split."""
-EPISODE_KEYS = ("group_id", "policy_version")
-"""The keys an RL recipe's training episode adds (both or neither)."""
+EPISODE_KEYS = ("group_id", "policy_version", "version_spans")
+"""The keys an RL recipe's training episode adds (all or none)."""
 
 
 class SamplesFile:
