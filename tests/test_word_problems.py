@@ -56,4 +56,16 @@ def test_sft_episodes_call_the_calculator_and_train_only_the_assistant_turns():
     assert len(example.input_ids) <= 256  # the presets' data.max_length
 
 
+def test_the_mixed_sft_set_works_four_problems_in_ten_with_the_calculator_and_answers_the_rest_directly():
+    mixed = rows("posttrain/arithmetic-tools-mixed-sft:train[:40]")
+    worked = rows("posttrain/arithmetic-tools-sft:train[:40]")
+    problems = rows("posttrain/arithmetic-tools:train[:40]")
+    for index, (row, episode, problem) in enumerate(zip(mixed, worked, problems, strict=True)):
+        if index % 10 < 4:
+            assert row == episode
+        else:  # the same question, answered at once: no call, no tool turn
+            assert row["messages"] == [problem["prompt"][0], {"role": "assistant", "content": problem["answer"]}]
+    assert sum(len(row["messages"]) == 4 for row in mixed) == 16
+
+
 HELDOUT_SHA256_PREFIX = "672eb0d19dd57fc1"

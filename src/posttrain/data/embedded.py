@@ -30,6 +30,8 @@
                                          [:N] limits as for arithmetic
     posttrain/arithmetic-tools-sft       the same problems as worked tool-use episodes (messages: the question, a
                                          Hermes-format calculator call, the tool's result, the answer)
+    posttrain/arithmetic-tools-mixed-sft the same problems, four rows in ten worked with the calculator and the
+                                         other six answered directly without it (word_problems.TOOL_SHARE)
     posttrain/bench-lengths              benchmark rows with real-world length spread: prompt and completion
                                          each 16-1,024 characters (one token each for the byte-level
                                          tokenizer), log-normal (median ~128), random words; 4,096 rows per
@@ -44,7 +46,7 @@ import itertools
 import math
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from posttrain.data.errors import DataError
@@ -53,7 +55,8 @@ from posttrain.envs.arithmetic import Problem
 
 _NAME = re.compile(r"^posttrain/(?P<task>[a-z_-]+)(?::(?P<split>[a-z]+))?(?:\[:(?P<count>\d+)\])?$")
 TASKS = ("arithmetic", "arithmetic-mc", "arithmetic-preference", "arithmetic-preference-dense", "arithmetic-judge", "subtraction",
-         "arithmetic-two-tasks", "arithmetic-tools", "arithmetic-tools-sft", "bench-lengths", "bench-lengths-messages", "bench-lengths-preference")
+         "arithmetic-two-tasks", "arithmetic-tools", "arithmetic-tools-sft",
+         "arithmetic-tools-mixed-sft", "bench-lengths", "bench-lengths-messages", "bench-lengths-preference")
 BENCH_ROWS = 4096
 WORD_PROBLEM_ROWS = {"train": 20_000, "heldout": 2_000}
 BENCH_LENGTHS = (16, 1024)
@@ -82,7 +85,11 @@ def iter_embedded(source: str) -> Iterator[tuple[str, dict[str, Any]]]:
         return
     if match["task"].startswith("arithmetic-tools"):
         stories = itertools.islice(word_problems.problems(split), WORD_PROBLEM_ROWS[split])
-        rows = (story.sft_row() if match["task"].endswith("-sft") else story.rl_row() for story in stories)
+        row_of: dict[str, Callable[[int, word_problems.WordProblem], dict[str, Any]]] = {
+            "arithmetic-tools": lambda _, story: story.rl_row(),
+            "arithmetic-tools-sft": lambda _, story: story.sft_row(),
+            "arithmetic-tools-mixed-sft": lambda index, story: story.mixed_sft_row(index)}
+        rows = (row_of[match["task"]](index, story) for index, story in enumerate(stories))
         yield from _limited(source, rows, count, split)
         return
     dense = match["task"] in ("arithmetic-preference-dense", "arithmetic-judge")  # several rows per problem

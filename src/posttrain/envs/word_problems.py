@@ -10,7 +10,11 @@ Rows (`posttrain/arithmetic-tools` in data.embedded):
 - for RL and evaluation: ``{"prompt": [user message], "answer": "87340"}``, scored by the arithmetic environment
   behind the tools environment;
 - for SFT (`posttrain/arithmetic-tools-sft`): ``{"messages": [...]}``, a worked episode: the user's question, the
-  assistant's calculator call in the Hermes format, the tool's result, the assistant's answer.
+  assistant's calculator call in the Hermes format, the tool's result, the assistant's answer;
+- for SFT of a model that has not yet learned *when* the tool helps (`posttrain/arithmetic-tools-mixed-sft`): the
+  same problems, TOOL_SHARE rows in ten worked with the calculator and the others answered directly (the user's
+  question and the answer, no call). A model trained on it calls the calculator on about that share of problems
+  and guesses the rest; GRPO has the choice to learn, since only the calls earn reward.
 
 As in `arithmetic`, a hash of the problem decides its split, so the training and held-out splits never overlap;
 a tenth is held out. Problems are drawn at random (the space is too large to enumerate) from a generator seeded by
@@ -29,6 +33,8 @@ from posttrain.envs.arithmetic import Split, split_of_text
 
 Operation = Literal["+", "-"]
 LOW, HIGH = 10_000, 99_999
+TOOL_SHARE = 4
+"""Rows in every ten of posttrain/arithmetic-tools-mixed-sft that are worked calculator episodes."""
 NAMES = ("Ava", "Ben", "Mia", "Leo", "Zoe", "Sam", "Ivy", "Max")
 ITEMS = ("coins", "stamps", "beads", "cards", "shells", "pins")
 
@@ -68,6 +74,15 @@ class WordProblem:
                              {"role": "assistant", "content": self.tool_call()},
                              {"role": "tool", "content": self.answer},
                              {"role": "assistant", "content": self.answer}]}
+
+    def direct_row(self) -> dict[str, Any]:
+        """The question answered at once, without the tool (a 5-digit sum the embedded models cannot work out)."""
+        return {"messages": [{"role": "user", "content": self.question},
+                             {"role": "assistant", "content": self.answer}]}
+
+    def mixed_sft_row(self, index: int) -> dict[str, Any]:
+        """Row `index` of the mixed SFT set: a worked episode for TOOL_SHARE indices in ten, else a direct answer."""
+        return self.sft_row() if index % 10 < TOOL_SHARE else self.direct_row()
 
 
 def split_of(problem: WordProblem) -> Split:
