@@ -2,7 +2,6 @@
 weight sync to them, deadlines, replaced actors, asynchronous rollouts. One small Ray instance per test (2 CPUs; run
 them one at a time); the Ray tests are skipped when ray is not installed."""
 
-import importlib.util
 import math
 import shutil
 import tempfile
@@ -19,9 +18,8 @@ from posttrain.logging import read_metrics
 from posttrain.models.loading import load_causal_lm
 
 from rl_configs import DIGITS, TINY_RL
+from ray_for_tests import needs_ray
 
-needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                               reason="cluster.backend=ray needs the ray extra (pip install 'posttrain[ray]')")
 
 RAY = ["cluster.backend=ray", "cluster.timeout_s=600"]  # generous: actors start slowly on a loaded 2-core machine
 

@@ -7,7 +7,6 @@ order than one process, which shows in gradient norms at ~1e-6 relative; rewards
 tokens do. One small Ray instance per run (4 CPU slots on this 2-core machine); the Ray tests are skipped when ray
 is not installed."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,8 @@ from posttrain.config.schema import GRPOConfig, PPOConfig
 from posttrain.logging import read_metrics
 
 from rl_configs import DIGITS, TINY_RL
+from ray_for_tests import assert_same_steps, needs_ray
 
-needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                               reason="cluster.backend=ray needs the ray extra (pip install 'posttrain[ray]')")
 
 # Generous deadline: an actor's start took over 120 s on a loaded 2-core machine. Four CPU slots: two policy
 # ranks, a generation and an environment actor.
@@ -45,13 +43,6 @@ def no_model_in_the_driver(monkeypatch) -> None:
 
     for module, name in ((local, "build_policy"), (local, "build_scorer"), (value, "build_critic")):
         monkeypatch.setattr(module, name, refuse)
-
-
-def assert_same_steps(local: list[dict], remote: list[dict], keys: tuple[str, ...]) -> None:
-    assert [r["step"] for r in local] == [r["step"] for r in remote]
-    for a, b in zip(local, remote):
-        for key in keys:
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (a["step"], key)
 
 
 @needs_ray

@@ -5,7 +5,6 @@ its share re-sent; a silent one stops the run within the deadline, naming it; wh
 GPUs the cluster lacks at start-up. One small Ray instance per test (4 CPU slots on this 2-core machine); the Ray
 tests are skipped when ray is not installed."""
 
-import importlib.util
 import shutil
 import tempfile
 import threading
@@ -21,10 +20,9 @@ from posttrain.config.schema import GRPOConfig, PPOConfig
 from posttrain.logging import read_metrics
 
 from rl_configs import DIGITS, TINY_RL
+from ray_for_tests import assert_same_steps, needs_ray
 from teachers_for_tests import perturbed_tiny_teacher
 
-needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                               reason="cluster.backend=ray needs the ray extra (pip install 'posttrain[ray]')")
 
 # Generous deadline: an actor's start took over 120 s on a loaded 2-core machine. Four CPU slots: a generation, an
 # environment and two scoring actors.
@@ -46,13 +44,6 @@ def no_scorer_in_the_driver(monkeypatch) -> None:
         raise AssertionError("a scorer was built in the driver process")
 
     monkeypatch.setattr(local, "build_scorer", refuse)
-
-
-def assert_same_steps(local: list[dict], remote: list[dict], keys: tuple[str, ...]) -> None:
-    assert [r["step"] for r in local] == [r["step"] for r in remote]
-    for a, b in zip(local, remote):
-        for key in keys:
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-5), (a["step"], key)
 
 
 @needs_ray

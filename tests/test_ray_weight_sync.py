@@ -4,7 +4,6 @@ Ray runs that sync by broadcast from the driver and from a 2-rank policy group (
 log-probabilities, the same metrics as the object-store path, a stuck member named within the deadline, a replaced
 actor catching up from a peer). The Ray tests are skipped when ray is not installed."""
 
-import importlib.util
 import threading
 import time
 from pathlib import Path
@@ -18,9 +17,8 @@ from posttrain.config.schema import GRPOConfig
 from posttrain.logging import read_metrics
 
 from rl_configs import DIGITS, TINY_RL
+from ray_for_tests import needs_ray
 
-needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                               reason="cluster.backend=ray needs the ray extra (pip install 'posttrain[ray]')")
 
 RAY = ["cluster.backend=ray", "cluster.timeout_s=600"]
 BROADCAST = ["weight_sync.method=broadcast"]
