@@ -19,7 +19,7 @@
                                     the larger teacher of configs/distill_kd_arithmetic.yaml
     posttrain/tiny-tools-sft        posttrain/tiny after configs/sft_tools_arithmetic.yaml (1,000 5-digit word
                                     problems, four in ten worked with the calculator, the rest answered directly;
-                                    ~15 minutes on one CPU thread): the start of configs/grpo_tools_arithmetic.yaml
+                                    15-30 minutes on one CPU thread): the start of configs/grpo_tools_arithmetic.yaml
 
 The starting point for recipes that need an already-competent policy (DPO, GRPO on arithmetic). The run
 trains in a hidden temporary directory beside the cache entry and only its final/ model is renamed into
