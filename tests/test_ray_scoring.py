@@ -5,6 +5,7 @@ its share re-sent; a silent one stops the run within the deadline, naming it; wh
 GPUs the cluster lacks at start-up. One small Ray instance per test (4 CPU slots on this 2-core machine); the Ray
 tests are skipped when ray is not installed."""
 
+import gc
 import shutil
 import tempfile
 import threading
@@ -175,10 +176,12 @@ def test_a_scoring_group_splits_on_micro_batches_joins_in_order_and_names_an_act
 
     temp_dir = tempfile.mkdtemp(prefix="pt-ray-")  # short: Ray's socket paths must fit in 107 characters
     ray.init(num_cpus=1, _temp_dir=temp_dir, include_dashboard=False)
+    groups: list[WorkerGroup] = []
     try:
         def group(hanging: bool) -> RayScoringGroup:
             started = iter([StandIn.remote(0, False), StandIn.remote(1, hanging)])
             workers = WorkerGroup("reference", lambda: next(started), 2, timeout_s=600, max_restarts=0)
+            groups.append(workers)
             workers.call([Call(i, "ready") for i in range(2)], "the stand-ins to start")  # not timed
             workers.timeout_s = 2
             return RayScoringGroup(workers, "reference", micro_batch_size=3)
@@ -202,6 +205,14 @@ def test_a_scoring_group_splits_on_micro_batches_joins_in_order_and_names_an_act
         assert time.monotonic() - started < 60  # the deadline, not the hour the actor sleeps
         assert silent.group.failed
     finally:
+        # The actors (one still sleeping in a call) and every handle to them go before Ray does: a handle or a call's
+        # reference collected after ray.shutdown can bring the test process down.
+        for workers in groups:
+            for actor in workers.actors:
+                ray.kill(actor, no_restart=True)
+        groups.clear()
+        scorer = silent = None
+        gc.collect()
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
