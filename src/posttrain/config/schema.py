@@ -834,9 +834,9 @@ class ClusterSection(NumericSection):
     setting, so that its numbers equal the driver's)."""
 
     gpus_per_generation_worker: float = Field(0.0, ge=0)
-    """ray: GPUs the generation group's placement group reserves for each generation actor (the transformers
-    generation actor still samples on the CPU: sampling on the GPU is planned). A cluster without that many GPUs
-    stops the run at start-up, before any actor starts, naming this key."""
+    """ray: GPUs the generation group's placement group reserves for each generation actor, which loads its copy of
+    the model and samples on the first GPU Ray granted it (0: on CPUs; rollout.backend=vllm needs more than 0). A
+    cluster without that many GPUs stops the run at start-up, before any actor starts, naming this key."""
 
     environment_workers: int = Field(1, gt=0)
     """ray: environment actors; a step's episodes are divided among them for scoring."""
@@ -1415,9 +1415,21 @@ class OnlineRLConfig(RecipeConfig):
                                  f"environment.kind={self.environment.kind}: a tool-using environment's actors already "
                                  "answer many calls at once on one copy, which holds its episodes' state; leave "
                                  "cluster.environment_concurrency at 1")
-            if self.rollout.backend != "transformers":
-                raise ValueError(f"cluster.backend=ray with rollout.backend={self.rollout.backend}: Ray generation "
-                                 "workers run the transformers backend for now; set rollout.backend=transformers")
+            if self.rollout.backend == "vllm":
+                if self.cluster.colocated:
+                    raise ValueError("cluster.colocated=true with rollout.backend=vllm: colocated generation samples "
+                                     "from the trained module itself with the transformers backend; set "
+                                     "rollout.backend=transformers, or cluster.colocated=false for vLLM generation "
+                                     "actors")
+                if self.cluster.gpus_per_generation_worker == 0:
+                    raise ValueError("cluster.backend=ray with rollout.backend=vllm needs "
+                                     "cluster.gpus_per_generation_worker > 0: each vLLM generation worker runs its "
+                                     "engine on a GPU of its bundle (1 for a GPU each)")
+                if self.rollout.in_flight_updates:
+                    raise ValueError("rollout.in_flight_updates=true with rollout.backend=vllm on Ray generation "
+                                     "workers is not built yet (the chunked rounds are checked with the transformers "
+                                     "backend only); set rollout.in_flight_updates=false or "
+                                     "rollout.backend=transformers")
             if self.cluster.on_actor_failure == "mask" and self.rollout.max_turns > 1:
                 raise ValueError("cluster.on_actor_failure=mask needs rollout.max_turns=1: masking part of a "
                                  "multi-turn episode is not built; use cluster.on_actor_failure=retry")

@@ -350,19 +350,28 @@ class VLLMGenerator:
         If the engine sleeps, only its weights are woken for this; the KV cache wakes at the next
         `generate`, so the trainer keeps that memory until sampling starts.
         """
+        sent = sum(self.load_weights(bucket) for bucket in weight_buckets(weights))
+        self.finish_weight_update(version)
+        return sent
+
+    def load_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
+        """Load one bucket of Hugging Face-named weights into the engine in place (the model's own `load_weights`,
+        on every worker); the bytes loaded. A push is buckets, then `finish_weight_update` (Ray generation actors
+        receive a push bucket by bucket: distributed/ray_groups.py)."""
         self._wake(("weights",))
-        sent = 0
-        for bucket in weight_buckets(weights):
-            if self.in_process:
-                bucket = [(name, tensor.detach()) for name, tensor in bucket]
-            else:
-                bucket = [(name, tensor.detach().cpu()) for name, tensor in bucket]
-            self.llm.apply_model(partial(load_weights_into_model, bucket))
-            sent += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+        if self.in_process:
+            bucket = [(name, tensor.detach()) for name, tensor in bucket]
+        else:
+            bucket = [(name, tensor.detach().cpu()) for name, tensor in bucket]
+        self.llm.apply_model(partial(load_weights_into_model, bucket))
+        return sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+
+    def finish_weight_update(self, version: int) -> None:
+        """End a push of policy `version`: the prefix cache (KV blocks of the old weights) is dropped and the version
+        stamped."""
         self.llm.reset_prefix_cache()
         self.weights_discarded = False
         self.weights_version = version
-        return sent
 
     def sleep(self, level: int = 1) -> None:
         """Free the engine's GPU memory. level 1: weights kept in CPU memory, KV cache dropped;
