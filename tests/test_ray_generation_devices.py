@@ -168,8 +168,10 @@ def stand_in_vllm_actor():
             self.sampler = TransformersGenerator(load_causal_lm(model).eval(), load_tokenizer(model), batch_size=256,
                                                  seed=seed, owns_weights=True)
             self.sampler.model.requires_grad_(False)
+            self.model = model
             self.weights_version = 0
             self.loads = 0
+            self.lora_request = None
 
         def generate(self, prompts, params, num_samples):
             return self.sampler.generate(prompts, params, num_samples)
@@ -182,6 +184,18 @@ def stand_in_vllm_actor():
             return sum(t.numel() * t.element_size() for _, t in bucket)
 
         def finish_weight_update(self, version):
+            self.weights_version = version
+
+        def use_adapter(self, directory, version):  # the base model with the adapter written by the actor
+            from types import SimpleNamespace
+
+            from peft import PeftModel
+
+            from posttrain.models.loading import load_causal_lm
+
+            peft_model = PeftModel.from_pretrained(load_causal_lm(self.model), directory)
+            self.sampler.model = peft_model.get_base_model().eval().requires_grad_(False)
+            self.lora_request = SimpleNamespace(lora_path=directory)
             self.weights_version = version
 
     class StandInVLLMWorker(VLLMGenerationWorker):
@@ -232,3 +246,77 @@ def test_a_vllm_actor_with_a_stand_in_engine_logs_the_in_process_run_synced_by_o
         devices, generator = made[-1]
         assert devices == ["cpu (vllm)"]
         assert generator.sync_backend == ("gloo" if method == "broadcast" else None)
+
+
+# ---- LoRA adapters-only sync (weight_sync.lora=adapters) ---------------------------------------------------------
+
+LORA = ["lora.enabled=true", "lora.r=4", "lora.alpha=8", "trainer.learning_rate=1e-2"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ([*VLLM, "weight_sync.lora=adapters"], "needs lora.enabled=true"),
+    ([*RAY, *LORA, "weight_sync.lora=adapters"], "only vLLM generation actors"),
+    ([*LORA, "rollout.backend=vllm", "weight_sync.lora=adapters"], "only vLLM generation actors"),
+    ([*VLLM, *LORA, "weight_sync.lora=adapters", "weight_sync.method=broadcast"], "is not built"),
+    ([*VLLM, *LORA, "weight_sync.lora=all"], "weight_sync.lora"),
+])
+def test_adapters_only_sync_is_refused_at_load_where_no_generator_takes_adapters(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config(tmp_path, *overrides)
+    assert config(tmp_path, *VLLM, *LORA, "weight_sync.lora=adapters").weight_sync.lora == "adapters"
+
+
+def test_an_adapter_written_from_pushed_tensors_loads_with_peft_onto_the_base_and_computes_the_trained_model(
+        tiny_model_dir, tmp_path):
+    """Either naming a push may carry (peft's saved names; a sharded policy's state-dict names with `.default.`)
+    writes the same adapter, whose logits on the base model are the LoRA model's; a non-adapter tensor is refused."""
+    from peft import PeftModel, get_peft_model_state_dict
+
+    from posttrain.config.schema import LoraSection, ModelConfig
+    from posttrain.models.loading import load_causal_lm
+    from posttrain.models.lora import adapter_file_name, add_lora, write_adapter
+
+    model = ModelConfig(name_or_path="posttrain/tiny")
+    lora = LoraSection(enabled=True, r=4, alpha=8)
+    torch.manual_seed(0)
+    trained = add_lora(load_causal_lm(model), lora, "causal_lm").eval()
+    with torch.no_grad():
+        for name, parameter in trained.named_parameters():
+            if "lora_B" in name:  # B starts at 0: the adapter would change nothing
+                parameter.normal_(std=0.5)
+    tokens = torch.randint(0, 100, (2, 9))
+    expected = trained(tokens).logits
+    saved_names = get_peft_model_state_dict(trained)
+    state_dict_names = {name: tensor for name, tensor in trained.state_dict().items() if "lora_" in name}
+    assert set(state_dict_names) != set(saved_names)
+    assert {adapter_file_name(name) for name in state_dict_names} == set(saved_names)
+    for index, tensors in enumerate((saved_names, state_dict_names)):
+        directory = write_adapter(tensors, lora, str(tiny_model_dir), tmp_path / str(index))
+        loaded = PeftModel.from_pretrained(load_causal_lm(model), str(directory)).eval()
+        assert torch.allclose(loaded(tokens).logits, expected, atol=1e-6)
+    base = load_causal_lm(model).eval()(tokens).logits
+    assert (base - expected).abs().max() > 1e-2  # the adapter matters: a test that ignored it would fail
+    with pytest.raises(ValueError, match="model.layers.0.mlp.up_proj.weight is not a LoRA adapter tensor"):
+        adapter_file_name("base_model.model.model.layers.0.mlp.up_proj.weight")
+
+
+@needs_ray
+@pytest.mark.slow  # about 40 s on 2 shared cores: a LoRA run in one process and one on Ray
+def test_adapters_only_sync_to_a_vllm_actor_with_a_stand_in_engine_logs_the_in_process_lora_run(
+        tmp_path, tiny_model_dir, monkeypatch, ray_with_one_pretend_gpu):
+    """weight_sync.lora=adapters: each push carries the adapter tensors alone (a fraction of the model's bytes), the
+    actor writes them as a peft adapter and its engine samples with it over the base model it loaded; the rewards,
+    losses, gradient norms and generator mismatch are the in-process LoRA run's, and each step's version is pushed."""
+    from posttrain.algorithms.grpo import train_grpo
+    from posttrain.distributed import ray_groups
+    from posttrain.logging import read_metrics
+
+    monkeypatch.setattr(ray_groups, "VLLMGenerationActor", stand_in_vllm_actor())
+    steps = ["trainer.max_steps=3", *LORA]
+    train_grpo(config(tmp_path / "local", *steps))
+    train_grpo(config(tmp_path / "adapters", *steps, *VLLM, "cluster.num_cpus=3", "weight_sync.lora=adapters"))
+    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "adapters" / "metrics.jsonl")
+    assert_same_steps(local, remote, ("reward/mean", "loss", "grad_norm", "generator_logprob_error"))
+    assert [r["weight_sync/version"] for r in remote] == [1, 2, 3]
+    assert all(0 < r["weight_sync/bytes"] < 0.2 * 4 * 2**20 for r in remote)  # adapters of rank 4, not 4.3 MiB

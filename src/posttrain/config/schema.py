@@ -919,6 +919,12 @@ class WeightSyncSection(NumericSection):
     """Weights travel in buckets of about this many MiB (a tensor larger than that is a bucket of its own): one
     bucket in flight at a time, never a second full copy of the model in the object store."""
 
+    lora: Literal["merged", "adapters"] = "merged"
+    """With lora.enabled: what a push carries. merged: the full weights with the adapters folded in (every
+    generator takes them). adapters: the adapter tensors alone (a few MB), which vLLM generation actors
+    (cluster.backend=ray, rollout.backend=vllm) write as a peft adapter and sample with as a LoRA request over the
+    base model they loaded; through the object store only (weight_sync.method=object_store)."""
+
 
 class AdvantageSection(NumericSection):
     """How rewards become advantages (posttrain.advantages)."""
@@ -1403,6 +1409,19 @@ class OnlineRLConfig(RecipeConfig):
             for key in ("max_staleness", "group_timeout_s", "in_flight_updates", "in_flight_chunk_tokens"):
                 if key in self.rollout.model_fields_set:
                     raise ValueError(f"rollout.{key} applies only with rollout.asynchronous=true")
+        if self.weight_sync.lora == "adapters":
+            if not self.lora.enabled:
+                raise ValueError("weight_sync.lora=adapters needs lora.enabled=true: without LoRA there are no "
+                                 "adapters to send")
+            if self.cluster.backend != "ray" or self.rollout.backend != "vllm":
+                raise ValueError(f"weight_sync.lora=adapters with cluster.backend={self.cluster.backend} and "
+                                 f"rollout.backend={self.rollout.backend}: only vLLM generation actors "
+                                 "(cluster.backend=ray, rollout.backend=vllm) take adapters, as a LoRA request; the "
+                                 "transformers generators and an in-process engine take the merged weights: set "
+                                 "weight_sync.lora=merged")
+            if self.weight_sync.method != "object_store":
+                raise ValueError("weight_sync.lora=adapters with weight_sync.method=broadcast is not built: adapters "
+                                 "go through the object store (a few MB); set weight_sync.method=object_store")
         if self.cluster.backend == "ray":
             if self.environment.kind == "cua":
                 raise ValueError("environment.kind=cua with cluster.backend=ray is planned, not built: an episode's "

@@ -84,6 +84,7 @@ from posttrain.generation.base import Completion, GenerationOutput, SamplingPara
 from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.generation.vllm_backend import VLLMGenerator, import_vllm
 from posttrain.models.loading import default_device, load_causal_lm, weight_specs_of
+from posttrain.models.lora import adapter_file_name, write_adapter
 from posttrain.preemption import PREEMPTION_SIGNALS
 from posttrain.distributed.ray_policy import (
     RankGroup,
@@ -452,14 +453,20 @@ class VLLMGenerationWorker:
     stops; object_store keeps the last push for a replacement). An actor that cannot start (vllm not importable,
     no GPU granted or visible) builds nothing and says why, as `GenerationWorker` does."""
 
-    def __init__(self, model: ModelConfig, gpu_memory_utilization: float, seed: int, num_threads: int):
+    def __init__(self, model: ModelConfig, gpu_memory_utilization: float, seed: int, num_threads: int,
+                 adapters: LoraSection | None = None):
         torch.set_num_threads(num_threads)
         self.problem = self.find_problem()
         if self.problem is not None:
             return
+        self.model, self.adapters = model, adapters
         self.specs = weight_specs_of(model)
         self._expected = {name for name, _, _ in self.specs}
         self._loaded: set[str] = set()
+        self._adapter_tensors: dict[str, torch.Tensor] = {}
+        self._adapter_names: set[str] | None = None
+        """With adapters-only sync: the adapter tensors the first push brought, which every later push must bring."""
+        self._adapter_root = Path(tempfile.mkdtemp(prefix="posttrain-adapters-")) if adapters is not None else None
         self.engine = self.build_engine(model, gpu_memory_utilization, seed)
         self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         self._plan: list[Any] = []
@@ -476,8 +483,13 @@ class VLLMGenerationWorker:
 
     def build_engine(self, model: ModelConfig, gpu_memory_utilization: float, seed: int) -> VLLMGenerator:
         """The engine on this actor's GPU (Ray shows it only the GPUs of its bundle), as rollout.backend=vllm builds
-        it in one process."""
-        return VLLMGenerator(model.name_or_path, seed=seed, gpu_memory_utilization=gpu_memory_utilization)
+        it in one process; with adapters-only sync, LoRA enabled for one adapter of at most the next rank vLLM
+        offers above lora.r."""
+        lora = {}
+        if self.adapters is not None:
+            rank = min(r for r in VLLM_LORA_RANKS if r >= self.adapters.r)
+            lora = {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
+        return VLLMGenerator(model.name_or_path, seed=seed, gpu_memory_utilization=gpu_memory_utilization, **lora)
 
     def ready(self) -> bool:
         if self.problem is not None:
@@ -498,6 +510,9 @@ class VLLMGenerationWorker:
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             weights = [(name, torch.from_numpy(data).view(getattr(torch, dtype)).reshape(shape).to(self.device))
                        for name, dtype, shape, data in bucket]
+        if self.adapters is not None:  # kept until the push ends, then written as one adapter (`finish_sync`)
+            self._adapter_tensors |= {adapter_file_name(name): tensor.cpu() for name, tensor in weights}
+            return sum(data.nbytes for *_, data in bucket)
         unexpected = sorted(name for name, _ in weights if name not in self._expected)
         if unexpected:
             raise ValueError(f"weights this generator's model has no place for: {unexpected[:5]}")
@@ -526,11 +541,32 @@ class VLLMGenerationWorker:
         return self._plan[index].nbytes
 
     def finish_sync(self, version: int) -> int:
-        """Stamp `version` once every weight of the model has arrived since the last sync; its version."""
+        """Stamp `version` once every weight of the model has arrived since the last sync (with adapters-only sync:
+        every adapter tensor of the first push, then written as a peft adapter the engine samples with); its
+        version."""
+        if self.adapters is not None:
+            return self._finish_adapters(version)
         missing, self._loaded = sorted(self._expected - self._loaded), set()
         if missing:
             raise ValueError(f"weight update of version {version} left weights unset: {missing[:5]}")
         self.engine.finish_weight_update(version)
+        return version
+
+    def _finish_adapters(self, version: int) -> int:
+        tensors, self._adapter_tensors = self._adapter_tensors, {}
+        if not tensors:
+            raise ValueError(f"adapters-only update of version {version} brought no adapter tensors")
+        if self._adapter_names is None:
+            self._adapter_names = set(tensors)
+        if set(tensors) != self._adapter_names:
+            differing = sorted(set(tensors) ^ self._adapter_names)
+            raise ValueError(f"adapters-only update of version {version} brought other adapter tensors than the "
+                             f"first push: {differing[:5]}")
+        directory = write_adapter(tensors, self.adapters, self.model.name_or_path, self._adapter_root / f"v{version}")
+        previous = self.engine.lora_request
+        self.engine.use_adapter(str(directory), version)
+        if previous is not None and Path(previous.lora_path) != directory:  # no request names it any more
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
         return version
 
     def weights_version(self) -> int:
@@ -538,6 +574,9 @@ class VLLMGenerationWorker:
 
 
 VLLMGenerationActor = ray.remote(VLLMGenerationWorker)
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The max_lora_rank values vLLM's LoRA config accepts (vllm/config/lora.py); an adapter of rank r needs one >= r."""
 
 
 def bucket_payload(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, tuple[int, ...], np.ndarray]]:
@@ -572,11 +611,13 @@ class RayGenerator:
     before the call it missed is re-sent to it."""
 
     def __init__(self, make: Callable[[], Any], count: int, section: ClusterSection, bucket_bytes: int,
-                 method: str = "object_store", engine: str = "transformers"):
+                 method: str = "object_store", engine: str = "transformers", adapters_only: bool = False):
         self.group = WorkerGroup("generation", make, count, section.timeout_s, section.max_restarts,
                                  on_restart=self._catch_up,
                                  mask=self._masked if section.on_actor_failure == "mask" else None)
         self.bucket_bytes, self.method, self.engine = bucket_bytes, method, engine
+        self.adapters_only = adapters_only
+        """weight_sync.lora=adapters: a push asks the policy for its adapter tensors alone (`PolicyWeights`)."""
         self._sync_members: tuple | None = None
         """(who holds the weights, the actors) of the weight-sync group formed for broadcasts, or None: a push
         re-forms the group when either changed (a replaced actor)."""
@@ -645,6 +686,8 @@ class RayGenerator:
     def update_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Send policy `version`'s weights to every actor, one bucket of weight_sync.bucket_mb in flight at a time;
         each actor checks that every weight arrived and stamps the version. The bytes sent (to each actor)."""
+        if self.adapters_only:
+            weights.adapters_only = True  # PolicyWeights, RankZeroWeights: the policy gives its adapters alone
         with self._push_lock:
             if self.method == "broadcast":
                 return self._broadcast(version, weights)
@@ -1090,23 +1133,26 @@ class RayCluster:
         return group
 
     def generator(self, model: ModelConfig, tokenizer, *, batch_size: int, seed: int, backend: str = "transformers",
-                  vllm_gpu_memory_utilization: float = 0.3) -> RayGenerator:
+                  vllm_gpu_memory_utilization: float = 0.3, lora: LoraSection | None = None) -> RayGenerator:
         """cluster.generation_workers generation actors, each loading `model` (its weights then come from the
         policy's pushes) on the GPU Ray granted it (cluster.gpus_per_generation_worker) or the CPU: the transformers
         backend (`GenerationActor`), or with backend=vllm a vLLM engine (`VLLMGenerationActor`, a GPU each). An
-        actor that cannot start (vllm not importable there, a GPU torch does not see) stops the run here, named."""
+        actor that cannot start (vllm not importable there, a GPU torch does not see) stops the run here, named.
+        With weight_sync.lora=adapters (vLLM only; `lora` the policy's LoRA settings) pushes carry the adapters alone."""
         options = {"num_cpus": self.section.cpus_per_generation_worker,
                    "num_gpus": self.section.gpus_per_generation_worker,
                    "scheduling_strategy": self._placement("generation")}
         threads = torch.get_num_threads()
+        adapters = lora if self.weight_sync.lora == "adapters" else None
         if backend == "vllm":
             actor = VLLMGenerationActor.options(**options)
-            make = lambda: actor.remote(model, vllm_gpu_memory_utilization, seed, threads)  # noqa: E731
+            make = lambda: actor.remote(model, vllm_gpu_memory_utilization, seed, threads, adapters)  # noqa: E731
         else:
             actor = GenerationActor.options(**options)
             make = lambda: actor.remote(model, tokenizer, batch_size, seed, threads)  # noqa: E731
         generator = RayGenerator(make, self.section.generation_workers, self.section,
-                                 int(self.weight_sync.bucket_mb * 2**20), self.weight_sync.method, backend)
+                                 int(self.weight_sync.bucket_mb * 2**20), self.weight_sync.method, backend,
+                                 adapters_only=adapters is not None)
         self.groups.append(generator.group)
         problems = generator.group.call([Call(i, "start_problem") for i in generator._actors()],
                                         "the actor to start and build its generator")

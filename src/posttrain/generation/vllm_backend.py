@@ -38,6 +38,10 @@ reset afterwards, since its KV blocks were computed with the old weights. Tensor
 the existing parameters, so CUDA graphs captured at start-up stay valid. This suits unquantized
 checkpoints (bf16/fp16/fp32); quantized models need vLLM's weight-transfer API, not used here.
 
+LoRA adapters (Ray generation actors with weight_sync.lora=adapters): the engine is built with ``enable_lora=True``
+and `use_adapter` points every later ``generate`` at a peft adapter directory by a ``LoRARequest(name, int_id,
+path)``, a new id per policy version; the base weights stay those loaded at start-up.
+
 Process layout: with tensor_parallel_size=1 the engine runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0), so `update_weights` hands tensors over by reference with no
 copy or serialization. vLLM then initializes torch.distributed (world size 1) in this process if
@@ -311,6 +315,8 @@ class VLLMGenerator:
         """Memory pools released by `sleep` and not yet restored: "weights", "kv_cache"."""
         self.weights_discarded = False
         """True after sleep(level=2) until `update_weights`: the engine's weights are garbage."""
+        self.lora_request: Any = None
+        """The LoRA request every generation goes with (`use_adapter`), or None: the engine's own weights."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
         """`num_samples` completions for each prompt; wakes the engine first if it sleeps."""
@@ -330,6 +336,7 @@ class VLLMGenerator:
         start = time.perf_counter()
         request_outputs = self.llm.generate(
             [self._tokens_prompt(prompt_token_ids=list(prompt)) for prompt in prompts], sampling_params, use_tqdm=False,
+            lora_request=self.lora_request,
         )
         seconds = time.perf_counter() - start
         completions = completions_from_request_outputs(
@@ -371,6 +378,14 @@ class VLLMGenerator:
         stamped."""
         self.llm.reset_prefix_cache()
         self.weights_discarded = False
+        self.weights_version = version
+
+    def use_adapter(self, directory: str, version: int) -> None:
+        """Sample from now on with the peft adapter in `directory` over the engine's weights (a LoRA request; the
+        engine was built with enable_lora=True and a max_lora_rank of at least the adapter's rank), stamped `version`.
+        Each version is a request of its own id, so the engine loads it afresh; with max_loras=1 it evicts the last."""
+        lora_request = importlib.import_module("vllm.lora.request").LoRARequest
+        self.lora_request = lora_request(f"policy-v{version}", version + 1, directory)
         self.weights_version = version
 
     def sleep(self, level: int = 1) -> None:
