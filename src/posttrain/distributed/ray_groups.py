@@ -23,7 +23,11 @@ What this first slice builds, and where it departs from the full design:
   order they were sent, so a call sent before a weight push samples from the weights before it (asynchronous
   rollouts, algorithms/rollout_source.py); `submit_blocks` lets the caller wait for each actor's share on its own
   (rollout.group_timeout_s drops the groups of a share that straggles).
-- Generation actors run the transformers backend on their own copy of the model. A call whose prompts carry
+- Generation actors run the transformers backend on their own copy of the model, on the first GPU Ray granted them
+  (cluster.gpus_per_generation_worker) or the CPU; with rollout.backend=vllm, a vLLM engine on their GPU
+  (`VLLMGenerationWorker`), into which pushes load in place (with weight_sync.lora=adapters the LoRA adapters alone,
+  sampled with as a LoRA request). An actor that cannot start (a GPU torch does not see, vllm not importable) stops
+  the run naming it before anything is pushed. A call whose prompts carry
   per-prompt seeds (rollout.seed_per_group) is divided among the actors in contiguous blocks; a call seeded as a
   whole draws from one stream and goes to the first actor, so it samples what one process samples.
 - Environment actors build the environment from its config section in their own process; a step's episodes are
