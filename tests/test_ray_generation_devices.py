@@ -212,7 +212,7 @@ def stand_in_vllm_actor():
 
 
 @needs_ray
-@pytest.mark.slow  # about 40 s on 2 shared cores: a run in one process and two Ray runs
+@pytest.mark.slow  # about 70 s on 2 shared cores: a run in one process and two Ray runs
 def test_a_vllm_actor_with_a_stand_in_engine_logs_the_in_process_run_synced_by_object_store_and_broadcast(
         tmp_path, tiny_model_dir, monkeypatch, ray_with_one_pretend_gpu):
     """The vLLM generation actor's plumbing around an engine that samples as the in-process run does: every step's

@@ -334,9 +334,10 @@ class VLLMGenerator:
             for i in range(len(prompts))
         ]
         start = time.perf_counter()
+        adapter = {} if self.lora_request is None else {"lora_request": self.lora_request}
         request_outputs = self.llm.generate(
             [self._tokens_prompt(prompt_token_ids=list(prompt)) for prompt in prompts], sampling_params, use_tqdm=False,
-            lora_request=self.lora_request,
+            **adapter,
         )
         seconds = time.perf_counter() - start
         completions = completions_from_request_outputs(
