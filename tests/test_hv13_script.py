@@ -52,7 +52,7 @@ def test_each_check_passes_a_healthy_run_and_fails_when_its_part_breaks():
     assert not script.same_rewards([{"reward/mean": 0.5}], [{"reward/mean": 0.25}])
 
 
-@pytest.mark.slow  # about 90 s on 2 shared cores: two 2-step Ray runs
+@pytest.mark.slow  # about 110 s on 2 shared cores: two 2-step Ray runs
 def test_cpu_dry_run_passes_the_transformers_phase_and_skips_the_vllm_phases(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(SCRIPT.parents[2] / "src")}
     done = subprocess.run([sys.executable, str(SCRIPT), "--allow-cpu", "--steps", "2"], env=env, capture_output=True,
