@@ -1150,10 +1150,14 @@ class RayCluster:
         adapters = lora if self.weight_sync.lora == "adapters" else None
         if backend == "vllm":
             actor = VLLMGenerationActor.options(**options)
-            make = lambda: actor.remote(model, vllm_gpu_memory_utilization, seed, threads, adapters)  # noqa: E731
+            arguments = (model, vllm_gpu_memory_utilization, seed, threads, adapters)
         else:
             actor = GenerationActor.options(**options)
-            make = lambda: actor.remote(model, tokenizer, batch_size, seed, threads)  # noqa: E731
+            arguments = (model, tokenizer, batch_size, seed, threads)
+
+        def make() -> Any:
+            return actor.remote(*arguments)
+
         generator = RayGenerator(make, self.section.generation_workers, self.section,
                                  int(self.weight_sync.bucket_mb * 2**20), self.weight_sync.method, backend,
                                  adapters_only=adapters is not None)
