@@ -153,6 +153,9 @@ class CuaEnvironment:
         temporary folder removed by close().
     max_steps: actions per episode; the episode ends after this many."""
 
+    holds_episodes = True
+    """An episode's desktop (its X server and programs) lives in this process: its turns must all reach it."""
+
     def __init__(self, tasks: list[CuaTask], *, episodes_dir: str | Path | None = None, max_steps: int = 10,
                  screen: tuple[int, int] = DEFAULT_SCREEN, start_timeout_s: float = 10.0,
                  action_timeout_s: float = 10.0, save_screenshots: bool = True, xvfb: str = "Xvfb"):
