@@ -825,6 +825,9 @@ class RayEnvironment:
         self.group.kill()
         for folder in self.scratch_folders:  # left by actors killed without closing (desktops' servers included)
             scratch.clean_up(folder)
+        for parent in {folder.parent for folder in self.scratch_folders}:
+            if parent.is_dir() and not any(parent.iterdir()):
+                parent.rmdir()
 
 
 # ---- scorers: the reference, the teacher ---------------------------------------------------------------------
