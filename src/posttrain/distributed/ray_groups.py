@@ -27,10 +27,13 @@ What this first slice builds, and where it departs from the full design:
   per-prompt seeds (rollout.seed_per_group) is divided among the actors in contiguous blocks; a call seeded as a
   whole draws from one stream and goes to the first actor, so it samples what one process samples.
 - Environment actors build the environment from its config section in their own process; a step's episodes are
-  divided among them in contiguous blocks, single episodes (multi-turn) go round-robin. The episodes of a
-  tool-using environment (tools, swe) stay on the actor that stepped their first turn, which holds their work
-  directories and checkouts; the driver renders the tools from the description that actor gives (`tool_use`), and an
-  episode whose actor died is not re-sent to the replacement but restarted from its first turn (`EpisodeLost`). With
+  divided among them in contiguous blocks, single episodes (multi-turn) go round-robin. The episodes of an
+  environment that holds them (`envs.base.HoldsEpisodes`: tools, swe, cua) stay on the actor that stepped their
+  first turn, which holds their work directories, checkouts and desktops; the driver renders the tools from the
+  description that actor gives (`tool_use`), and an episode whose actor died is not re-sent to the replacement but
+  restarted from its first turn (`EpisodeLost`). Each environment actor works in a scratch folder of its own
+  (distributed/scratch.py), where a replacement stops the processes a dead actor left running and removes its
+  folders before it builds its environment. With
   cluster.environment_concurrency = N (other environments) an actor builds N copies and runs N calls at once, each on
   a copy of its own.
 - With cluster.reference_workers (teacher_workers) > 0 the reference (teacher) is a group of `ScoringActor`s
