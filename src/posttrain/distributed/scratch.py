@@ -10,14 +10,17 @@ A worker that exits normally removes its folder (`release`). One that is killed 
 its programs that run in sessions of their own (Xvfb and the apps on it, started with start_new_session) outlive
 it, reparented to init, and its folders stay. Its replacement, started on the same placement-group bundle (the
 same node), claims the same folder and first cleans up (`clean_up`): it stops every process still carrying the dead
-worker's token (SIGTERM, SIGKILL after `STOP_GRACE_S`; Xvfb removes its display's lock file and socket on SIGTERM)
+worker's token (SIGTERM, SIGKILL after `STOP_GRACE_S`; on SIGTERM Xvfb removes its display's socket)
 and removes the folder. A resumed run's workers clean up after the workers of the run that was killed the same way,
 as the folder's name does not change between runs.
 
-What cannot be cleaned: a program that cleared its environment (the marker with it) or runs as another user is not
-found (the sandbox's programs keep their environment; their own time limits end them); a process already exited
-but not reaped by init stays a zombie until init reaps it (it holds no memory and no files); and a node that died
-took its processes with it, while its folders stay on its disk until a worker runs there again with the same ROOT.
+What cannot be cleaned: a program started with a cleared environment (the marker with it) or as another user is
+not found. The sandbox (envs/sandbox.py) starts the python and bash tools' programs and SWE commands with only PATH,
+HOME and TMPDIR, so one of them still running when its worker is killed is not stopped here: its CPU-time limit
+(RLIMIT_CPU) still ends a busy one, but its wall-clock limit was kept by the dead worker, so a program that sleeps
+or waits lives on; its folder (under the worker's) is removed all the same. A process already exited but not
+reaped by init stays a zombie until init reaps it (it holds no memory and no files); and a node that died took its
+processes with it, while its folders stay on its disk until a worker runs there again with the same ROOT.
 """
 
 from __future__ import annotations
