@@ -349,6 +349,26 @@ def test_the_scripted_policy_completes_every_bundled_task_and_the_evaluator_conf
 
 
 @needs_desktop
+def test_keep_episodes_bounds_the_finished_episodes_folders_and_scores_before_removing(tmp_path):
+    tasks = [task for task in load_tasks() if task.id in ("contact-name", "contact-send-email")]
+    environment = CuaEnvironment(tasks, episodes_dir=tmp_path, keep_episodes=1)
+    try:
+        first, second = run_tasks(tasks, ScriptedPolicy(load_scripts()), environment)
+        # each scored by the evaluator on its saved form before its folder could go
+        assert (first.reward, second.reward) == (1.0, 1.0)
+        assert not Path(first.workdir).exists() and Path(second.workdir).is_dir()  # only the newest stays
+        assert sorted(path.name for path in tmp_path.iterdir()) == [Path(second.workdir).name]
+        (none_kept,) = run_tasks(tasks[:1], ScriptedPolicy(load_scripts()),
+                                 bare := CuaEnvironment(tasks, episodes_dir=tmp_path / "none", keep_episodes=0))
+        bare.close()
+        assert none_kept.reward == 1.0 and not any((tmp_path / "none").iterdir())
+    finally:
+        environment.close()
+    with pytest.raises(ValueError, match="keep_episodes must be at least 0"):
+        CuaEnvironment(tasks, keep_episodes=-1)
+
+
+@needs_desktop
 def test_episodes_in_a_folder_an_earlier_run_used_get_fresh_directories(tmp_path):
     (tmp_path / "contact-name-00000").mkdir()
     (tmp_path / "contact-name-00000" / "contact.json").write_text('{"name": "Ada Lovelace"}')  # a finished episode

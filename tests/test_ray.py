@@ -445,10 +445,11 @@ def test_asynchronous_rollouts_need_ray_the_importance_correction_and_no_dynamic
         with pytest.raises(ConfigError, match=f"rollout.{key.split('=')[0]} with rollout.asynchronous=true needs "
                                               "rollout.max_turns=1"):
             config(tmp_path, *ASYNC, "rollout.max_turns=2", f"rollout.{key}")
-    with pytest.raises(ConfigError, match="environment.kind=cua with cluster.backend=ray is planned, not built: an "
-                                          "episode's desktop"):  # refused at load
-        load_config(GRPOConfig, "configs/grpo_arithmetic.yaml",
-                    ["cluster.backend=ray", "environment.kind=cua", "environment.options={}", "rollout.max_turns=10"])
+    cua = ["cluster.backend=ray", "environment.kind=cua", "environment.options={}", "rollout.max_turns=10"]
+    assert load_config(GRPOConfig, "configs/grpo_arithmetic.yaml", cua).environment.kind == "cua"  # desktops on actors
+    with pytest.raises(ConfigError, match="cluster.environment_concurrency=2 with environment.kind=cua: the actors of "
+                                          "an environment whose episodes live in it"):
+        load_config(GRPOConfig, "configs/grpo_arithmetic.yaml", [*cua, "cluster.environment_concurrency=2"])
     tools = load_config(GRPOConfig, "configs/grpo_arithmetic.yaml",  # tool-using episodes run on the actors
                         ["cluster.backend=ray", "environment.kind=tools", "rollout.max_turns=2",
                          "environment.options={tools: [calculator], task: {kind: arithmetic}}"])

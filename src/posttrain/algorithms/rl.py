@@ -36,7 +36,8 @@ from posttrain.algorithms.rollout_source import (
     SynchronousRolloutSource,
 )
 from posttrain.checkpoint import Checkpoint, checkpoint_to_resume
-from posttrain.config.schema import DataConfig, GRPOConfig, ModelConfig, PromptSection, RolloutSection, TrainerConfig
+from posttrain.config.schema import (EPISODE_HOLDING_KINDS, DataConfig, GRPOConfig, ModelConfig, PromptSection,
+                                      RolloutSection, TrainerConfig)
 from posttrain.data.dataset import DataStats, check_not_empty, iter_rows, skip_or_raise
 from posttrain.data.errors import DataError
 from posttrain.data.formats import PromptOnlyRow
@@ -252,9 +253,10 @@ def load_rl_data(cfg: GRPOConfig, cluster: Any | None = None) -> RLData:
     if cluster is None:
         environment = build_recipe_environment(cfg.environment, tokenizer)
     else:
-        # A tool-using episode's turns all go to the actor holding it, and its tools may be slow: each actor answers
-        # as many calls at once as the rollout has episodes in flight, so one slow tool holds back no other episode.
-        concurrency = EPISODE_THREADS if kind in ("tools", "swe") else 1
+        # An episode that lives in an actor (tools, swe, cua) has all its turns go there, and its tools or desktop
+        # may be slow: each actor answers as many calls at once as the rollout has episodes in flight, so one slow
+        # episode holds back no other.
+        concurrency = EPISODE_THREADS if kind in EPISODE_HOLDING_KINDS else 1
         environment = cluster.environment(build_recipe_environment, cfg.environment, tokenizer,
                                           concurrency=concurrency)
     prompts = offer_tools(prompts, tokenizer, environment, cfg.data.max_length)

@@ -407,6 +407,11 @@ class CuaOptions(EnvironmentOptions):
     save_screenshots: bool = True
     """Save a PNG screenshot after every action in the episode's folder."""
 
+    keep_episodes: int | None = Field(64, ge=0)
+    """Finished episodes whose folders stay (the newest; older ones are removed as episodes end, screenshots
+    included), so that a long run's disk use stays bounded; null: every one (the folders named in earlier
+    episodes' cua_workdir and cua_screenshots metadata may be gone)."""
+
 
 JUDGE_VERDICT_OPTIONS = ("template", "system_prompt", "score_pattern", "min_score", "max_score", "normalize")
 """Judge options that say how a verdict reads: the hle and gdpval environments write their own judge prompts."""

@@ -801,6 +801,11 @@ class RolloutSection(SamplingSection):
     """Largest soft overlong penalty subtracted from the reward."""
 
 
+EPISODE_HOLDING_KINDS = ("tools", "swe", "cua")
+"""Environment kinds whose multi-turn episodes live in the process that started them (a work directory, a
+checkout, a desktop): on Ray each episode stays on one environment actor, which answers many episodes at once."""
+
+
 class ClusterSection(NumericSection):
     """Where the online RL workers run (docs/ray.md). local: everything in this process (the default). ray: the
     generation and environment workers are Ray actors, and with policy_workers > 0 the policy (and PPO's critic)
@@ -1423,16 +1428,11 @@ class OnlineRLConfig(RecipeConfig):
                 raise ValueError("weight_sync.lora=adapters with weight_sync.method=broadcast is not built: adapters "
                                  "go through the object store (a few MB); set weight_sync.method=object_store")
         if self.cluster.backend == "ray":
-            if self.environment.kind == "cua":
-                raise ValueError("environment.kind=cua with cluster.backend=ray is planned, not built: an episode's "
-                                 "desktop (a virtual display and the programs on it) lives in the process that "
-                                 "started it, and the environment actors keep only tool-using episodes (tools, swe) "
-                                 "on the actor holding them, so a desktop's later steps would reach another actor; "
-                                 "use cluster.backend=local")
-            if self.environment.kind in ("tools", "swe") and self.cluster.environment_concurrency > 1:
+            if self.environment.kind in EPISODE_HOLDING_KINDS and self.cluster.environment_concurrency > 1:
                 raise ValueError(f"cluster.environment_concurrency={self.cluster.environment_concurrency} with "
-                                 f"environment.kind={self.environment.kind}: a tool-using environment's actors already "
-                                 "answer many calls at once on one copy, which holds its episodes' state; leave "
+                                 f"environment.kind={self.environment.kind}: the actors of an environment whose "
+                                 "episodes live in it (work directories, checkouts, desktops) already answer many "
+                                 "calls at once on one copy, which holds its episodes' state; leave "
                                  "cluster.environment_concurrency at 1")
             if self.rollout.backend == "vllm":
                 if self.cluster.colocated:

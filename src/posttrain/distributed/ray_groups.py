@@ -31,10 +31,13 @@ What this first slice builds, and where it departs from the full design:
   per-prompt seeds (rollout.seed_per_group) is divided among the actors in contiguous blocks; a call seeded as a
   whole draws from one stream and goes to the first actor, so it samples what one process samples.
 - Environment actors build the environment from its config section in their own process; a step's episodes are
-  divided among them in contiguous blocks, single episodes (multi-turn) go round-robin. The episodes of a
-  tool-using environment (tools, swe) stay on the actor that stepped their first turn, which holds their work
-  directories and checkouts; the driver renders the tools from the description that actor gives (`tool_use`), and an
-  episode whose actor died is not re-sent to the replacement but restarted from its first turn (`EpisodeLost`). With
+  divided among them in contiguous blocks, single episodes (multi-turn) go round-robin. The episodes of an
+  environment that holds them (`envs.base.HoldsEpisodes`: tools, swe, cua) stay on the actor that stepped their
+  first turn, which holds their work directories, checkouts and desktops; the driver renders the tools from the
+  description that actor gives (`tool_use`), and an episode whose actor died is not re-sent to the replacement but
+  restarted from its first turn (`EpisodeLost`). Each environment actor works in a scratch folder of its own
+  (distributed/scratch.py), where a replacement stops the processes a dead actor left running and removes its
+  folders before it builds its environment. With
   cluster.environment_concurrency = N (other environments) an actor builds N copies and runs N calls at once, each on
   a copy of its own.
 - With cluster.reference_workers (teacher_workers) > 0 the reference (teacher) is a group of `ScoringActor`s
@@ -59,6 +62,7 @@ What this first slice builds, and where it departs from the full design:
 from __future__ import annotations
 
 import datetime
+import hashlib
 import itertools
 import queue
 import shutil
@@ -82,7 +86,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from posttrain.checkpoint import capture_rng_state, restore_rng_state
 from posttrain.config.schema import ClusterSection, LoraSection, ModelConfig, TrainerConfig, WeightSyncSection
 from posttrain.data.types import RolloutBatch
-from posttrain.envs.base import EnvStep, EpisodeLost, Message, ToolUse, tool_use_of
+from posttrain.distributed import scratch
+from posttrain.envs.base import EnvStep, EpisodeLost, Message, ToolUse, holds_episodes, tool_use_of
 from posttrain.errors import RunError
 from posttrain.generation.base import Completion, GenerationOutput, SamplingParams, SubmittedBlock, weight_buckets
 from posttrain.generation.transformers_backend import TransformersGenerator
@@ -907,21 +912,47 @@ class RayGenerator:
 
 @ray.remote
 class EnvironmentActor:
-    """`copies` environments built in this actor's process from their config section (`build(section, *args)`).
+    """`copies` environments built in this actor's process from their config section (`build(section, *args)`),
+    when the group `start`s the actor with its scratch folder (distributed/scratch.py): the environments' temporary
+    folders and the processes they start belong to it, and a replacement started with a dead actor's folder first
+    stops that actor's processes and removes its folders.
 
-    One copy (tool-using environments, and the default): Ray's max_concurrency says how many calls run on it at once,
-    each in a thread (tool environments take that; their episodes' state lives in the one copy). Several copies
-    (cluster.environment_concurrency): each call takes a copy no other call holds, so an environment is never stepped
-    from two threads at once (a reward worker pool serves one call at a time)."""
+    One copy (environments whose episodes live in it: tools, swe, cua; and the default): Ray's max_concurrency says
+    how many calls run on it at once, each in a thread. Several copies (cluster.environment_concurrency): each call
+    takes a copy no other call holds, so an environment is never stepped from two threads at once (a reward worker
+    pool serves one call at a time)."""
 
     def __init__(self, build: Callable[..., Any], section: Any, *args: Any, copies: int = 1):
-        self.environments = [build(section, *args) for _ in range(copies)]
+        self._build, self._section, self._args, self._copies = build, section, args, copies
+        self.environments: list[Any] = []
+        self.scratch: Path | None = None
+        self.cleanup = scratch.Cleanup((), False)
         self._free: queue.SimpleQueue = queue.SimpleQueue()
-        for environment in self.environments:
-            self._free.put(environment)
 
     def ready(self) -> bool:
         return True
+
+    def start(self, folder: str | None) -> scratch.Cleanup:
+        """Claim scratch folder `folder` (cleaning up after the actor that held it before, if any; a relative one is
+        taken under this node's system temporary folder; None: none), then build the environments; what the cleanup
+        did. Once started, a second call (a start re-sent to a replacement that already ran it) does nothing."""
+        if self.environments:
+            return self.cleanup
+        if folder is not None:
+            self.scratch = Path(tempfile.gettempdir()) / folder
+            self.cleanup = scratch.claim(self.scratch)
+        self.environments = [self._build(self._section, *self._args) for _ in range(self._copies)]
+        for environment in self.environments:
+            self._free.put(environment)
+        return self.cleanup
+
+    def cleaned_up(self) -> scratch.Cleanup:
+        """What this actor's start found of a dead predecessor and removed."""
+        return self.cleanup
+
+    def holds_episodes(self) -> bool:
+        """Whether the environment's episodes live in this process (`envs.base.holds_episodes`)."""
+        return holds_episodes(self.environments[0])
 
     def reward_weights(self) -> dict[str, float]:
         # Only multi-component environments have it.
@@ -950,6 +981,8 @@ class EnvironmentActor:
     def close(self) -> None:
         for environment in self.environments:
             environment.close()
+        if self.scratch is not None:
+            scratch.release(self.scratch)
 
 
 def masked_rewards(call: Call, why: str) -> EnvStep:
@@ -962,21 +995,26 @@ def masked_rewards(call: Call, why: str) -> EnvStep:
 class RayEnvironment:
     """The `Environment` protocol over a group of `EnvironmentActor`s (see the module docstring).
 
-    tool_use: the tools of the environment the actors built (None when it offers none). The episodes of an
-    environment that offers tools hold state in the actor that stepped their first turn (work directories, sandboxed
-    checkouts): every later turn goes to that actor (`HOLDER_KEY` in the episode's metadata while it runs), and when
-    that actor has died and been replaced the step raises `EpisodeLost`, so that the rollout starts the episode
-    again from its first turn; the call is never re-sent to the replacement, which lacks the episode's state."""
+    tool_use: the tools of the environment the actors built (None when it offers none). holds_episodes: whether its
+    episodes hold state in the actor that stepped their first turn (work directories, sandboxed checkouts, desktops;
+    `envs.base.HoldsEpisodes`): then every later turn goes to that actor (`HOLDER_KEY` in the episode's metadata
+    while it runs), and when that actor has died and been replaced the step raises `EpisodeLost`, so that the
+    rollout starts the episode again from its first turn; the call is never re-sent to the replacement, which lacks
+    the episode's state. scratch_folders: each actor's scratch folder when the driver can reach them (a local Ray
+    instance), cleaned up at close after a group that failed (its actors were killed without closing)."""
 
-    def __init__(self, group: WorkerGroup, reward_weights: dict[str, float], tool_use: ToolUse | None):
+    def __init__(self, group: WorkerGroup, reward_weights: dict[str, float], tool_use: ToolUse | None,
+                 holds_episodes: bool = False, scratch_folders: Sequence[Path] = ()):
         self.group = group
         self.reward_weights = reward_weights
         self.tool_use = tool_use
+        self.holds_episodes = holds_episodes
+        self.scratch_folders = list(scratch_folders)
         self._next = itertools.count()
         self._lock = threading.Lock()
 
     def step(self, message_logs: list[list[Message]], metadata: list[dict[str, Any]]) -> EnvStep:
-        if len(message_logs) == 1 and self.tool_use is not None:
+        if len(message_logs) == 1 and self.holds_episodes:
             return self._step_episode(message_logs[0], metadata[0])
         actors = self.group.actors
         if len(message_logs) == 1:  # one episode (multi-turn): the next actor in turn
@@ -992,7 +1030,8 @@ class RayEnvironment:
                          for field in ("rewards", "done", "observations", "errors", "metadata")))
 
     def _step_episode(self, messages: list[Message], row: dict[str, Any]) -> EnvStep:
-        """One turn of a tool-using episode, on the actor holding it (the next in turn for a first turn)."""
+        """One turn of an episode that lives in an actor, on the actor holding it (the next in turn for a first
+        turn)."""
         holder = row.get(HOLDER_KEY)
         if holder is None:
             with self._lock:
@@ -1014,6 +1053,11 @@ class RayEnvironment:
             self.group.call([Call(i, "close") for i in range(len(self.group.actors))],
                             "the environment to release its workers")
         self.group.kill()
+        for folder in self.scratch_folders:  # left by actors killed without closing (desktops' servers included)
+            scratch.clean_up(folder)
+        for parent in {folder.parent for folder in self.scratch_folders}:
+            if parent.is_dir() and not any(parent.iterdir()):
+                parent.rmdir()
 
 
 # ---- scorers: the reference, the teacher ---------------------------------------------------------------------
@@ -1100,6 +1144,7 @@ class RayCluster:
 
     def __init__(self, section: ClusterSection, weight_sync: WeightSyncSection, output_dir: Path):
         self.section, self.weight_sync = section, weight_sync
+        self.output_dir = Path(output_dir).resolve()
         self.groups: list[WorkerGroup | RankGroup] = []
         self.started = False
         self._short_temp_dir: Path | None = None
@@ -1227,12 +1272,32 @@ class RayCluster:
                                          scheduling_strategy=self._placement("environment"),
                                          max_concurrency=max(concurrency, copies))
         masks = self.section.on_actor_failure == "mask"
-        group = self._start(WorkerGroup("environment", lambda: actor.remote(build, section, *args, copies=copies),
-                                        self.section.environment_workers, self.section.timeout_s,
-                                        self.section.max_restarts, mask=masked_rewards if masks else None))
+        folder = self._scratch_folder
+
+        def start(index: int) -> list[Call]:  # also what a replacement runs before anything else reaches it
+            return [Call(index, "start", (folder(index),))]
+
+        group = WorkerGroup("environment", lambda: actor.remote(build, section, *args, copies=copies),
+                            self.section.environment_workers, self.section.timeout_s, self.section.max_restarts,
+                            on_restart=start, mask=masked_rewards if masks else None)
+        self.groups.append(group)
+        group.call([call for index in range(len(group.actors)) for call in start(index)],
+                   "the actor to start and build its environment")
         weights = group.call([Call(0, "reward_weights")], "the environment's reward weights")[0]
         tool_use = group.call([Call(0, "tool_use")], "the environment's tools")[0]
-        return RayEnvironment(group, weights, tool_use)
+        holds = group.call([Call(0, "holds_episodes")], "whether the environment's episodes live in it")[0]
+        local = [Path(folder(index)) for index in range(len(group.actors))] if self.started else []
+        return RayEnvironment(group, weights, tool_use, holds, local)
+
+    def _scratch_folder(self, index: int) -> str:
+        """Environment actor `index`'s scratch folder (distributed/scratch.py), the same for its replacements and
+        for the run when resumed: OUTPUT/environments/worker-<index> on a local instance; in a joined cluster, where
+        the run directory may not exist on the actor's node, under the system's temporary folder there, named by
+        the run directory."""
+        if self.started:
+            return str(self.output_dir / "environments" / f"worker-{index}")
+        run = hashlib.sha256(str(self.output_dir).encode()).hexdigest()[:16]
+        return f"posttrain-environments-{run}/worker-{index}"
 
     def metrics(self) -> dict[str, float]:
         """Per worker group, logged every step: heartbeat/<group>_seconds (since it last answered a call),

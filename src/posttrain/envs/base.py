@@ -73,6 +73,20 @@ def tool_use_of(environment: Environment) -> ToolUse | None:
     return environment.tool_use if isinstance(environment, OffersTools) else None
 
 
+@runtime_checkable
+class HoldsEpisodes(Protocol):
+    """An environment whose multi-turn episodes keep state in the process that stepped their first turn (a tool
+    episode's work directory, a SWE checkout, a desktop with its programs): every later turn must reach that same
+    process, and an episode whose process died can only start again (`EpisodeLost`)."""
+
+    holds_episodes: bool
+
+
+def holds_episodes(environment: Environment) -> bool:
+    """Whether the environment's episodes live in its process (`HoldsEpisodes`)."""
+    return isinstance(environment, HoldsEpisodes) and environment.holds_episodes
+
+
 def reply_of(message_log: list[Message]) -> str:
     """The content of the log's last message, which must be the assistant's reply."""
     if not message_log or message_log[-1]["role"] != "assistant":

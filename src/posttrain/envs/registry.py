@@ -210,7 +210,7 @@ def _cua(options: CuaOptions, worker_memory_mb: int, model: Any) -> CuaEnvironme
     return CuaEnvironment(tasks, episodes_dir=options.episodes_dir, max_steps=options.max_steps,
                           screen=(options.screen_width, options.screen_height),
                           start_timeout_s=options.start_timeout_s, action_timeout_s=options.action_timeout_s,
-                          save_screenshots=options.save_screenshots)
+                          save_screenshots=options.save_screenshots, keep_episodes=options.keep_episodes)
 
 
 def _reward_model(options: RewardModelOptions, worker_memory_mb: int, model: RewardScorer) -> RewardModelEnvironment:

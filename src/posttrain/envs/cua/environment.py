@@ -21,6 +21,7 @@ tree only as text (the screenshot is saved, not shown to the model: the rollouts
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import shutil
@@ -151,11 +152,17 @@ class CuaEnvironment:
     tasks: the tasks data rows name by their task_id column.
     episodes_dir: where each episode's work directory (screenshots, the app's files and logs) is kept; None: a
         temporary folder removed by close().
-    max_steps: actions per episode; the episode ends after this many."""
+    max_steps: actions per episode; the episode ends after this many.
+    keep_episodes: how many finished episodes' folders stay (the newest; older ones are removed as episodes end,
+        which bounds the disk a long run's screenshots take); None: all of them."""
+
+    holds_episodes = True
+    """An episode's desktop (its X server and programs) lives in this process: its turns must all reach it."""
 
     def __init__(self, tasks: list[CuaTask], *, episodes_dir: str | Path | None = None, max_steps: int = 10,
                  screen: tuple[int, int] = DEFAULT_SCREEN, start_timeout_s: float = 10.0,
-                 action_timeout_s: float = 10.0, save_screenshots: bool = True, xvfb: str = "Xvfb"):
+                 action_timeout_s: float = 10.0, save_screenshots: bool = True, keep_episodes: int | None = None,
+                 xvfb: str = "Xvfb"):
         missing = missing_programs()
         if missing:
             raise ValueError(f"the cua environment needs {' and '.join(missing)} on PATH (Debian/Ubuntu: apt-get "
@@ -164,6 +171,8 @@ class CuaEnvironment:
             raise ValueError(f"max_steps must be at least 1, got {max_steps}")
         if start_timeout_s <= 0 or action_timeout_s <= 0:
             raise ValueError("start_timeout_s and action_timeout_s must be positive")
+        if keep_episodes is not None and keep_episodes < 0:
+            raise ValueError(f"keep_episodes must be at least 0 (or None: keep all), got {keep_episodes}")
         self.tasks = {task.id: task for task in tasks}
         self.max_steps, self.screen = max_steps, screen
         self.start_timeout_s, self.action_timeout_s = start_timeout_s, action_timeout_s
@@ -173,6 +182,9 @@ class CuaEnvironment:
             else Path(episodes_dir)
         self.episodes_dir.mkdir(parents=True, exist_ok=True)
         self._episodes: dict[str, CuaEpisode] = {}
+        self.keep_episodes = keep_episodes
+        self._finished: collections.deque[Path] = collections.deque()
+        """Folders of finished episodes, oldest first (those keep_episodes still keeps)."""
         self._lock = threading.Lock()
         self._numbers = itertools.count()
         # Also at garbage collection and interpreter exit: a recipe that never calls close() leaves no X server
@@ -266,8 +278,16 @@ class CuaEnvironment:
     def _close_episode(self, key: str) -> None:
         with self._lock:
             episode = self._episodes.pop(key, None)
-        if episode is not None:
-            episode.desktop.close()
+        if episode is None:
+            return
+        episode.desktop.close()
+        if self.keep_episodes is None:
+            return
+        with self._lock:
+            self._finished.append(episode.workdir)
+            expired = [self._finished.popleft() for _ in range(len(self._finished) - self.keep_episodes)]
+        for workdir in expired:
+            shutil.rmtree(workdir, ignore_errors=True)
 
     def close(self) -> None:
         """Stop every episode's desktop; remove the episodes' folder when it is a temporary one."""

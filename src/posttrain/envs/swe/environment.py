@@ -185,6 +185,9 @@ class _PatchScorer:
 class SweEnvironment:
     """Repository tasks as tool-using episodes (see the module docstring)."""
 
+    holds_episodes = True
+    """An episode's checkout lives in this process: its turns must all reach it."""
+
     def __init__(self, tasks: list[SweTask], *, tool_call_format: str = "hermes", command_timeout_s: float = 30.0,
                  test_timeout_s: float = DEFAULT_TEST_TIMEOUT_S, max_output_chars: int = 4000,
                  max_calls_per_turn: int = 4, max_episode_tokens: int | None = None):

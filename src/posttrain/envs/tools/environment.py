@@ -50,6 +50,9 @@ ERROR_KINDS = ("malformed", "unknown_tool", "bad_arguments", "too_many_calls", "
 class ToolEnvironment:
     """Tools executed between turns, the final answer scored by `task` (see the module docstring)."""
 
+    holds_episodes = True
+    """An episode's work directory (files tools) lives in this process: its turns must all reach it."""
+
     def __init__(self, task: Environment, tools: Sequence[Tool | Callable[..., Any]], *,
                  tool_call_format: str = "hermes", max_output_chars: int = 2000, max_calls_per_turn: int = 4,
                  max_episode_tokens: int | None = None):
