@@ -32,6 +32,7 @@ from posttrain.algorithms.rollout import (
     has_reward_variance,
     rollout_metrics,
     run_episodes,
+    run_episodes_within,
     sample_and_score_within,
 )
 from posttrain.config.schema import GRPOConfig
@@ -226,7 +227,7 @@ class AsynchronousRolloutSource:
         self.next_group_id += len(rows)
         seeded = replace(self.sampling, seed=self.cfg.seed * 1_000_003 + first_group_id)
         prompts = [row.prompt_ids for row in rows]
-        if rollout.group_timeout_s is not None and not rollout.in_flight_updates:
+        if rollout.group_timeout_s is not None and not rollout.in_flight_updates and rollout.max_turns == 1:
             # Each generation actor's share is waited for on its own: the groups of one that straggles are dropped.
             blocks = self.generator.submit_blocks(prompts, seeded, rollout.num_generations_per_prompt)
             self.in_flight.append(self.pool.submit(self._finish_round_within, rows, first_group_id, blocks))
@@ -242,21 +243,19 @@ class AsynchronousRolloutSource:
                       submitted: SubmittedGeneration | ChunkedGeneration, seeded: SamplingParams) -> Round:
         """The round's episodes, scored (in a worker thread; every wait inside has a deadline)."""
         rollout = self.cfg.rollout
-        episodes, times = run_episodes(rows, first_group_id, rollout.num_generations_per_prompt, submitted,
-                                       self.environment, self.tokenizer, seeded, max_turns=rollout.max_turns,
-                                       group_timeout_s=rollout.group_timeout_s)
+        within = run_episodes_within(rows, first_group_id, rollout.num_generations_per_prompt, submitted,
+                                     self.environment, self.tokenizer, seeded, max_turns=rollout.max_turns,
+                                     group_timeout_s=rollout.group_timeout_s)
         samples = rollout.num_generations_per_prompt
-        for index, episode in enumerate(episodes if rollout.max_turns == 1 else []):  # whole groups, in group order
-            # (A multi-turn episode's versions are recorded turn by turn by `run_episodes`.)
+        for index, episode in enumerate(within.episodes if rollout.max_turns == 1 else []):  # whole groups, in order
+            # (A multi-turn episode's versions are recorded turn by turn, and chunk by chunk, by `run_episodes`.)
             flat = (episode.group_id - first_group_id) * samples + index % samples
             # The oldest weights that sampled any of its tokens (a replacement actor holds newer ones).
             episode.version_spans = submitted.version_spans(flat)
             episode.policy_version = min((version for _, version in episode.version_spans),
                                          default=submitted.oldest_version)
-        scored = {episode.group_id for episode in episodes}
-        timed_out = [group_id for group_id in range(first_group_id, first_group_id + len(rows))
-                     if group_id not in scored]
-        return Round(episodes, times, timed_out)
+        timed_out = sorted(within.generation_timed_out + within.scoring_timed_out)
+        return Round(within.episodes, within.times, timed_out, within.generation_timed_out)
 
     def _finish_round_within(self, rows: list[PromptRow], first_group_id: int, blocks: list) -> Round:
         """The round's groups generated and scored within rollout.group_timeout_s of its first block's arrival (in a
@@ -408,7 +407,16 @@ class ChunkedGeneration:
 
     Later chunks draw from per-sample streams seeded from the round's seed, the sample's group and index and the
     chunk number (`episode_stream_seed`): which samples share a chunk call then changes nothing. A sample ends at an
-    eos token or at the round's max_new_tokens; stop strings are refused with in-flight updates (config)."""
+    eos token, at the round's max_new_tokens, or at a stop string. Stop strings are looked for here, not by the
+    chunk calls (which see only their own chunk's tokens, so they would miss a stop string spanning two chunks):
+    after each chunk, the decoded completion is checked token by token from the first new token on, as the
+    transformers generator checks it after every token, and the completion is cut after the token that completed a
+    stop string, where an unchunked call would have ended it.
+
+    The later turns of multi-turn episodes (`run_episodes` asks for them after the first) are sampled in chunks
+    too, their first chunk sent when asked for; their later chunks draw from streams seeded from each episode's turn
+    seed (`params.seeds`) and the chunk number. Every output says in extra["version_spans"] which version sampled
+    each span of each completion (the index of the span's first token within the completion, and the version)."""
 
     def __init__(self, generator, prompts: list[list[int]], params: SamplingParams, num_samples: int,
                  chunk_tokens: int, first_group_id: int, tokenizer):
@@ -416,15 +424,38 @@ class ChunkedGeneration:
         self.tokenizer = tokenizer
         self.weights_version = self.oldest_version = generator.weights_version
         self.request = (prompts, params, num_samples)
-        first = replace(params, max_new_tokens=min(chunk_tokens, params.max_new_tokens))
-        self._first = generator.submit(prompts, first, num_samples)
+        self._first = generator.submit(prompts, self._chunk_params(params, params.max_new_tokens), num_samples)
+        self._answered = False
         self._spans: list[list[tuple[int, int]]] = []
 
+    def _chunk_params(self, params: SamplingParams, tokens_left: int) -> SamplingParams:
+        """The parameters of a chunk call: at most chunk_tokens tokens, stop strings left to `_sample`."""
+        return replace(params, max_new_tokens=min(self.chunk_tokens, tokens_left), stop_strings=())
+
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
+        if self._answered:  # a later turn of multi-turn episodes: its first chunk sent now
+            if params.seeds is None:
+                raise ValueError("a later turn sampled in chunks needs per-episode seeds (SamplingParams.seeds)")
+            first = self.generator.submit(prompts, self._chunk_params(params, params.max_new_tokens), num_samples)
+            turn_seeds = params.seeds
+            return self._sample(prompts, params, num_samples, first, lambda i, chunk: episode_stream_seed(
+                turn_seeds[i // num_samples], 0, chunk) + i % num_samples)
         if (prompts, params, num_samples) != self.request:
             raise ValueError("a submitted generation was asked for other prompts or parameters than it was sent with")
+        self._answered = True
+        round_seed = params.seed if params.seed is not None else 0
+        output = self._sample(prompts, params, num_samples, self._first, lambda i, chunk: episode_stream_seed(
+            round_seed, self.first_group_id + i // num_samples, chunk) + i % num_samples)
+        self._spans = output.extra["version_spans"]
+        self.oldest_version = min(output.extra["weights_versions"])
+        return output
+
+    def _sample(self, prompts: list[list[int]], params: SamplingParams, num_samples: int, first_chunk,
+                seed_of) -> GenerationOutput:
+        """Sample `num_samples` completions of each prompt, in chunks: `first_chunk` waits for the first chunk's
+        output, and `seed_of(sample, chunk)` seeds sample `sample`'s (flat: prompt-major) stream of a later chunk."""
         started = time.perf_counter()
-        output = self._first()
+        output = first_chunk()
         version = min(output.extra["weights_versions"])
         firsts = [completion for samples in output.completions for completion in samples]
         prompt_of = [prompt for prompt in prompts for _ in range(num_samples)]
@@ -432,37 +463,54 @@ class ChunkedGeneration:
         logprobs = [list(c.logprobs) for c in firsts]
         finish = [c.finish_reason for c in firsts]
         errors = [c.error for c in firsts]  # a chunk masked for a dead generation worker masks its sample
-        self._spans = [[(0, version)] for _ in firsts]
+        spans = [[(0, version)] for _ in firsts]
+        for i in range(len(tokens)):
+            self._cut_at_stop_string(params, tokens, logprobs, finish, i, 0)
         generated = output.num_generated_tokens
         chunk = 1
         while unfinished := [i for i, reason in enumerate(finish)
                              if reason == "length" and len(tokens[i]) < params.max_new_tokens]:
             # Every unfinished sample has sampled the same number of tokens (chunk x chunk_tokens): one budget.
-            budget = min(self.chunk_tokens, params.max_new_tokens - len(tokens[unfinished[0]]))
-            seeds = tuple(episode_stream_seed(params.seed if params.seed is not None else 0,
-                                              self.first_group_id + i // num_samples, chunk) + i % num_samples
-                          for i in unfinished)
-            continued = self.generator.submit([prompt_of[i] + tokens[i] for i in unfinished],
-                                              replace(params, max_new_tokens=budget, seed=None, seeds=seeds), 1)()
+            tokens_left = params.max_new_tokens - len(tokens[unfinished[0]])
+            seeds = tuple(seed_of(i, chunk) for i in unfinished)
+            chunk_params = replace(self._chunk_params(params, tokens_left), seed=None, seeds=seeds)
+            continued = self.generator.submit([prompt_of[i] + tokens[i] for i in unfinished], chunk_params, 1)()
             version = min(continued.extra["weights_versions"])
             generated += continued.num_generated_tokens
             for i, (completion,) in zip(unfinished, continued.completions, strict=True):
-                if version != self._spans[i][-1][1]:
-                    self._spans[i].append((len(tokens[i]), version))
+                checked = len(tokens[i])
+                if completion.token_ids and version != spans[i][-1][1]:
+                    spans[i].append((checked, version))
                 tokens[i] += completion.token_ids
                 logprobs[i] += completion.logprobs
                 finish[i] = completion.finish_reason
                 errors[i] = completion.error
+                self._cut_at_stop_string(params, tokens, logprobs, finish, i, checked)
             chunk += 1
         completions = [Completion(prompt_of[i], tokens[i], logprobs[i],
                                   self.tokenizer.decode(tokens[i], skip_special_tokens=True), finish[i], errors[i])
                        for i in range(len(tokens))]
         grouped = [completions[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
-        self.oldest_version = min(v for spans in self._spans for _, v in spans)
         return GenerationOutput(grouped, time.perf_counter() - started, generated,
-                                {"weights_versions": sorted({v for spans in self._spans for _, v in spans})})
+                                {"weights_versions": sorted({v for sample in spans for _, v in sample}),
+                                 "version_spans": spans})
+
+    def _cut_at_stop_string(self, params: SamplingParams, tokens: list[list[int]], logprobs: list[list[float]],
+                            finish: list[str], i: int, checked: int) -> None:
+        """End sample `i` after its first token past `checked` whose decoded completion (up to and including it)
+        holds a stop string: the transformers generator's test after every token, over the whole completion, so a
+        stop string that spans the previous chunk's last tokens and this chunk's first is found where an unchunked
+        call finds it."""
+        if not params.stop_strings:
+            return
+        for end in range(checked + 1, len(tokens[i]) + 1):
+            text = self.tokenizer.decode(tokens[i][:end], skip_special_tokens=True)
+            if any(stop in text for stop in params.stop_strings):
+                del tokens[i][end:], logprobs[i][end:]
+                finish[i] = "stop"
+                return
 
     def version_spans(self, sample: int) -> list[tuple[int, int]]:
-        """(index of the first token, version) of each span of sample `sample` (flat: prompt-major) that one
-        version sampled."""
+        """(index of the first token, version) of each span of sample `sample` (flat: prompt-major) of the first call
+        that one version sampled."""
         return list(self._spans[sample])

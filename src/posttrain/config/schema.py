@@ -1377,26 +1377,12 @@ class OnlineRLConfig(RecipeConfig):
                 raise ValueError(f"rollout.asynchronous=true needs {', '.join(missing)} (episodes sampled by an older "
                                  "policy need the importance correction between generator and trainer; generation "
                                  "runs ahead in Ray actors)")
-            if self.rollout.max_turns > 1:
-                if self.rollout.dynamic_sampling:
-                    raise ValueError("rollout.dynamic_sampling=true with rollout.asynchronous=true needs "
-                                     "rollout.max_turns=1 for now: multi-turn rounds are not filtered and redrawn "
-                                     "ahead of training yet")
-                for key in ("group_timeout_s", "in_flight_updates"):
-                    if getattr(self.rollout, key):
-                        raise ValueError(f"rollout.{key} with rollout.asynchronous=true needs rollout.max_turns=1 "
-                                         "for now: a multi-turn round's later turns are sampled and scored episode by "
-                                         "episode, which neither the group timeout nor the chunked sampling covers")
             updates = self.update.ppo_epochs * self.update.num_minibatches
             if updates > 1:
                 raise ValueError(f"rollout.asynchronous=true with update.ppo_epochs × update.num_minibatches = {updates} "
                                  "optimizer steps per rollout batch: rollout.max_staleness counts policy versions, one "
                                  "per optimizer step, while rounds run ahead by training steps, so rounds would outrun the bound "
                                  "and be dropped; set both to 1 for asynchronous runs")
-            if self.rollout.in_flight_updates and self.rollout.stop_strings:
-                raise ValueError("rollout.in_flight_updates=true with rollout.stop_strings: a stop string that spans "
-                                 "two chunks is not detected yet; leave rollout.stop_strings empty (eos still ends a "
-                                 "completion) or set rollout.in_flight_updates=false")
             if "in_flight_chunk_tokens" in self.rollout.model_fields_set and not self.rollout.in_flight_updates:
                 raise ValueError("rollout.in_flight_chunk_tokens applies only with rollout.in_flight_updates=true")
         else:
