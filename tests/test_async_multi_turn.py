@@ -8,8 +8,6 @@ from __future__ import annotations
 import threading
 from dataclasses import replace
 
-import pytest
-
 from posttrain.algorithms.rollout import PromptRow
 from posttrain.algorithms.rollout_source import AsynchronousRolloutSource, ChunkedGeneration
 from posttrain.config import load_config
