@@ -287,3 +287,86 @@ def test_later_turns_of_in_flight_rounds_are_sampled_in_chunks_and_record_each_s
         assert sampled.metrics["rollout/in_flight_updated_fraction"] == 1
     finally:
         running.close()
+
+
+class TwoActorChunks:
+    """Two generation actors, each sampling a contiguous half of a call's prompts (`submit_blocks`); token 100 + v
+    from weights of version v. A prompt [target, row, ...] ends (an eos) once `target` tokens follow its two ids.
+    The second actor's half of the first call that continues samples of `rows` (a later chunk of the round that
+    drew them) does not answer until `release` is set; the rows of its prompts are `held_rows`."""
+
+    def __init__(self, rows: set[int]):
+        self.weights_version, self.calls, self.release, self.held_rows = 0, 0, threading.Event(), set()
+        self.rows = rows
+
+    def _output(self, prompts, params, num_samples):
+        completions = []
+        for prompt in prompts:
+            target, so_far = prompt[0], len(prompt) - 2
+            count = min(params.max_new_tokens, target - so_far)
+            reason = "stop" if so_far + count == target else "length"
+            completions.append([Completion(list(prompt), [100] * count, [-0.5] * count, "x" * count, reason)]
+                               * num_samples)
+        return GenerationOutput(completions, num_generated_tokens=sum(len(c[0].token_ids) for c in completions),
+                                extra={"weights_versions": [self.weights_version]})
+
+    def submit_blocks(self, prompts, params, num_samples=1):
+        from posttrain.generation.base import SubmittedBlock
+
+        continued = len(prompts[0]) > 2 and prompts[0][1] in self.rows
+        self.calls += continued
+        half = len(prompts) // 2
+        first, second = (self._output(part, params, num_samples) for part in (prompts[:half], prompts[half:]))
+        held = continued and self.calls == 1
+        if held:
+            self.held_rows = {prompt[1] for prompt in prompts[half:]}
+
+        def late():
+            if held:
+                assert self.release.wait(timeout=120), "the test never released the straggling actor"
+            return second
+
+        return [SubmittedBlock(0, half, lambda: first), SubmittedBlock(half, len(prompts), late)]
+
+
+class Decoder:
+    def decode(self, ids, skip_special_tokens=True):
+        return "x" * len(ids)
+
+
+class Constant:
+    def step(self, message_logs, metadata):
+        count = len(metadata)
+        return EnvStep([1.0] * count, [True] * count, [None] * count, [None] * count, [dict(m) for m in metadata])
+
+
+def test_the_groups_of_a_chunk_that_straggles_past_the_group_timeout_are_dropped_as_generation_stragglers(tmp_path):
+    cfg = load_config(GRPOConfig, None, [*TINY_RL, f"output_dir={tmp_path}", "cluster.backend=ray",
+                                         "rollout.asynchronous=true", "loss.importance_correction=tis",
+                                         "rollout.in_flight_updates=true", "rollout.in_flight_chunk_tokens=2",
+                                         "rollout.group_timeout_s=2"])
+    prompts = [PromptRow(f"prompt {i}", [3 + i % 4, i], {"row": i}) for i in range(ROWS)]  # 3 to 6 tokens each
+    first_round = EpochSampler(ROWS, seed=cfg.seed, shuffle=True).next_indices(8)
+    generator = TwoActorChunks(set(first_round))
+    running = AsynchronousRolloutSource(cfg, prompts, EpochSampler(ROWS, seed=cfg.seed, shuffle=True), generator,
+                                        Constant(), Decoder(), SamplingParams(max_new_tokens=6), {},
+                                        RewardErrorBudget(1.0), deadline_s=120)
+    try:
+        step_1 = running.next_groups(1)
+        held = generator.held_rows
+        # The held block's groups (every sample of a group has the same length, so a group's unfinished samples
+        # share a block) missed the deadline, and so did every group needing a third chunk, which is sent only once
+        # the whole second chunk has answered: generation stragglers. The groups that ended within two chunks,
+        # outside the held block, were sampled to their end; those scored in what was left of the timeout (the
+        # second chunk's wait took it all) were trained, the others counted as scoring stragglers.
+        expected = [(g, row) for g, row in enumerate(first_round) if row not in held and 3 + row % 4 <= 4]
+        assert held and expected and set(trained(step_1)) <= set(expected)
+        for group in step_1.groups:
+            assert all(e.num_sampled_tokens == 3 + e.metadata["row"] % 4 and not e.truncated for e in group)
+        dropped = 8 - len(expected)
+        assert step_1.metrics["rollout/generation_timed_out_groups"] == dropped
+        assert step_1.metrics["rollout/timed_out_groups"] == 8 - len(step_1.groups)
+        assert running.state_dict()["generation_timed_out_groups"] == dropped
+    finally:
+        generator.release.set()
+        running.close()

@@ -184,14 +184,20 @@ def run_episodes_within(rows: list[PromptRow], first_group_id: int, num_samples:
         first_params = params
     if tool_use is not None and tool_use.max_episode_tokens is not None:
         first_params = replace(first_params, max_new_tokens=min(params.max_new_tokens, tool_use.max_episode_tokens))
-    times.sample(generator, [row.prompt_ids for row in rows], first_params, num_samples, episodes)
+    first = times.sample(generator, [row.prompt_ids for row in rows], first_params, num_samples, episodes)
     group_ids = list(range(first_group_id, first_group_id + len(rows)))
     if max_turns == 1 and group_timeout_s is not None:
+        # A generator that sampled in chunks under the timeout (rollout_source.ChunkedGeneration) names the samples
+        # not generated in time and the deadline, which then bounds the scoring too.
+        late = sorted({episodes[i].group_id for i in first.extra.get("late_samples", [])})
+        deadline = first.extra.get("group_deadline") or time.monotonic() + group_timeout_s
         started = time.perf_counter()
-        kept = _score_groups_within(episodes, num_samples, environment, tokenizer, group_timeout_s)
+        kept = _score_groups_within([e for e in episodes if e.group_id not in late], num_samples, environment,
+                                    tokenizer, max(deadline - time.monotonic(), 0.0))
         times.score += time.perf_counter() - started
         scored = {e.group_id for e in kept}
-        return GroupsWithin(kept, times.rollout_times(), [], [g for g in group_ids if g not in scored])
+        return GroupsWithin(kept, times.rollout_times(), late,
+                            [g for g in group_ids if g not in scored and g not in late])
     if max_turns == 1:
         started = time.perf_counter()
         _score_sampled(episodes, environment, tokenizer)
@@ -270,6 +276,8 @@ def _score_groups_within(episodes: list[Episode], num_samples: int, environment:
     not waited for (its thread ends when it answers or its own deadline passes: a Ray worker's cluster.timeout_s)
     and its answer, if any, is never read; an error raised by a call answered in time propagates."""
     groups = [episodes[i:i + num_samples] for i in range(0, len(episodes), num_samples)]
+    if not groups:  # every group of the round was dropped before scoring
+        return []
     pool = ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="group-score")
     try:  # masked episodes (a dead generation worker) are not scored
         calls = {pool.submit(_score_sampled, group, environment, tokenizer): group for group in groups}
@@ -301,14 +309,15 @@ class _Times:
     tokens: int = 0
 
     def sample(self, generator: Generator, prompts: list[list[int]], params: SamplingParams, num_samples: int,
-               episodes: list[Episode]) -> None:
+               episodes: list[Episode]) -> GenerationOutput:
         """Sample the next turn of `episodes` (prompts in their order, `num_samples` episodes each) and append each
-        completion to its episode."""
+        completion to its episode; the generator's output."""
         started = time.perf_counter()
         output = generator.generate(prompts, params, num_samples=num_samples)
         self.generate += time.perf_counter() - started
         self.tokens += output.num_generated_tokens
         _append_completions(episodes, output)
+        return output
 
     def sample_within(self, sampler: ThreadPoolExecutor, generator: Generator, prompts: list[list[int]],
                       params: SamplingParams, episodes: list[Episode], deadline: float) -> bool:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
@@ -41,7 +42,7 @@ from posttrain.process_group import gather_divided
 from posttrain.envs.base import Environment
 from posttrain.envs.rewards import RewardErrorBudget
 from posttrain.errors import RunError
-from posttrain.generation.base import Completion, GenerationOutput, Generator, SamplingParams
+from posttrain.generation.base import Completion, GenerationOutput, Generator, SamplingParams, SubmittedBlock
 
 
 @dataclass
@@ -233,8 +234,10 @@ class AsynchronousRolloutSource:
             self.in_flight.append(self.pool.submit(self._finish_round_within, rows, first_group_id, blocks))
             return
         if rollout.in_flight_updates:
+            # A single-turn round's chunks are timed here; a multi-turn round's later turns by `run_episodes_within`.
             submitted = ChunkedGeneration(self.generator, prompts, seeded, rollout.num_generations_per_prompt,
-                                          rollout.in_flight_chunk_tokens, first_group_id, self.tokenizer)
+                                          rollout.in_flight_chunk_tokens, first_group_id, self.tokenizer,
+                                          rollout.group_timeout_s if rollout.max_turns == 1 else None)
         else:
             submitted = SubmittedGeneration(self.generator, prompts, seeded, rollout.num_generations_per_prompt)
         self.in_flight.append(self.pool.submit(self._finish_round, rows, first_group_id, submitted, seeded))
@@ -419,12 +422,13 @@ class ChunkedGeneration:
     each span of each completion (the index of the span's first token within the completion, and the version)."""
 
     def __init__(self, generator, prompts: list[list[int]], params: SamplingParams, num_samples: int,
-                 chunk_tokens: int, first_group_id: int, tokenizer):
+                 chunk_tokens: int, first_group_id: int, tokenizer, group_timeout_s: float | None = None):
         self.generator, self.chunk_tokens, self.first_group_id = generator, chunk_tokens, first_group_id
-        self.tokenizer = tokenizer
+        self.tokenizer, self.group_timeout_s = tokenizer, group_timeout_s
         self.weights_version = self.oldest_version = generator.weights_version
         self.request = (prompts, params, num_samples)
-        self._first = generator.submit(prompts, self._chunk_params(params, params.max_new_tokens), num_samples)
+        self._deadline: float | None = None
+        self._first = self._send(prompts, self._chunk_params(params, params.max_new_tokens), num_samples, True)
         self._answered = False
         self._spans: list[list[tuple[int, int]]] = []
 
@@ -432,68 +436,107 @@ class ChunkedGeneration:
         """The parameters of a chunk call: at most chunk_tokens tokens, stop strings left to `_sample`."""
         return replace(params, max_new_tokens=min(self.chunk_tokens, tokens_left), stop_strings=())
 
+    def _send(self, prompts: list[list[int]], params: SamplingParams, num_samples: int, timed: bool):
+        """Send a chunk call now: with a group timeout over the first call (`timed`) as one block per generation
+        actor (`submit_blocks`), each waited for on its own; else as one call."""
+        if timed and self.group_timeout_s is not None:
+            return self.generator.submit_blocks(prompts, params, num_samples)
+        return [SubmittedBlock(0, len(prompts), self.generator.submit(prompts, params, num_samples))]
+
+    def _receive(self, blocks: list[SubmittedBlock], timed: bool) -> list[tuple[SubmittedBlock, GenerationOutput | None]]:
+        """Each block's output, or None for a block that had not answered by the group timeout's deadline (its
+        answer, if any, is never read). The clock starts when the first call's first block answers."""
+        if not timed or self.group_timeout_s is None:
+            return [(block, block.wait()) for block in blocks]
+        pool = ThreadPoolExecutor(max_workers=len(blocks), thread_name_prefix="chunk-blocks")
+        try:
+            arriving = {pool.submit(block.wait): block for block in blocks}
+            if self._deadline is None:  # bounded: every block's wait has a deadline of its own (cluster.timeout_s)
+                futures_wait(arriving, return_when=FIRST_COMPLETED)
+                self._deadline = time.monotonic() + self.group_timeout_s
+            futures_wait(arriving, timeout=max(self._deadline - time.monotonic(), 0.0))
+        finally:
+            pool.shutdown(wait=False)  # a late block's thread ends when its wait does (within its own deadline)
+        return [(block, future.result() if future.done() else None) for future, block in arriving.items()]
+
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
         if self._answered:  # a later turn of multi-turn episodes: its first chunk sent now
             if params.seeds is None:
                 raise ValueError("a later turn sampled in chunks needs per-episode seeds (SamplingParams.seeds)")
-            first = self.generator.submit(prompts, self._chunk_params(params, params.max_new_tokens), num_samples)
+            first = self._send(prompts, self._chunk_params(params, params.max_new_tokens), num_samples, False)
             turn_seeds = params.seeds
-            return self._sample(prompts, params, num_samples, first, lambda i, chunk: episode_stream_seed(
+            return self._sample(prompts, params, num_samples, first, False, lambda i, chunk: episode_stream_seed(
                 turn_seeds[i // num_samples], 0, chunk) + i % num_samples)
         if (prompts, params, num_samples) != self.request:
             raise ValueError("a submitted generation was asked for other prompts or parameters than it was sent with")
         self._answered = True
         round_seed = params.seed if params.seed is not None else 0
-        output = self._sample(prompts, params, num_samples, self._first, lambda i, chunk: episode_stream_seed(
+        output = self._sample(prompts, params, num_samples, self._first, True, lambda i, chunk: episode_stream_seed(
             round_seed, self.first_group_id + i // num_samples, chunk) + i % num_samples)
         self._spans = output.extra["version_spans"]
-        self.oldest_version = min(output.extra["weights_versions"])
+        self.oldest_version = min(output.extra["weights_versions"], default=self.weights_version)
         return output
 
-    def _sample(self, prompts: list[list[int]], params: SamplingParams, num_samples: int, first_chunk,
-                seed_of) -> GenerationOutput:
-        """Sample `num_samples` completions of each prompt, in chunks: `first_chunk` waits for the first chunk's
-        output, and `seed_of(sample, chunk)` seeds sample `sample`'s (flat: prompt-major) stream of a later chunk."""
+    def _sample(self, prompts: list[list[int]], params: SamplingParams, num_samples: int,
+                first_chunk: list[SubmittedBlock], timed: bool, seed_of) -> GenerationOutput:
+        """Sample `num_samples` completions of each prompt, in chunks: `first_chunk` is the first chunk's call, sent,
+        and `seed_of(sample, chunk)` seeds sample `sample`'s (flat: prompt-major) stream of a later chunk. With
+        `timed` and a group timeout, the samples of a block that has not answered by the deadline are late: not
+        continued, and listed in extra["late_samples"] (their groups are dropped). A chunk is sent when the whole
+        previous chunk call has answered, so a straggling block holds back the next chunk of every sample: those
+        still unfinished at the deadline are late too."""
         started = time.perf_counter()
-        output = first_chunk()
-        version = min(output.extra["weights_versions"])
-        firsts = [completion for samples in output.completions for completion in samples]
+        count = len(prompts) * num_samples
         prompt_of = [prompt for prompt in prompts for _ in range(num_samples)]
-        tokens = [list(c.token_ids) for c in firsts]
-        logprobs = [list(c.logprobs) for c in firsts]
-        finish = [c.finish_reason for c in firsts]
-        errors = [c.error for c in firsts]  # a chunk masked for a dead generation worker masks its sample
-        spans = [[(0, version)] for _ in firsts]
-        for i in range(len(tokens)):
-            self._cut_at_stop_string(params, tokens, logprobs, finish, i, 0)
-        generated = output.num_generated_tokens
+        tokens: list[list[int]] = [[] for _ in range(count)]
+        logprobs: list[list[float]] = [[] for _ in range(count)]
+        finish = ["length"] * count
+        errors: list[str | None] = [None] * count  # a chunk masked for a dead generation worker masks its sample
+        spans: list[list[tuple[int, int]]] = [[] for _ in range(count)]
+        late: set[int] = set()
+        generated = 0
+
+        def take(members: list[int], per_prompt: int, answers) -> None:
+            nonlocal generated
+            for block, output in answers:
+                samples = members[block.start * per_prompt:block.stop * per_prompt]
+                if output is None:
+                    late.update(samples)
+                    continue
+                version = min(output.extra["weights_versions"])
+                generated += output.num_generated_tokens
+                completions = [completion for answer in output.completions for completion in answer]
+                for i, completion in zip(samples, completions, strict=True):
+                    checked = len(tokens[i])
+                    if not spans[i] or (completion.token_ids and version != spans[i][-1][1]):
+                        spans[i].append((checked, version))
+                    tokens[i] += completion.token_ids
+                    logprobs[i] += completion.logprobs
+                    finish[i], errors[i] = completion.finish_reason, completion.error
+                    self._cut_at_stop_string(params, tokens, logprobs, finish, i, checked)
+
+        take(list(range(count)), num_samples, self._receive(first_chunk, timed))
         chunk = 1
         while unfinished := [i for i, reason in enumerate(finish)
-                             if reason == "length" and len(tokens[i]) < params.max_new_tokens]:
+                             if reason == "length" and len(tokens[i]) < params.max_new_tokens and i not in late]:
+            if timed and self._deadline is not None and time.monotonic() >= self._deadline:
+                late.update(unfinished)  # past the group timeout: their groups are dropped, nothing more is sent
+                break
             # Every unfinished sample has sampled the same number of tokens (chunk x chunk_tokens): one budget.
             tokens_left = params.max_new_tokens - len(tokens[unfinished[0]])
             seeds = tuple(seed_of(i, chunk) for i in unfinished)
             chunk_params = replace(self._chunk_params(params, tokens_left), seed=None, seeds=seeds)
-            continued = self.generator.submit([prompt_of[i] + tokens[i] for i in unfinished], chunk_params, 1)()
-            version = min(continued.extra["weights_versions"])
-            generated += continued.num_generated_tokens
-            for i, (completion,) in zip(unfinished, continued.completions, strict=True):
-                checked = len(tokens[i])
-                if completion.token_ids and version != spans[i][-1][1]:
-                    spans[i].append((checked, version))
-                tokens[i] += completion.token_ids
-                logprobs[i] += completion.logprobs
-                finish[i] = completion.finish_reason
-                errors[i] = completion.error
-                self._cut_at_stop_string(params, tokens, logprobs, finish, i, checked)
+            sent = self._send([prompt_of[i] + tokens[i] for i in unfinished], chunk_params, 1, timed)
+            take(unfinished, 1, self._receive(sent, timed))
             chunk += 1
         completions = [Completion(prompt_of[i], tokens[i], logprobs[i],
                                   self.tokenizer.decode(tokens[i], skip_special_tokens=True), finish[i], errors[i])
-                       for i in range(len(tokens))]
+                       for i in range(count)]
         grouped = [completions[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
-        return GenerationOutput(grouped, time.perf_counter() - started, generated,
-                                {"weights_versions": sorted({v for sample in spans for _, v in sample}),
-                                 "version_spans": spans})
+        extra = {"weights_versions": sorted({v for sample in spans for _, v in sample}), "version_spans": spans}
+        if timed and self.group_timeout_s is not None:
+            extra |= {"late_samples": sorted(late), "group_deadline": self._deadline}
+        return GenerationOutput(grouped, time.perf_counter() - started, generated, extra)
 
     def _cut_at_stop_string(self, params: SamplingParams, tokens: list[list[int]], logprobs: list[list[float]],
                             finish: list[str], i: int, checked: int) -> None:

@@ -781,7 +781,8 @@ class RolloutSection(SamplingSection):
     own as soon as its completions arrive); a group not scored by then is dropped, never trained on, and counted
     (rollout/timed_out_groups; rollout/generation_timed_out_groups for those whose completions had not arrived). Its
     prompt is not sampled again. With max_turns > 1 a group is dropped when any of its episodes has not ended within
-    that many seconds of the round's first turns arriving (a tool call or a later turn's generation still running).
+    that many seconds of the round's first turns arriving (a tool call or a later turn's generation still running);
+    with in_flight_updates each chunk call's per-actor shares are waited for until the same deadline.
     null: every group is waited for (up to cluster.timeout_s)."""
 
     in_flight_updates: bool = False
