@@ -209,7 +209,8 @@ def run_episodes_within(rows: list[PromptRow], first_group_id: int, num_samples:
     deadline = time.monotonic() + group_timeout_s if group_timeout_s is not None else math.inf
     waiting_on_generation: list[Episode] = []
     pool = ThreadPoolExecutor(max_workers=min(len(episodes), EPISODE_THREADS), thread_name_prefix="environment-step")
-    sampler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="turn-sample") if group_timeout_s else None
+    sampler = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="turn-sample") if group_timeout_s is not None
+               else None)
     try:
         pending = {pool.submit(environment.step, [e.messages], [e.metadata]): e for e in episodes}
         while pending:
