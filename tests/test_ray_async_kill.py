@@ -74,6 +74,17 @@ def kill_past_a_checkpoint(argv: list[str], output_dir: Path) -> int:
     return records(output_dir, "metrics.jsonl")[-1]["step"]
 
 
+def kill_past_a_checkpoint_and_rerun(argv: list[str], output_dir: Path) -> None:
+    """Kill the run past a checkpoint (`kill_past_a_checkpoint`), then re-run the same command to the end and check
+    that it resumed from that checkpoint, the newest one the killed run wrote."""
+    killed_at = kill_past_a_checkpoint(argv, output_dir)
+    checkpoint = latest_checkpoint(output_dir)
+    assert checkpoint is not None and checkpoint.step < killed_at < STEPS
+    rerun = run(argv)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resuming from {checkpoint.path} (step {checkpoint.step})" in rerun.stdout
+
+
 def test_a_killed_asynchronous_run_resumes_without_repeating_or_skipping_a_prompt(tmp_path, tiny_model_dir):
     full_dir, killed_dir = tmp_path / "full", tmp_path / "killed"
     finished = run([*RUN, f"output_dir={full_dir}"])
@@ -81,13 +92,7 @@ def test_a_killed_asynchronous_run_resumes_without_repeating_or_skipping_a_promp
     full = records(full_dir, "metrics.jsonl")
     assert [r["rollout/staleness_max"] for r in full] == [0] + [1] * (STEPS - 1)
 
-    argv = [*RUN, f"output_dir={killed_dir}"]
-    killed_at = kill_past_a_checkpoint(argv, killed_dir)
-    checkpoint = latest_checkpoint(killed_dir)
-    assert checkpoint is not None and checkpoint.step < killed_at < STEPS
-    rerun = run(argv)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert f"resuming from {checkpoint.path} (step {checkpoint.step})" in rerun.stdout
+    kill_past_a_checkpoint_and_rerun([*RUN, f"output_dir={killed_dir}"], killed_dir)
 
     # The prompts: every step trained on the uninterrupted run's groups, each sampled by the same policy version; no
     # group id appears twice over the run and none is missing (they count up from 0 in prompt-draw order).
@@ -141,13 +146,7 @@ def test_a_killed_asynchronous_dynamic_sampling_run_resumes_exactly(tmp_path, ti
     ids = [group for kept in groups.values() for group in kept]
     assert ids == sorted(set(ids))  # none twice, in draw order
 
-    killed_argv = [*argv, *DAPO, f"output_dir={killed_dir}"]
-    killed_at = kill_past_a_checkpoint(killed_argv, killed_dir)
-    checkpoint = latest_checkpoint(killed_dir)
-    assert checkpoint is not None and checkpoint.step < killed_at < STEPS
-    rerun = run(killed_argv)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert f"resuming from {checkpoint.path} (step {checkpoint.step})" in rerun.stdout
+    kill_past_a_checkpoint_and_rerun([*argv, *DAPO, f"output_dir={killed_dir}"], killed_dir)
 
     expected, resumed = prompts_by_step(full_dir), prompts_by_step(killed_dir)
     assert sorted(resumed) == list(range(1, STEPS + 1))

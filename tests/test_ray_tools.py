@@ -382,3 +382,43 @@ def test_an_asynchronous_multi_turn_run_resumes_with_the_round_in_flight_and_its
     for step in (1, 2, 3, 4):  # each step its own round's four groups, none twice
         assert sorted({s["group_id"] for s in by_step[step]}) == list(range(4 * (step - 1), 4 * step)), step
     assert {s["policy_version"] for s in by_step[3]} == {1} and {s["policy_version"] for s in by_step[4]} == {2}
+
+
+@pytest.mark.slow  # about 60 s: a 3-step asynchronous Ray run with tool calls
+def test_asynchronous_multi_turn_rounds_with_chunks_stop_strings_a_group_timeout_and_dynamic_sampling(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """Every asynchronous multi-turn device at once on the actors: the second turns (the model's own, after a forced
+    calculator call) are sampled in chunks of 3 tokens, each ended at the first of the stop strings (digits: a byte
+    each, frequent in the embedded model's samples) wherever it falls, every span's version recorded; the group
+    timeout is generous (nothing dropped) and dynamic sampling keeps only groups with reward variance."""
+    import json
+
+    forced_first_turns(monkeypatch)
+    digits = [str(d) for d in range(10)]
+    cfg = load_config(GRPOConfig, None, [
+        *TOOLS, *RAY, f"output_dir={tmp_path}", "trainer.max_steps=3", "rollout.asynchronous=true",
+        "loss.importance_correction=tis", "rollout.in_flight_updates=true", "rollout.in_flight_chunk_tokens=3",
+        f"rollout.stop_strings={digits}", "rollout.group_timeout_s=120", "rollout.dynamic_sampling=true",
+        "rollout.max_sampling_rounds=3", "logging.samples_per_step=8"])
+    with pytest.warns(RuntimeWarning, match="does not render tools"):
+        train_grpo(cfg)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert record["turns/mean"] == 2.0 and record["rollout/timed_out_groups"] == 0
+        assert record["rollout/staleness_max"] <= 1 and record["rollout/stale_groups_dropped"] == 0
+        assert record["sampling/groups_kept"] > 0 and record["grad_norm"] > 0
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    groups: dict[int, list[float]] = {}
+    stopped = 0
+    for sample in samples:
+        groups.setdefault(sample["group_id"], []).append(sample["reward"])
+        reply = sample["completion"].rsplit("<|im_start|>assistant\n", 1)[-1].removesuffix("<|im_end|>")
+        # Ended at its first stop string, if it holds one: no digit before its last character.
+        assert not any(d in reply[:-1] for d in digits), reply
+        stopped += bool(reply) and reply[-1] in digits
+        spans = sample["version_spans"]
+        assert all(a[0] < b[0] and a[1] < b[1] for a, b in zip(spans, spans[1:])), spans
+        assert sample["policy_version"] == min((v for _, v in spans), default=sample["policy_version"])
+    assert stopped > 0  # some second turns were ended by a stop string
+    assert all(max(rewards) > min(rewards) for rewards in groups.values())  # only groups with variance trained

@@ -123,7 +123,19 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
                  environment: Environment, tokenizer, params: SamplingParams, max_turns: int,
                  group_seed: int | None = None, step_deadline: float = ENVIRONMENT_STEP_DEADLINE_SECONDS,
                  group_timeout_s: float | None = None) -> tuple[list[Episode], RolloutTimes]:
-    """`num_samples` episodes per row (group ids first_group_id, first_group_id + 1, ...), run to the end.
+    """`num_samples` episodes per row (group ids first_group_id, first_group_id + 1, ...), run to the end: the
+    episodes and times of `run_episodes_within` (below), without saying which groups a group timeout dropped."""
+    within = run_episodes_within(rows, first_group_id, num_samples, generator, environment, tokenizer, params,
+                                 max_turns, group_seed, step_deadline, group_timeout_s)
+    return within.episodes, within.times
+
+
+def run_episodes_within(rows: list[PromptRow], first_group_id: int, num_samples: int, generator: Generator,
+                        environment: Environment, tokenizer, params: SamplingParams, max_turns: int,
+                        group_seed: int | None = None, step_deadline: float = ENVIRONMENT_STEP_DEADLINE_SECONDS,
+                        group_timeout_s: float | None = None) -> GroupsWithin:
+    """`num_samples` episodes per row (group ids first_group_id, first_group_id + 1, ...), run to the end, or with
+    `group_timeout_s` kept to the groups that ended in time.
 
     The first turn samples every episode in one generation call (each prompt prefilled once). With one turn the
     environment then scores them all in one call, or with `group_timeout_s` each group in a call of its own: the
@@ -132,6 +144,12 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
     environment call runs in a thread as soon as its reply is sampled, and the episodes whose observations have
     arrived are sampled together while the others' calls are still running, so one slow environment call holds
     back only its own episode. `environment.step` is then called with one episode at a time, from worker threads.
+    With `group_timeout_s` a multi-turn group whose episodes have not all ended within group_timeout_s of the first
+    turn's completions (an environment call or a later turn's generation call straggling) is dropped: the rollout
+    stops waiting then, and the groups with an episode still running are left out of the result. The episodes
+    waiting for a straggling generation call are its groups' and those sampled after it (a generation actor answers
+    one call at a time); such groups are `generation_timed_out`, the others `scoring_timed_out`. The late calls are
+    not waited for (their answers, if any, are never read; a Ray call still ends within its own deadline).
 
     Sampling is seeded by `params.seed` (the first turn's whole call), or with `group_seed` per group: each episode
     draws from a stream of its own, seeded from `group_seed`, its group id, its index in the group and the turn
@@ -166,28 +184,44 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
         first_params = params
     if tool_use is not None and tool_use.max_episode_tokens is not None:
         first_params = replace(first_params, max_new_tokens=min(params.max_new_tokens, tool_use.max_episode_tokens))
-    times.sample(generator, [row.prompt_ids for row in rows], first_params, num_samples, episodes)
+    first = times.sample(generator, [row.prompt_ids for row in rows], first_params, num_samples, episodes)
+    group_ids = list(range(first_group_id, first_group_id + len(rows)))
     if max_turns == 1 and group_timeout_s is not None:
+        # A generator that sampled in chunks under the timeout (rollout_source.ChunkedGeneration) names the samples
+        # not generated in time and the deadline, which then bounds the scoring too.
+        late = sorted({episodes[i].group_id for i in first.extra.get("late_samples", [])})
+        deadline = first.extra.get("group_deadline") or time.monotonic() + group_timeout_s
         started = time.perf_counter()
-        episodes = _score_groups_within(episodes, num_samples, environment, tokenizer, group_timeout_s)
+        kept = _score_groups_within([e for e in episodes if e.group_id not in late], num_samples, environment,
+                                    tokenizer, max(deadline - time.monotonic(), 0.0))
         times.score += time.perf_counter() - started
-        return episodes, times.rollout_times()
+        scored = {e.group_id for e in kept}
+        return GroupsWithin(kept, times.rollout_times(), late,
+                            [g for g in group_ids if g not in scored and g not in late])
     if max_turns == 1:
         started = time.perf_counter()
         _score_sampled(episodes, environment, tokenizer)
         times.score += time.perf_counter() - started
-        return episodes, times.rollout_times()
+        return GroupsWithin(episodes, times.rollout_times(), [], [])
 
     stream_base = group_seed if group_seed is not None else params.seed
+    # The clock of the group timeout starts when the first turn's completions have arrived.
+    deadline = time.monotonic() + group_timeout_s if group_timeout_s is not None else math.inf
+    waiting_on_generation: list[Episode] = []
     pool = ThreadPoolExecutor(max_workers=min(len(episodes), EPISODE_THREADS), thread_name_prefix="environment-step")
+    sampler = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="turn-sample") if group_timeout_s is not None
+               else None)
     try:
         pending = {pool.submit(environment.step, [e.messages], [e.metadata]): e for e in episodes}
         while pending:
             started = time.perf_counter()
-            finished, _ = wait(pending, timeout=step_deadline, return_when=FIRST_COMPLETED)
+            finished, _ = wait(pending, timeout=min(step_deadline, max(deadline - time.monotonic(), 0.0)),
+                               return_when=FIRST_COMPLETED)
             if finished and len(finished) < len(pending):
                 finished, _ = wait(pending, timeout=GATHER_SECONDS, return_when=ALL_COMPLETED)
             times.score += time.perf_counter() - started
+            if not finished and time.monotonic() >= deadline:
+                break  # the groups still running are dropped below
             if not finished:
                 waiting = sorted((e.group_id, sample_index[id(e)]) for e in pending.values())
                 raise RunError(f"{type(environment).__name__}.step returned nothing within {step_deadline:g} s for "
@@ -208,17 +242,32 @@ def run_episodes(rows: list[PromptRow], first_group_id: int, num_samples: int, g
                 continue
             # Episodes with less of their token budget left than max_new_tokens sample in calls of their own, capped;
             # per-episode seed streams make that split invisible in what they sample.
-            for cap, capped in _by_token_cap(ready, params.max_new_tokens, tool_use).items():
+            turn_calls = list(_by_token_cap(ready, params.max_new_tokens, tool_use).items())
+            for call, (cap, capped) in enumerate(turn_calls):
                 turn_params = replace(params, max_new_tokens=cap)
                 if stream_base is not None:
                     turn_params = replace(turn_params, seed=None, seeds=tuple(
                         episode_stream_seed(stream_base, e.group_id, e.num_turns) + sample_index[id(e)]
                         for e in capped))
-                times.sample(generator, [e.token_ids for e in capped], turn_params, 1, capped)
+                if sampler is None:
+                    times.sample(generator, [e.token_ids for e in capped], turn_params, 1, capped)
+                elif not times.sample_within(sampler, generator, [e.token_ids for e in capped], turn_params, capped,
+                                             deadline):
+                    waiting_on_generation = [e for _, behind in turn_calls[call:] for e in behind]
+                    break
+            if waiting_on_generation:
+                break
             pending.update({pool.submit(environment.step, [e.messages], [e.metadata]): e for e in ready})
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-    return episodes, times.rollout_times()
+        if sampler is not None:
+            sampler.shutdown(wait=False, cancel_futures=True)
+    # With a group timeout: the groups with an episode still running (its environment call or its next turn's
+    # generation call unanswered) are dropped, whole.
+    running = {e.group_id for e in episodes if not e.done}
+    late = sorted({e.group_id for e in waiting_on_generation})
+    kept = [e for e in episodes if e.group_id not in running]
+    return GroupsWithin(kept, times.rollout_times(), late, sorted(running - set(late)))
 
 
 def _score_groups_within(episodes: list[Episode], num_samples: int, environment: Environment, tokenizer,
@@ -228,6 +277,8 @@ def _score_groups_within(episodes: list[Episode], num_samples: int, environment:
     not waited for (its thread ends when it answers or its own deadline passes: a Ray worker's cluster.timeout_s)
     and its answer, if any, is never read; an error raised by a call answered in time propagates."""
     groups = [episodes[i:i + num_samples] for i in range(0, len(episodes), num_samples)]
+    if not groups:  # every group of the round was dropped before scoring
+        return []
     pool = ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="group-score")
     try:  # masked episodes (a dead generation worker) are not scored
         calls = {pool.submit(_score_sampled, group, environment, tokenizer): group for group in groups}
@@ -259,14 +310,30 @@ class _Times:
     tokens: int = 0
 
     def sample(self, generator: Generator, prompts: list[list[int]], params: SamplingParams, num_samples: int,
-               episodes: list[Episode]) -> None:
+               episodes: list[Episode]) -> GenerationOutput:
         """Sample the next turn of `episodes` (prompts in their order, `num_samples` episodes each) and append each
-        completion to its episode."""
+        completion to its episode; the generator's output."""
         started = time.perf_counter()
         output = generator.generate(prompts, params, num_samples=num_samples)
         self.generate += time.perf_counter() - started
         self.tokens += output.num_generated_tokens
         _append_completions(episodes, output)
+        return output
+
+    def sample_within(self, sampler: ThreadPoolExecutor, generator: Generator, prompts: list[list[int]],
+                      params: SamplingParams, episodes: list[Episode], deadline: float) -> bool:
+        """`sample` for one later turn (one sample per prompt), in `sampler`'s thread, waited for until `deadline`
+        (time.monotonic()); False when it had not answered by then (its answer, if any, is never read)."""
+        started = time.perf_counter()
+        call = sampler.submit(generator.generate, prompts, params, 1)
+        done, _ = wait([call], timeout=max(deadline - time.monotonic(), 0.0))
+        self.generate += time.perf_counter() - started
+        if not done:
+            return False
+        output = call.result()  # raises what the call raised
+        self.tokens += output.num_generated_tokens
+        _append_completions(episodes, output)
+        return True
 
     def rollout_times(self) -> RolloutTimes:
         return RolloutTimes(self.generate, self.score, self.tokens)
@@ -277,9 +344,11 @@ def _append_completions(episodes: list[Episode], output: GenerationOutput) -> No
     weights' version that sampled it when the generator says (Ray generation actors do)."""
     completions = [completion for samples in output.completions for completion in samples]
     versions = output.extra.get("weights_versions")
-    for episode, completion in zip(episodes, completions, strict=True):
-        if versions:
-            _record_version(episode, min(versions))
+    # A call sampled in chunks (rollout.in_flight_updates) says which version sampled each span of each completion.
+    spans = output.extra.get("version_spans") or [[(0, min(versions))] if versions else [] for _ in completions]
+    for episode, completion, completion_spans in zip(episodes, completions, spans, strict=True):
+        for start, version in completion_spans:
+            _record_version(episode, version, len(episode.sampled) + start)
         episode.token_ids += completion.token_ids
         episode.sampled += [True] * len(completion.token_ids)
         episode.generator_logprobs += completion.logprobs
@@ -383,12 +452,12 @@ def _apply_step(episodes: list[Episode], result: EnvStep, environment: Environme
         episode.messages += [observation] if isinstance(observation, dict) else list(observation)
 
 
-def _record_version(episode: Episode, version: int) -> None:
-    """Note that policy `version` samples the episode's next tokens: its first turn's version is its policy_version;
-    a later turn sampled by another version (an asynchronous round's later turns, sampled after a weight push) opens
-    a span (`Episode.version_spans`, indexed by the tokens after the prompt), and the episode's age counts from the
-    oldest version of any of its tokens."""
-    if not episode.sampled:
+def _record_version(episode: Episode, version: int, start: int) -> None:
+    """Note that policy `version` sampled the episode's tokens from `start` on (indexed by the tokens after the
+    prompt): the version of its first tokens is its policy_version; tokens sampled by another version (an
+    asynchronous round's later turns or later chunks, sampled after a weight push) open a span
+    (`Episode.version_spans`), and the episode's age counts from the oldest version of any of its tokens."""
+    if start == 0:
         episode.policy_version = version
         return
     current = episode.version_spans[-1][1] if episode.version_spans else episode.policy_version
@@ -396,7 +465,7 @@ def _record_version(episode: Episode, version: int) -> None:
         return
     if not episode.version_spans:
         episode.version_spans.append((0, episode.policy_version))
-    episode.version_spans.append((len(episode.sampled), version))
+    episode.version_spans.append((start, version))
     episode.policy_version = min(episode.policy_version, version)
 
 

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import asdict, dataclass, field, replace
 from typing import Protocol
 
@@ -32,6 +33,7 @@ from posttrain.algorithms.rollout import (
     has_reward_variance,
     rollout_metrics,
     run_episodes,
+    run_episodes_within,
     sample_and_score_within,
 )
 from posttrain.config.schema import GRPOConfig
@@ -40,7 +42,7 @@ from posttrain.process_group import gather_divided
 from posttrain.envs.base import Environment
 from posttrain.envs.rewards import RewardErrorBudget
 from posttrain.errors import RunError
-from posttrain.generation.base import Completion, GenerationOutput, Generator, SamplingParams
+from posttrain.generation.base import Completion, GenerationOutput, Generator, SamplingParams, SubmittedBlock
 
 
 @dataclass
@@ -226,14 +228,16 @@ class AsynchronousRolloutSource:
         self.next_group_id += len(rows)
         seeded = replace(self.sampling, seed=self.cfg.seed * 1_000_003 + first_group_id)
         prompts = [row.prompt_ids for row in rows]
-        if rollout.group_timeout_s is not None and not rollout.in_flight_updates:
+        if rollout.group_timeout_s is not None and not rollout.in_flight_updates and rollout.max_turns == 1:
             # Each generation actor's share is waited for on its own: the groups of one that straggles are dropped.
             blocks = self.generator.submit_blocks(prompts, seeded, rollout.num_generations_per_prompt)
             self.in_flight.append(self.pool.submit(self._finish_round_within, rows, first_group_id, blocks))
             return
         if rollout.in_flight_updates:
+            # A single-turn round's chunks are timed here; a multi-turn round's later turns by `run_episodes_within`.
             submitted = ChunkedGeneration(self.generator, prompts, seeded, rollout.num_generations_per_prompt,
-                                          rollout.in_flight_chunk_tokens, first_group_id, self.tokenizer)
+                                          rollout.in_flight_chunk_tokens, first_group_id, self.tokenizer,
+                                          rollout.group_timeout_s if rollout.max_turns == 1 else None)
         else:
             submitted = SubmittedGeneration(self.generator, prompts, seeded, rollout.num_generations_per_prompt)
         self.in_flight.append(self.pool.submit(self._finish_round, rows, first_group_id, submitted, seeded))
@@ -242,21 +246,19 @@ class AsynchronousRolloutSource:
                       submitted: SubmittedGeneration | ChunkedGeneration, seeded: SamplingParams) -> Round:
         """The round's episodes, scored (in a worker thread; every wait inside has a deadline)."""
         rollout = self.cfg.rollout
-        episodes, times = run_episodes(rows, first_group_id, rollout.num_generations_per_prompt, submitted,
-                                       self.environment, self.tokenizer, seeded, max_turns=rollout.max_turns,
-                                       group_timeout_s=rollout.group_timeout_s)
+        within = run_episodes_within(rows, first_group_id, rollout.num_generations_per_prompt, submitted,
+                                     self.environment, self.tokenizer, seeded, max_turns=rollout.max_turns,
+                                     group_timeout_s=rollout.group_timeout_s)
         samples = rollout.num_generations_per_prompt
-        for index, episode in enumerate(episodes if rollout.max_turns == 1 else []):  # whole groups, in group order
-            # (A multi-turn episode's versions are recorded turn by turn by `run_episodes`.)
+        for index, episode in enumerate(within.episodes if rollout.max_turns == 1 else []):  # whole groups, in order
+            # (A multi-turn episode's versions are recorded turn by turn, and chunk by chunk, by `run_episodes`.)
             flat = (episode.group_id - first_group_id) * samples + index % samples
             # The oldest weights that sampled any of its tokens (a replacement actor holds newer ones).
             episode.version_spans = submitted.version_spans(flat)
             episode.policy_version = min((version for _, version in episode.version_spans),
                                          default=submitted.oldest_version)
-        scored = {episode.group_id for episode in episodes}
-        timed_out = [group_id for group_id in range(first_group_id, first_group_id + len(rows))
-                     if group_id not in scored]
-        return Round(episodes, times, timed_out)
+        timed_out = sorted(within.generation_timed_out + within.scoring_timed_out)
+        return Round(within.episodes, within.times, timed_out, within.generation_timed_out)
 
     def _finish_round_within(self, rows: list[PromptRow], first_group_id: int, blocks: list) -> Round:
         """The round's groups generated and scored within rollout.group_timeout_s of its first block's arrival (in a
@@ -408,61 +410,150 @@ class ChunkedGeneration:
 
     Later chunks draw from per-sample streams seeded from the round's seed, the sample's group and index and the
     chunk number (`episode_stream_seed`): which samples share a chunk call then changes nothing. A sample ends at an
-    eos token or at the round's max_new_tokens; stop strings are refused with in-flight updates (config)."""
+    eos token, at the round's max_new_tokens, or at a stop string. Stop strings are looked for here, not by the
+    chunk calls (which see only their own chunk's tokens, so they would miss a stop string spanning two chunks):
+    after each chunk, the decoded completion is checked token by token from the first new token on, as the
+    transformers generator checks it after every token, and the completion is cut after the token that completed a
+    stop string, where an unchunked call would have ended it.
+
+    The later turns of multi-turn episodes (`run_episodes` asks for them after the first) are sampled in chunks
+    too, their first chunk sent when asked for; their later chunks draw from streams seeded from each episode's turn
+    seed (`params.seeds`) and the chunk number. Every output says in extra["version_spans"] which version sampled
+    each span of each completion (the index of the span's first token within the completion, and the version)."""
 
     def __init__(self, generator, prompts: list[list[int]], params: SamplingParams, num_samples: int,
-                 chunk_tokens: int, first_group_id: int, tokenizer):
+                 chunk_tokens: int, first_group_id: int, tokenizer, group_timeout_s: float | None = None):
         self.generator, self.chunk_tokens, self.first_group_id = generator, chunk_tokens, first_group_id
-        self.tokenizer = tokenizer
+        self.tokenizer, self.group_timeout_s = tokenizer, group_timeout_s
         self.weights_version = self.oldest_version = generator.weights_version
         self.request = (prompts, params, num_samples)
-        first = replace(params, max_new_tokens=min(chunk_tokens, params.max_new_tokens))
-        self._first = generator.submit(prompts, first, num_samples)
+        self._deadline: float | None = None
+        self._first = self._send(prompts, self._chunk_params(params, params.max_new_tokens), num_samples, True)
+        self._answered = False
         self._spans: list[list[tuple[int, int]]] = []
 
+    def _chunk_params(self, params: SamplingParams, tokens_left: int) -> SamplingParams:
+        """The parameters of a chunk call: at most chunk_tokens tokens, stop strings left to `_sample`."""
+        return replace(params, max_new_tokens=min(self.chunk_tokens, tokens_left), stop_strings=())
+
+    def _send(self, prompts: list[list[int]], params: SamplingParams, num_samples: int, timed: bool):
+        """Send a chunk call now: with a group timeout over the first call (`timed`) as one block per generation
+        actor (`submit_blocks`), each waited for on its own; else as one call."""
+        if timed and self.group_timeout_s is not None:
+            return self.generator.submit_blocks(prompts, params, num_samples)
+        return [SubmittedBlock(0, len(prompts), self.generator.submit(prompts, params, num_samples))]
+
+    def _receive(self, blocks: list[SubmittedBlock], timed: bool) -> list[tuple[SubmittedBlock, GenerationOutput | None]]:
+        """Each block's output, or None for a block that had not answered by the group timeout's deadline (its
+        answer, if any, is never read). The clock starts when the first call's first block answers."""
+        if not timed or self.group_timeout_s is None:
+            return [(block, block.wait()) for block in blocks]
+        pool = ThreadPoolExecutor(max_workers=len(blocks), thread_name_prefix="chunk-blocks")
+        try:
+            arriving = {pool.submit(block.wait): block for block in blocks}
+            if self._deadline is None:  # bounded: every block's wait has a deadline of its own (cluster.timeout_s)
+                futures_wait(arriving, return_when=FIRST_COMPLETED)
+                self._deadline = time.monotonic() + self.group_timeout_s
+            futures_wait(arriving, timeout=max(self._deadline - time.monotonic(), 0.0))
+        finally:
+            pool.shutdown(wait=False)  # a late block's thread ends when its wait does (within its own deadline)
+        return [(block, future.result() if future.done() else None) for future, block in arriving.items()]
+
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
+        if self._answered:  # a later turn of multi-turn episodes: its first chunk sent now
+            if params.seeds is None:
+                raise ValueError("a later turn sampled in chunks needs per-episode seeds (SamplingParams.seeds)")
+            first = self._send(prompts, self._chunk_params(params, params.max_new_tokens), num_samples, False)
+            turn_seeds = params.seeds
+            return self._sample(prompts, params, num_samples, first, False, lambda i, chunk: episode_stream_seed(
+                turn_seeds[i // num_samples], 0, chunk) + i % num_samples)
         if (prompts, params, num_samples) != self.request:
             raise ValueError("a submitted generation was asked for other prompts or parameters than it was sent with")
+        self._answered = True
+        round_seed = params.seed if params.seed is not None else 0
+        output = self._sample(prompts, params, num_samples, self._first, True, lambda i, chunk: episode_stream_seed(
+            round_seed, self.first_group_id + i // num_samples, chunk) + i % num_samples)
+        self._spans = output.extra["version_spans"]
+        self.oldest_version = min(output.extra["weights_versions"], default=self.weights_version)
+        return output
+
+    def _sample(self, prompts: list[list[int]], params: SamplingParams, num_samples: int,
+                first_chunk: list[SubmittedBlock], timed: bool, seed_of) -> GenerationOutput:
+        """Sample `num_samples` completions of each prompt, in chunks: `first_chunk` is the first chunk's call, sent,
+        and `seed_of(sample, chunk)` seeds sample `sample`'s (flat: prompt-major) stream of a later chunk. With
+        `timed` and a group timeout, the samples of a block that has not answered by the deadline are late: not
+        continued, and listed in extra["late_samples"] (their groups are dropped). A chunk is sent when the whole
+        previous chunk call has answered, so a straggling block holds back the next chunk of every sample: those
+        still unfinished at the deadline are late too."""
         started = time.perf_counter()
-        output = self._first()
-        version = min(output.extra["weights_versions"])
-        firsts = [completion for samples in output.completions for completion in samples]
+        count = len(prompts) * num_samples
         prompt_of = [prompt for prompt in prompts for _ in range(num_samples)]
-        tokens = [list(c.token_ids) for c in firsts]
-        logprobs = [list(c.logprobs) for c in firsts]
-        finish = [c.finish_reason for c in firsts]
-        errors = [c.error for c in firsts]  # a chunk masked for a dead generation worker masks its sample
-        self._spans = [[(0, version)] for _ in firsts]
-        generated = output.num_generated_tokens
+        tokens: list[list[int]] = [[] for _ in range(count)]
+        logprobs: list[list[float]] = [[] for _ in range(count)]
+        finish = ["length"] * count
+        errors: list[str | None] = [None] * count  # a chunk masked for a dead generation worker masks its sample
+        spans: list[list[tuple[int, int]]] = [[] for _ in range(count)]
+        late: set[int] = set()
+        generated = 0
+
+        def take(members: list[int], per_prompt: int, answers) -> None:
+            nonlocal generated
+            for block, output in answers:
+                samples = members[block.start * per_prompt:block.stop * per_prompt]
+                if output is None:
+                    late.update(samples)
+                    continue
+                version = min(output.extra["weights_versions"])
+                generated += output.num_generated_tokens
+                completions = [completion for answer in output.completions for completion in answer]
+                for i, completion in zip(samples, completions, strict=True):
+                    checked = len(tokens[i])
+                    if not spans[i] or (completion.token_ids and version != spans[i][-1][1]):
+                        spans[i].append((checked, version))
+                    tokens[i] += completion.token_ids
+                    logprobs[i] += completion.logprobs
+                    finish[i], errors[i] = completion.finish_reason, completion.error
+                    self._cut_at_stop_string(params, tokens, logprobs, finish, i, checked)
+
+        take(list(range(count)), num_samples, self._receive(first_chunk, timed))
         chunk = 1
         while unfinished := [i for i, reason in enumerate(finish)
-                             if reason == "length" and len(tokens[i]) < params.max_new_tokens]:
+                             if reason == "length" and len(tokens[i]) < params.max_new_tokens and i not in late]:
+            if timed and self._deadline is not None and time.monotonic() >= self._deadline:
+                late.update(unfinished)  # past the group timeout: their groups are dropped, nothing more is sent
+                break
             # Every unfinished sample has sampled the same number of tokens (chunk x chunk_tokens): one budget.
-            budget = min(self.chunk_tokens, params.max_new_tokens - len(tokens[unfinished[0]]))
-            seeds = tuple(episode_stream_seed(params.seed if params.seed is not None else 0,
-                                              self.first_group_id + i // num_samples, chunk) + i % num_samples
-                          for i in unfinished)
-            continued = self.generator.submit([prompt_of[i] + tokens[i] for i in unfinished],
-                                              replace(params, max_new_tokens=budget, seed=None, seeds=seeds), 1)()
-            version = min(continued.extra["weights_versions"])
-            generated += continued.num_generated_tokens
-            for i, (completion,) in zip(unfinished, continued.completions, strict=True):
-                if version != self._spans[i][-1][1]:
-                    self._spans[i].append((len(tokens[i]), version))
-                tokens[i] += completion.token_ids
-                logprobs[i] += completion.logprobs
-                finish[i] = completion.finish_reason
-                errors[i] = completion.error
+            tokens_left = params.max_new_tokens - len(tokens[unfinished[0]])
+            seeds = tuple(seed_of(i, chunk) for i in unfinished)
+            chunk_params = replace(self._chunk_params(params, tokens_left), seed=None, seeds=seeds)
+            sent = self._send([prompt_of[i] + tokens[i] for i in unfinished], chunk_params, 1, timed)
+            take(unfinished, 1, self._receive(sent, timed))
             chunk += 1
         completions = [Completion(prompt_of[i], tokens[i], logprobs[i],
                                   self.tokenizer.decode(tokens[i], skip_special_tokens=True), finish[i], errors[i])
-                       for i in range(len(tokens))]
+                       for i in range(count)]
         grouped = [completions[i * num_samples:(i + 1) * num_samples] for i in range(len(prompts))]
-        self.oldest_version = min(v for spans in self._spans for _, v in spans)
-        return GenerationOutput(grouped, time.perf_counter() - started, generated,
-                                {"weights_versions": sorted({v for spans in self._spans for _, v in spans})})
+        extra = {"weights_versions": sorted({v for sample in spans for _, v in sample}), "version_spans": spans}
+        if timed and self.group_timeout_s is not None:
+            extra |= {"late_samples": sorted(late), "group_deadline": self._deadline}
+        return GenerationOutput(grouped, time.perf_counter() - started, generated, extra)
+
+    def _cut_at_stop_string(self, params: SamplingParams, tokens: list[list[int]], logprobs: list[list[float]],
+                            finish: list[str], i: int, checked: int) -> None:
+        """End sample `i` after its first token past `checked` whose decoded completion (up to and including it)
+        holds a stop string: the transformers generator's test after every token, over the whole completion, so a
+        stop string that spans the previous chunk's last tokens and this chunk's first is found where an unchunked
+        call finds it."""
+        if not params.stop_strings:
+            return
+        for end in range(checked + 1, len(tokens[i]) + 1):
+            text = self.tokenizer.decode(tokens[i][:end], skip_special_tokens=True)
+            if any(stop in text for stop in params.stop_strings):
+                del tokens[i][end:], logprobs[i][end:]
+                finish[i] = "stop"
+                return
 
     def version_spans(self, sample: int) -> list[tuple[int, int]]:
-        """(index of the first token, version) of each span of sample `sample` (flat: prompt-major) that one
-        version sampled."""
+        """(index of the first token, version) of each span of sample `sample` (flat: prompt-major) of the first call
+        that one version sampled."""
         return list(self._spans[sample])

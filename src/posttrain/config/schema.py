@@ -768,8 +768,8 @@ class RolloutSection(SamplingSection):
     asynchronous: bool = False
     """Asynchronous RL (cluster.backend=ray, docs/ray.md): the generation actors sample the next steps' prompts while
     the policy trains, up to max_staleness policy versions behind it; needs loss.importance_correction to correct
-    for the older sampling policy. Dynamic sampling takes single-turn episodes only; multi-turn episodes sample their
-    later turns with the weights the actors hold then; an episode's age counts from the oldest version that sampled any of its tokens."""
+    for the older sampling policy. Multi-turn episodes sample their later turns with the weights the actors hold then;
+    an episode's age counts from the oldest version that sampled any of its tokens."""
 
     max_staleness: int = Field(1, ge=1)
     """asynchronous: how many policy versions (optimizer steps) the weights that sampled an episode may lag the
@@ -780,12 +780,17 @@ class RolloutSection(SamplingSection):
     have arrived (each generation actor's share is waited for on its own, and each group scored by a call of its
     own as soon as its completions arrive); a group not scored by then is dropped, never trained on, and counted
     (rollout/timed_out_groups; rollout/generation_timed_out_groups for those whose completions had not arrived). Its
-    prompt is not sampled again. null: every group is waited for (up to cluster.timeout_s)."""
+    prompt is not sampled again. With max_turns > 1 a group is dropped when any of its episodes has not ended within
+    that many seconds of the round's first turns arriving (a tool call or a later turn's generation still running);
+    with in_flight_updates each chunk call's per-actor shares are waited for until the same deadline.
+    null: every group is waited for (up to cluster.timeout_s)."""
 
     in_flight_updates: bool = False
     """asynchronous: a round's completions are sampled in chunks of in_flight_chunk_tokens tokens, each chunk a
     generation call of its own, so that a weight push made while a round is sampling reaches its next chunk; every
-    episode records the versions of its token spans, and its age counts from the oldest."""
+    episode records the versions of its token spans, and its age counts from the oldest. Later turns of multi-turn
+    episodes are sampled in chunks too; stop_strings are looked for across chunk boundaries (where an unchunked call
+    would stop)."""
 
     in_flight_chunk_tokens: int = Field(16, gt=0)
     """in_flight_updates: tokens sampled per chunk (the points where newer weights may take over)."""
@@ -1388,26 +1393,12 @@ class OnlineRLConfig(RecipeConfig):
                 raise ValueError(f"rollout.asynchronous=true needs {', '.join(missing)} (episodes sampled by an older "
                                  "policy need the importance correction between generator and trainer; generation "
                                  "runs ahead in Ray actors)")
-            if self.rollout.max_turns > 1:
-                if self.rollout.dynamic_sampling:
-                    raise ValueError("rollout.dynamic_sampling=true with rollout.asynchronous=true needs "
-                                     "rollout.max_turns=1 for now: multi-turn rounds are not filtered and redrawn "
-                                     "ahead of training yet")
-                for key in ("group_timeout_s", "in_flight_updates"):
-                    if getattr(self.rollout, key):
-                        raise ValueError(f"rollout.{key} with rollout.asynchronous=true needs rollout.max_turns=1 "
-                                         "for now: a multi-turn round's later turns are sampled and scored episode by "
-                                         "episode, which neither the group timeout nor the chunked sampling covers")
             updates = self.update.ppo_epochs * self.update.num_minibatches
             if updates > 1:
                 raise ValueError(f"rollout.asynchronous=true with update.ppo_epochs × update.num_minibatches = {updates} "
                                  "optimizer steps per rollout batch: rollout.max_staleness counts policy versions, one "
                                  "per optimizer step, while rounds run ahead by training steps, so rounds would outrun the bound "
                                  "and be dropped; set both to 1 for asynchronous runs")
-            if self.rollout.in_flight_updates and self.rollout.stop_strings:
-                raise ValueError("rollout.in_flight_updates=true with rollout.stop_strings: a stop string that spans "
-                                 "two chunks is not detected yet; leave rollout.stop_strings empty (eos still ends a "
-                                 "completion) or set rollout.in_flight_updates=false")
             if "in_flight_chunk_tokens" in self.rollout.model_fields_set and not self.rollout.in_flight_updates:
                 raise ValueError("rollout.in_flight_chunk_tokens applies only with rollout.in_flight_updates=true")
         else:
