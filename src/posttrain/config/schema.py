@@ -855,7 +855,8 @@ class ClusterSection(NumericSection):
     """Where the online RL workers run (docs/ray.md). local: everything in this process (the default). ray: the
     generation and environment workers are Ray actors, and with policy_workers > 0 the policy (and PPO's critic)
     too, started on a local Ray instance sized for this machine or on the cluster at `address`; the same recipe
-    loop drives them."""
+    loop drives them. `posttrain distill` reads only its teachers' keys (teacher_workers and the scoring workers'
+    resources)."""
 
     backend: Literal["local", "ray"] = "local"
     """local: generator and environment in this process; ray: each a group of Ray actors (needs the `ray` extra:
