@@ -68,7 +68,7 @@ def test_ray_ppo_logs_the_rewards_and_losses_of_the_in_process_run(tmp_path, tin
 
 
 @pytest.mark.parametrize("override, message", [
-    (["rollout.backend=vllm"], "Ray generation workers run the transformers backend"),
+    (["rollout.backend=vllm"], "needs cluster.gpus_per_generation_worker > 0"),
     (["cluster.generation_workers=2"], "needs rollout.seed_per_group=true"),
     (["cluster.timeout_s=0"], "cluster.timeout_s"),
 ])

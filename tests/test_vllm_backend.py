@@ -364,3 +364,36 @@ def test_without_vllm_tokenizer_the_hf_tokenizer_decodes(fake_vllm, tiny_model_d
     assert kwargs["detokenize"] is False
     assert kwargs["stop_token_ids"] == [256]  # the tiny tokenizer's eos, <|endoftext|>
     assert out.completions[0][0].text == "d\x00"  # tokens [100, 0] decoded by the byte-level HF tokenizer
+
+
+def test_an_adapter_in_use_goes_with_every_generation_as_a_lora_request_of_its_version(fake_vllm, tmp_path,
+                                                                                         monkeypatch):
+    """use_adapter (Ray generation actors with weight_sync.lora=adapters): later generate calls carry a LoRA request
+    naming the adapter's folder, a new id per version; a push bucket by bucket loads each bucket, then drops the
+    prefix cache and stamps the version."""
+    import sys
+    import types
+
+    request = types.ModuleType("vllm.lora.request")
+    request.LoRARequest = lambda name, int_id, path: (name, int_id, path)
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
+
+    class LoRAFakeLLM(FakeLLM):
+        def generate(self, prompts, sampling_params, use_tqdm=True, lora_request=None):
+            self.calls.append(("lora_request", lora_request))
+            return super().generate(prompts, sampling_params, use_tqdm)
+
+    fake_vllm.LLM = LoRAFakeLLM
+    generator = VLLMGenerator(str(tmp_path))
+    generator.generate([[1]], SamplingParams(max_new_tokens=2))
+    generator.use_adapter(str(tmp_path / "v3"), 3)
+    generator.generate([[1]], SamplingParams(max_new_tokens=2))
+    requests = [call[1] for call in generator.llm.calls if call[0] == "lora_request"]
+    assert requests == [None, ("policy-v3", 4, str(tmp_path / "v3"))]
+    assert generator.weights_version == 3
+
+    weights = [("a", torch.zeros(2)), ("b", torch.ones(3))]
+    assert generator.load_weights(weights[:1]) + generator.load_weights(weights[1:]) == 20
+    generator.finish_weight_update(4)
+    assert [name for bucket in generator.llm.model.loaded for name, _ in bucket] == ["a", "b"]
+    assert generator.llm.calls[-1] == ("reset_prefix_cache",) and generator.weights_version == 4

@@ -283,7 +283,10 @@ def policy_generator(cfg: GRPOConfig, tokenizer, policy: PolicyWorker, cluster: 
     rollout = cfg.rollout
     if cluster is not None and not cfg.cluster.colocated:
         model = cfg.model.model_copy(update={"name_or_path": resolve_model_path(cfg.model.name_or_path)})
-        generator = cluster.generator(model, tokenizer, batch_size=rollout.generation_batch_size, seed=cfg.seed)
+        generator = cluster.generator(model, tokenizer, batch_size=rollout.generation_batch_size, seed=cfg.seed,
+                                      backend=rollout.backend,
+                                      vllm_gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
+                                      lora=cfg.lora)
         policy.push_weights(generator)
         return generator
     return build_generator(cfg.model, rollout.backend, tokenizer, policy, batch_size=rollout.generation_batch_size,

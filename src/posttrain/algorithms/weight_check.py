@@ -108,6 +108,11 @@ def _check(cfg: OnlineRLConfig, num_prompts: int, scratch: Path) -> WeightSyncCh
     if cfg.cluster.colocated:
         raise RunError("--check-weight-sync with cluster.colocated=true: the generator samples from the trained "
                        "module itself, so there is no copy to compare; weight_sync/bytes is 0 at every step")
+    if cfg.cluster.backend == "ray" and cfg.rollout.backend == "vllm":
+        raise RunError("--check-weight-sync with rollout.backend=vllm on Ray generation workers: the engine keeps the "
+                       "weights in its own layout (q/k/v fused, sharded), so there is no copy to compare tensor by "
+                       "tensor; each actor checks that every weight of a push arrived, and every step logs "
+                       "generator_logprob_error, the trainer's log-probabilities against the engine's")
     configure_torch(cfg.trainer)
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg.model, padding_side="right")

@@ -885,9 +885,9 @@ class ClusterSection(NumericSection):
     setting, so that its numbers equal the driver's)."""
 
     gpus_per_generation_worker: float = Field(0.0, ge=0)
-    """ray: GPUs the generation group's placement group reserves for each generation actor (the transformers
-    generation actor still samples on the CPU: sampling on the GPU is planned). A cluster without that many GPUs
-    stops the run at start-up, before any actor starts, naming this key."""
+    """ray: GPUs the generation group's placement group reserves for each generation actor, which loads its copy of
+    the model and samples on the first GPU Ray granted it (0: on CPUs; rollout.backend=vllm needs more than 0). A
+    cluster without that many GPUs stops the run at start-up, before any actor starts, naming this key."""
 
     environment_workers: int = Field(1, gt=0)
     """ray: environment actors; a step's episodes are divided among them for scoring."""
@@ -979,6 +979,12 @@ class WeightSyncSection(NumericSection):
     bucket_mb: float = Field(256.0, gt=0)
     """Weights travel in buckets of about this many MiB (a tensor larger than that is a bucket of its own): one
     bucket in flight at a time, never a second full copy of the model in the object store."""
+
+    lora: Literal["merged", "adapters"] = "merged"
+    """With lora.enabled: what a push carries. merged: the full weights with the adapters folded in (every
+    generator takes them). adapters: the adapter tensors alone (a few MB), which vLLM generation actors
+    (cluster.backend=ray, rollout.backend=vllm) write as a peft adapter and sample with as a LoRA request over the
+    base model they loaded; through the object store only (weight_sync.method=object_store)."""
 
 
 class AdvantageSection(NumericSection):
@@ -1464,6 +1470,19 @@ class OnlineRLConfig(RecipeConfig):
             for key in ("max_staleness", "group_timeout_s", "in_flight_updates", "in_flight_chunk_tokens"):
                 if key in self.rollout.model_fields_set:
                     raise ValueError(f"rollout.{key} applies only with rollout.asynchronous=true")
+        if self.weight_sync.lora == "adapters":
+            if not self.lora.enabled:
+                raise ValueError("weight_sync.lora=adapters needs lora.enabled=true: without LoRA there are no "
+                                 "adapters to send")
+            if self.cluster.backend != "ray" or self.rollout.backend != "vllm":
+                raise ValueError(f"weight_sync.lora=adapters with cluster.backend={self.cluster.backend} and "
+                                 f"rollout.backend={self.rollout.backend}: only vLLM generation actors "
+                                 "(cluster.backend=ray, rollout.backend=vllm) take adapters, as a LoRA request; the "
+                                 "transformers generators and an in-process engine take the merged weights: set "
+                                 "weight_sync.lora=merged")
+            if self.weight_sync.method != "object_store":
+                raise ValueError("weight_sync.lora=adapters with weight_sync.method=broadcast is not built: adapters "
+                                 "go through the object store (a few MB); set weight_sync.method=object_store")
         if self.cluster.backend == "ray":
             if self.environment.kind == "cua":
                 raise ValueError("environment.kind=cua with cluster.backend=ray is planned, not built: an episode's "
@@ -1476,9 +1495,21 @@ class OnlineRLConfig(RecipeConfig):
                                  f"environment.kind={self.environment.kind}: a tool-using environment's actors already "
                                  "answer many calls at once on one copy, which holds its episodes' state; leave "
                                  "cluster.environment_concurrency at 1")
-            if self.rollout.backend != "transformers":
-                raise ValueError(f"cluster.backend=ray with rollout.backend={self.rollout.backend}: Ray generation "
-                                 "workers run the transformers backend for now; set rollout.backend=transformers")
+            if self.rollout.backend == "vllm":
+                if self.cluster.colocated:
+                    raise ValueError("cluster.colocated=true with rollout.backend=vllm: colocated generation samples "
+                                     "from the trained module itself with the transformers backend; set "
+                                     "rollout.backend=transformers, or cluster.colocated=false for vLLM generation "
+                                     "actors")
+                if self.cluster.gpus_per_generation_worker == 0:
+                    raise ValueError("cluster.backend=ray with rollout.backend=vllm needs "
+                                     "cluster.gpus_per_generation_worker > 0: each vLLM generation worker runs its "
+                                     "engine on a GPU of its bundle (1 for a GPU each)")
+                if self.rollout.in_flight_updates:
+                    raise ValueError("rollout.in_flight_updates=true with rollout.backend=vllm on Ray generation "
+                                     "workers is not built yet (the chunked rounds are checked with the transformers "
+                                     "backend only); set rollout.in_flight_updates=false or "
+                                     "rollout.backend=transformers")
             if self.cluster.on_actor_failure == "mask" and self.rollout.max_turns > 1:
                 raise ValueError("cluster.on_actor_failure=mask needs rollout.max_turns=1: masking part of a "
                                  "multi-turn episode is not built; use cluster.on_actor_failure=retry")

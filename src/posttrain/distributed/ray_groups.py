@@ -23,7 +23,11 @@ What this first slice builds, and where it departs from the full design:
   order they were sent, so a call sent before a weight push samples from the weights before it (asynchronous
   rollouts, algorithms/rollout_source.py); `submit_blocks` lets the caller wait for each actor's share on its own
   (rollout.group_timeout_s drops the groups of a share that straggles).
-- Generation actors run the transformers backend on their own copy of the model. A call whose prompts carry
+- Generation actors run the transformers backend on their own copy of the model, on the first GPU Ray granted them
+  (cluster.gpus_per_generation_worker) or the CPU; with rollout.backend=vllm, a vLLM engine on their GPU
+  (`VLLMGenerationWorker`), into which pushes load in place (with weight_sync.lora=adapters the LoRA adapters alone,
+  sampled with as a LoRA request). An actor that cannot start (a GPU torch does not see, vllm not importable) stops
+  the run naming it before anything is pushed. A call whose prompts carry
   per-prompt seeds (rollout.seed_per_group) is divided among the actors in contiguous blocks; a call seeded as a
   whole draws from one stream and goes to the first actor, so it samples what one process samples.
 - Environment actors build the environment from its config section in their own process; a step's episodes are
@@ -87,7 +91,9 @@ from posttrain.envs.base import EnvStep, EpisodeLost, Message, ToolUse, tool_use
 from posttrain.errors import RunError
 from posttrain.generation.base import Completion, GenerationOutput, SamplingParams, SubmittedBlock, weight_buckets
 from posttrain.generation.transformers_backend import TransformersGenerator
-from posttrain.models.loading import default_device, load_causal_lm
+from posttrain.generation.vllm_backend import VLLMGenerator, import_vllm
+from posttrain.models.loading import default_device, load_causal_lm, weight_specs_of
+from posttrain.models.lora import adapter_file_name, write_adapter
 from posttrain.preemption import PREEMPTION_SIGNALS
 from posttrain.distributed.ray_policy import (
     RankGroup,
@@ -108,11 +114,13 @@ from posttrain.distributed.weight_broadcast import (
     SyncGroup,
     WeightLoader,
     WeightSender,
+    backend_offer,
     bucket_plan,
+    choose_backend,
     first_difference,
     free_port,
-    local_backend,
     plan_digest,
+    receive_bucket,
 )
 from posttrain.distributed.weight_check import weight_digests
 from posttrain.workers import local
@@ -284,15 +292,62 @@ class WorkerGroup:
 # ---- generation ----------------------------------------------------------------------------------------------
 
 
+def sampling_device(granted_gpus: Sequence[Any], visible_cuda_devices: int) -> torch.device | str:
+    """Where a generation actor loads its copy and samples: the first GPU Ray granted it (Ray shows an actor only the
+    GPUs of its bundle, so that is cuda:0 in its process), the CPU when it was granted none; or, as a string, why
+    it cannot start (Ray granted GPUs that torch does not see)."""
+    if not granted_gpus:
+        return torch.device("cpu")
+    if visible_cuda_devices == 0:
+        return (f"Ray granted it GPU {', '.join(str(gpu) for gpu in granted_gpus)} "
+                "(cluster.gpus_per_generation_worker), but torch in its process sees no CUDA device (a CPU-only torch "
+                "build on that node, or CUDA_VISIBLE_DEVICES overridden); install a CUDA build of torch there or set "
+                "cluster.gpus_per_generation_worker=0 to sample on CPUs")
+    return torch.device("cuda", 0)
+
+
+def vllm_worker_problem(granted_gpus: Sequence[Any], visible_cuda_devices: int, import_problem: str | None
+                        ) -> str | None:
+    """Why a vLLM generation actor cannot start (vllm not importable in its process, no GPU granted or visible), or
+    None."""
+    if import_problem is not None:
+        return import_problem
+    if not granted_gpus:
+        return ("a vLLM engine needs a GPU and Ray granted this actor none: set cluster.gpus_per_generation_worker "
+                "(1 for one GPU per generation worker)")
+    device = sampling_device(granted_gpus, visible_cuda_devices)
+    return device if isinstance(device, str) else None
+
+
+def vllm_import_problem() -> str | None:
+    """Why this process cannot import vllm (the message says how to install it), or None."""
+    try:
+        import_vllm("a vLLM generation worker (cluster.backend=ray with rollout.backend=vllm)")
+    except ImportError as error:
+        return str(error)
+    return None
+
+
 class GenerationWorker:
     """A transformers generator on its own copy of the model, loaded from the policy's weight pushes (through the
-    object store, `load_bucket`, or by broadcast, `receive_bucket`). `GenerationActor` is this class as a Ray actor."""
+    object store, `load_bucket`, or by broadcast, `receive_bucket`), on the GPU Ray granted the actor
+    (cluster.gpus_per_generation_worker) or on the CPU. `GenerationActor` is this class as a Ray actor.
+
+    An actor that cannot start (Ray granted it a GPU torch does not see) builds nothing and says why: `problem`,
+    which the driver reads before anything else (`RayCluster.generator`), and `ready` raises it (a replacement)."""
 
     def __init__(self, model: ModelConfig, tokenizer, batch_size: int, seed: int, num_threads: int):
         # The driver's thread count: a matrix product split over another number of threads may round differently.
         torch.set_num_threads(num_threads)
-        self.generator = TransformersGenerator(load_causal_lm(model).eval(), tokenizer, batch_size=batch_size,
-                                               seed=seed, owns_weights=True)
+        device = sampling_device(ray.get_gpu_ids(), torch.cuda.device_count())
+        self.problem = device if isinstance(device, str) else None
+        if self.problem is not None:
+            return
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # a weight-sync group over NCCL uses the current device
+        self.generator = TransformersGenerator(load_causal_lm(model, device=device).eval(), tokenizer,
+                                               batch_size=batch_size, seed=seed, owns_weights=True)
         self.generator.model.requires_grad_(False)
         self._expected = set(self.generator.model.state_dict())
         self._loaded: set[str] = set()
@@ -300,8 +355,17 @@ class GenerationWorker:
         self._sync: SyncGroup | None = None
         self._timeout_s = 0.0
 
+    def start_problem(self) -> str | None:
+        """Why this actor could not start, or None (asked once every actor has started)."""
+        return self.problem
+
     def ready(self) -> bool:
+        if self.problem is not None:
+            raise RuntimeError(self.problem)
         return True
+
+    def sampling_device(self) -> str:
+        return str(self.device)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int) -> GenerationOutput:
         output = self.generator.generate(prompts, params, num_samples)
@@ -328,7 +392,7 @@ class GenerationWorker:
         """(the digest of the bucket plan computed from this model's weights, the backend this actor offers, the
         (name, dtype, shape) list the plan comes from)."""
         self._loader = WeightLoader(self.generator.model, bucket_bytes)
-        return plan_digest(self._loader.plan), local_backend(), self._loader.specs
+        return plan_digest(self._loader.plan), backend_offer(self.device), self._loader.specs
 
     def join_weight_sync(self, address: str, port: int, rank: int, world_size: int, backend: str,
                          timeout_s: float) -> bool:
@@ -371,7 +435,7 @@ class GenerationWorker:
         return self.generator.weights_version
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        return {name: tensor.detach().clone() for name, tensor in self.generator.model.state_dict().items()}
+        return {name: tensor.detach().cpu().clone() for name, tensor in self.generator.model.state_dict().items()}
 
     def weight_digests(self) -> dict[str, str]:
         return weight_digests(self.generator.model.state_dict().items())
@@ -383,6 +447,146 @@ class GenerationWorker:
 
 
 GenerationActor = ray.remote(GenerationWorker)
+
+
+class VLLMGenerationWorker:
+    """A vLLM engine (generation/vllm_backend.py, in this actor's process) on the GPU Ray granted the actor, sampling
+    for `rollout.backend=vllm` with the sampled tokens' log-probabilities as the engine reports them (the
+    distribution it drew from: docs/rl.md, Generators). The policy's weight pushes arrive as for `GenerationWorker`,
+    by the object store (`load_bucket`) or by broadcast (`receive_bucket`, the plan computed from the model's config:
+    `weight_specs_of`), and each bucket goes into the engine in place by the model's own loader (Hugging Face names;
+    vLLM fuses q/k/v itself); `finish_sync` checks that every weight of the model arrived, drops the prefix cache and
+    stamps the version. `VLLMGenerationActor` is this class as a Ray actor.
+
+    The engine keeps the weights in its own layout, so this actor gives no copy of them back: no
+    `--check-weight-sync` comparison, and under broadcast sync no replacement can copy a peer's weights (the run
+    stops; object_store keeps the last push for a replacement). An actor that cannot start (vllm not importable,
+    no GPU granted or visible) builds nothing and says why, as `GenerationWorker` does."""
+
+    def __init__(self, model: ModelConfig, gpu_memory_utilization: float, seed: int, num_threads: int,
+                 adapters: LoraSection | None = None):
+        torch.set_num_threads(num_threads)
+        self.problem = self.find_problem()
+        if self.problem is not None:
+            return
+        self.model, self.adapters = model, adapters
+        self.specs = weight_specs_of(model)
+        self._expected = {name for name, _, _ in self.specs}
+        self._loaded: set[str] = set()
+        self._adapter_tensors: dict[str, torch.Tensor] = {}
+        self._adapter_names: set[str] | None = None
+        """With adapters-only sync: the adapter tensors the first push brought, which every later push must bring."""
+        self._adapter_root = Path(tempfile.mkdtemp(prefix="posttrain-adapters-")) if adapters is not None else None
+        self.engine = self.build_engine(model, gpu_memory_utilization, seed)
+        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        self._plan: list[Any] = []
+        self._sync: SyncGroup | None = None
+        self._timeout_s = 0.0
+
+    def find_problem(self) -> str | None:
+        """Why this actor cannot start (`vllm_worker_problem`), or None."""
+        return vllm_worker_problem(ray.get_gpu_ids(), torch.cuda.device_count(), vllm_import_problem())
+
+    def start_problem(self) -> str | None:
+        """Why this actor could not start, or None (asked once every actor has started)."""
+        return self.problem
+
+    def build_engine(self, model: ModelConfig, gpu_memory_utilization: float, seed: int) -> VLLMGenerator:
+        """The engine on this actor's GPU (Ray shows it only the GPUs of its bundle), as rollout.backend=vllm builds
+        it in one process; with adapters-only sync, LoRA enabled for one adapter of at most the next rank vLLM
+        offers above lora.r."""
+        lora = {}
+        if self.adapters is not None:
+            rank = min(r for r in VLLM_LORA_RANKS if r >= self.adapters.r)
+            lora = {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1}
+        return VLLMGenerator(model.name_or_path, seed=seed, gpu_memory_utilization=gpu_memory_utilization, **lora)
+
+    def ready(self) -> bool:
+        if self.problem is not None:
+            raise RuntimeError(self.problem)
+        return True
+
+    def sampling_device(self) -> str:
+        return f"{self.device} (vllm)"
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int) -> GenerationOutput:
+        output = self.engine.generate(prompts, params, num_samples)
+        output.extra["weights_version"] = self.engine.weights_version
+        return output
+
+    def load_bucket(self, bucket: list[tuple[str, str, tuple[int, ...], np.ndarray]]) -> int:
+        """Load one bucket of weights (`bucket_payload`) into the engine; the bytes loaded."""
+        with warnings.catch_warnings():  # read-only views of Ray's shared memory, only read by the copy to the GPU
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            weights = [(name, torch.from_numpy(data).view(getattr(torch, dtype)).reshape(shape).to(self.device))
+                       for name, dtype, shape, data in bucket]
+        if self.adapters is not None:  # kept until the push ends, then written as one adapter (`finish_sync`)
+            self._adapter_tensors |= {adapter_file_name(name): tensor.cpu() for name, tensor in weights}
+            return sum(data.nbytes for *_, data in bucket)
+        unexpected = sorted(name for name, _ in weights if name not in self._expected)
+        if unexpected:
+            raise ValueError(f"weights this generator's model has no place for: {unexpected[:5]}")
+        self.engine.load_weights(weights)
+        self._loaded.update(name for name, _ in weights)
+        return sum(data.nbytes for *_, data in bucket)
+
+    def sync_plan(self, bucket_bytes: int) -> tuple[str, str, list[tuple[str, str, tuple[int, ...]]]]:
+        """As `GenerationWorker.sync_plan`, from the model's config (`weight_specs_of`): the trainer's names, shapes
+        and dtypes, whatever dtype the engine computes in."""
+        self._plan = bucket_plan(self.specs, bucket_bytes)
+        return plan_digest(self._plan), backend_offer(self.device), self.specs
+
+    def join_weight_sync(self, address: str, port: int, rank: int, world_size: int, backend: str,
+                         timeout_s: float) -> bool:
+        self._sync = None
+        self._sync = SyncGroup(address, port, rank, world_size, backend, timeout_s)
+        self._timeout_s = timeout_s
+        return True
+
+    def receive_bucket(self, index: int) -> int:
+        """Receive bucket `index` of the plan by broadcast and load it into the engine; the bytes loaded."""
+        received = receive_bucket(self._sync, self._plan[index], self._timeout_s, self.device)
+        self.engine.load_weights(received)
+        self._loaded.update(name for name, _ in received)
+        return self._plan[index].nbytes
+
+    def finish_sync(self, version: int) -> int:
+        """Stamp `version` once every weight of the model has arrived since the last sync (with adapters-only sync:
+        every adapter tensor of the first push, then written as a peft adapter the engine samples with); its
+        version."""
+        if self.adapters is not None:
+            return self._finish_adapters(version)
+        missing, self._loaded = sorted(self._expected - self._loaded), set()
+        if missing:
+            raise ValueError(f"weight update of version {version} left weights unset: {missing[:5]}")
+        self.engine.finish_weight_update(version)
+        return version
+
+    def _finish_adapters(self, version: int) -> int:
+        tensors, self._adapter_tensors = self._adapter_tensors, {}
+        if not tensors:
+            raise ValueError(f"adapters-only update of version {version} brought no adapter tensors")
+        if self._adapter_names is None:
+            self._adapter_names = set(tensors)
+        if set(tensors) != self._adapter_names:
+            differing = sorted(set(tensors) ^ self._adapter_names)
+            raise ValueError(f"adapters-only update of version {version} brought other adapter tensors than the "
+                             f"first push: {differing[:5]}")
+        directory = write_adapter(tensors, self.adapters, self.model.name_or_path, self._adapter_root / f"v{version}")
+        previous = self.engine.lora_request
+        self.engine.use_adapter(str(directory), version)
+        if previous is not None and Path(previous.lora_path) != directory:  # no request names it any more
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        return version
+
+    def weights_version(self) -> int:
+        return self.engine.weights_version
+
+
+VLLMGenerationActor = ray.remote(VLLMGenerationWorker)
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The max_lora_rank values vLLM's LoRA config accepts (vllm/config/lora.py); an adapter of rank r needs one >= r."""
 
 
 def bucket_payload(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, tuple[int, ...], np.ndarray]]:
@@ -417,15 +621,21 @@ class RayGenerator:
     before the call it missed is re-sent to it."""
 
     def __init__(self, make: Callable[[], Any], count: int, section: ClusterSection, bucket_bytes: int,
-                 method: str = "object_store"):
+                 method: str = "object_store", engine: str = "transformers", adapters_only: bool = False):
         self.group = WorkerGroup("generation", make, count, section.timeout_s, section.max_restarts,
                                  on_restart=self._catch_up,
                                  mask=self._masked if section.on_actor_failure == "mask" else None)
-        self.bucket_bytes, self.method = bucket_bytes, method
+        self.bucket_bytes, self.method, self.engine = bucket_bytes, method, engine
+        self.adapters_only = adapters_only
+        """weight_sync.lora=adapters: a push asks the policy for its adapter tensors alone (`PolicyWeights`)."""
         self._sync_members: tuple | None = None
         """(who holds the weights, the actors) of the weight-sync group formed for broadcasts, or None: a push
         re-forms the group when either changed (a replaced actor)."""
         self._driver_sync: SyncGroup | None = None
+        self.sync_backend: str | None = None
+        """The backend of the weight-sync group (nccl or gloo) once a broadcast formed it."""
+        self.sync_backend_note: str | None = None
+        """Why the group is not over NCCL although a member offered a GPU (`choose_backend`), or None."""
         self._actor_plans: list[tuple[str, str, list]] = []
         self.weights_version = 0
         self._buckets: list[Any] = []
@@ -486,6 +696,8 @@ class RayGenerator:
     def update_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Send policy `version`'s weights to every actor, one bucket of weight_sync.bucket_mb in flight at a time;
         each actor checks that every weight arrived and stamps the version. The bytes sent (to each actor)."""
+        if self.adapters_only:
+            weights.adapters_only = True  # PolicyWeights, RankZeroWeights: the policy gives its adapters alone
         with self._push_lock:
             if self.method == "broadcast":
                 return self._broadcast(version, weights)
@@ -529,9 +741,9 @@ class RayGenerator:
             sender, holder = None, ranks.group.actors[0]
         else:
             sender = WeightSender(weights, self.bucket_bytes)
-            digest, backend, specs, holder = plan_digest(sender.plan), local_backend(), sender.specs, None
+            digest, backend, specs, holder = plan_digest(sender.plan), backend_offer(sender.device), sender.specs, None
         plan = bucket_plan(specs, self.bucket_bytes)
-        members = ("driver" if holder is None else holder, list(self.group.actors))
+        members = ("driver" if holder is None else holder, list(self.group.actors), backend)
         if self._sync_members != members:
             self._form_sync_group(holder, backend)
             self._sync_members = members
@@ -564,8 +776,13 @@ class RayGenerator:
         (ranks 1..N) join at the holder's address, nccl when every member offers it, gloo otherwise."""
         self._actor_plans = self.group.call([Call(i, "sync_plan", (self.bucket_bytes,)) for i in self._actors()],
                                             "its weights' bucket plan")
-        backends = {holder_backend, *(offered for _, offered, _ in self._actor_plans)}
-        backend = "nccl" if backends == {"nccl"} else "gloo"
+        offers = {self._member_name(HOLDER): holder_backend}
+        offers |= {self._member_name(i): offered for i, (_, offered, _) in enumerate(self._actor_plans)}
+        backend, self.sync_backend_note = choose_backend(offers)
+        if self.sync_backend_note is not None and any(offer != "gloo" for offer in offers.values()):
+            warnings.warn(f"weight_sync.method=broadcast goes over gloo, not NCCL: {self.sync_backend_note}",
+                          stacklevel=2)
+        self.sync_backend = backend
         world_size, timeout_s = len(self.group.actors) + 1, self.group.timeout_s
         deadline = time.monotonic() + timeout_s
         if holder is None:
@@ -655,6 +872,12 @@ class RayGenerator:
                            "its group; the run stops here: re-run the same command to resume from the newest "
                            "checkpoint")
         peers = [i for i in self._actors() if i != index]
+        if self.engine == "vllm":
+            self.group.failed = True
+            raise RunError(f"{name} died; with weight_sync.method=broadcast a replacement copies a live peer's "
+                           "weights, and a vLLM engine keeps them in its own layout, which it cannot give back: the run "
+                           "stops here (re-run the same command to resume from the newest checkpoint), or use "
+                           "weight_sync.method=object_store, which keeps the last push for a replacement")
         if not peers:
             self.group.failed = True
             raise RunError(f"{name} died; with weight_sync.method=broadcast its replacement copies the weights of a "
@@ -671,6 +894,10 @@ class RayGenerator:
 
     def named_weights(self, index: int = 0) -> dict[str, torch.Tensor]:
         return self.group.call([Call(index, "named_weights")], "a copy of its weights")[0]
+
+    def sampling_devices(self) -> list[str]:
+        """Where each actor samples: "cpu", "cuda:0" (its process's first visible GPU), "cuda:0 (vllm)"."""
+        return self.group.call([Call(i, "sampling_device") for i in self._actors()], "where it samples")
 
     def actor_versions(self) -> list[int]:
         return self.group.call([Call(i, "weights_version") for i in self._actors()], "its weights' version")
@@ -938,17 +1165,38 @@ class RayCluster:
         group.call([Call(i, "ready") for i in range(len(group.actors))], "the actor to start and build its worker")
         return group
 
-    def generator(self, model: ModelConfig, tokenizer, *, batch_size: int, seed: int) -> RayGenerator:
+    def generator(self, model: ModelConfig, tokenizer, *, batch_size: int, seed: int, backend: str = "transformers",
+                  vllm_gpu_memory_utilization: float = 0.3, lora: LoraSection | None = None) -> RayGenerator:
         """cluster.generation_workers generation actors, each loading `model` (its weights then come from the
-        policy's pushes)."""
-        actor = GenerationActor.options(num_cpus=self.section.cpus_per_generation_worker,
-                                        num_gpus=self.section.gpus_per_generation_worker,
-                                        scheduling_strategy=self._placement("generation"))
+        policy's pushes) on the GPU Ray granted it (cluster.gpus_per_generation_worker) or the CPU: the transformers
+        backend (`GenerationActor`), or with backend=vllm a vLLM engine (`VLLMGenerationActor`, a GPU each). An
+        actor that cannot start (vllm not importable there, a GPU torch does not see) stops the run here, named.
+        With weight_sync.lora=adapters (vLLM only; `lora` the policy's LoRA settings) pushes carry the adapters alone."""
+        options = {"num_cpus": self.section.cpus_per_generation_worker,
+                   "num_gpus": self.section.gpus_per_generation_worker,
+                   "scheduling_strategy": self._placement("generation")}
         threads = torch.get_num_threads()
-        generator = RayGenerator(lambda: actor.remote(model, tokenizer, batch_size, seed, threads),
-                                 self.section.generation_workers, self.section, int(self.weight_sync.bucket_mb * 2**20),
-                                 self.weight_sync.method)
-        self._start(generator.group)
+        adapters = lora if self.weight_sync.lora == "adapters" else None
+        if backend == "vllm":
+            actor = VLLMGenerationActor.options(**options)
+            arguments = (model, vllm_gpu_memory_utilization, seed, threads, adapters)
+        else:
+            actor = GenerationActor.options(**options)
+            arguments = (model, tokenizer, batch_size, seed, threads)
+
+        def make() -> Any:
+            return actor.remote(*arguments)
+
+        generator = RayGenerator(make, self.section.generation_workers, self.section,
+                                 int(self.weight_sync.bucket_mb * 2**20), self.weight_sync.method, backend,
+                                 adapters_only=adapters is not None)
+        self.groups.append(generator.group)
+        problems = generator.group.call([Call(i, "start_problem") for i in generator._actors()],
+                                        "the actor to start and build its generator")
+        for index, problem in enumerate(problems):
+            if problem is not None:
+                generator.group.failed = True
+                raise RunError(f"{generator.group.worker_name(index)} could not start: {problem}")
         return generator
 
     def policy(self, model: ModelConfig, lora: LoraSection, trainer: TrainerConfig, tokenizer, *,

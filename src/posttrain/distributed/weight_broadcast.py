@@ -19,8 +19,11 @@ group of their own, and the holder broadcasts the weights bucket by bucket strai
   holder's address, not `init_process_group`: the policy's rank 0 already belongs to the FSDP2 group, and a process
   has one default group. Its timeout is cluster.timeout_s: a member that stops answering makes the others' call
   fail past it (the driver names the member and the bucket from the calls it waits for, within the same deadline).
-- NCCL is chosen only when every member has a CUDA device (generation actors on CPUs make it gloo, with the
-  holder's CPU copy of the weights); the NCCL path is written but not run on hardware yet.
+- NCCL is chosen only when every member offers a CUDA device and no two members share one (`choose_backend`: NCCL
+  refuses two ranks on one GPU, which is what a policy in the driver and a generation actor on the same single GPU
+  would be). Otherwise gloo, from host memory: a member whose weights are on a GPU copies each bucket to the host
+  and back. The holder offers its device when its weights are CUDA tensors, a generation actor when its copy is
+  on the GPU Ray granted it; the NCCL path is written but not run on hardware yet (HV-12, HV-13).
 """
 
 from __future__ import annotations
@@ -132,8 +135,37 @@ class SyncGroup:
 
 
 def local_backend() -> str:
-    """What this member can offer the group: nccl with a CUDA device, gloo without."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """What this member can offer the group: its current CUDA device (`backend_offer`) when it has one, gloo
+    without."""
+    return backend_offer(torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None)
+
+
+def backend_offer(device: torch.device | None) -> str:
+    """What a member whose weights live on `device` offers the group: "nccl:<the GPU's UUID>" for a CUDA device (the
+    UUID tells two processes on one GPU apart from two GPUs, whatever each process's device numbering), "gloo" for
+    the CPU or None."""
+    if device is None or device.type != "cuda":
+        return "gloo"
+    return f"nccl:{torch.cuda.get_device_properties(device).uuid}"
+
+
+def choose_backend(offers: dict[str, str]) -> tuple[str, str | None]:
+    """(the group's backend, why NCCL was not chosen or None) from each member's offer (`backend_offer`, by the
+    member's name): nccl when every member offers a GPU and no two offer the same one; gloo otherwise."""
+    gpus = {name: offer.removeprefix("nccl:") for name, offer in offers.items() if offer.startswith("nccl:")}
+    if not gpus:
+        return "gloo", None
+    if len(gpus) < len(offers):
+        on_cpu = ", ".join(sorted(offers.keys() - gpus.keys()))
+        return "gloo", f"{on_cpu} has no CUDA device (its weights are on the CPU)"
+    by_gpu: dict[str, list[str]] = {}
+    for name, gpu in gpus.items():
+        by_gpu.setdefault(gpu, []).append(name)
+    for gpu, names in by_gpu.items():
+        if len(names) > 1:
+            return "gloo", (f"{' and '.join(sorted(names))} share one GPU ({gpu}), and NCCL refuses two ranks on one "
+                            "device")
+    return "nccl", None
 
 
 class WeightSender:
@@ -143,6 +175,9 @@ class WeightSender:
         self.weights = {name: tensor.detach() for name, tensor in weights}
         self.specs = weight_specs(self.weights.items())
         self.plan = bucket_plan(self.specs, bucket_bytes)
+        devices = {tensor.device for tensor in self.weights.values()}
+        self.device = devices.pop() if len(devices) == 1 else None
+        """Where every weight is (what the holder offers the group: `backend_offer`), or None when they are spread."""
 
     def send(self, group: SyncGroup, index: int):
         """Start broadcasting bucket `index` (its tensors' bytes, concatenated); the work to `wait` on."""
@@ -167,15 +202,25 @@ class WeightLoader:
     def receive(self, group: SyncGroup, index: int, timeout_s: float) -> list[str]:
         """Receive bucket `index` and copy each tensor into the model; the names loaded."""
         bucket = self.plan[index]
-        buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
-        group.broadcast(buffer).wait(datetime.timedelta(seconds=timeout_s))
-        buffer = buffer.to(self.state[bucket.tensors[0][0]].device)
-        dtype = getattr(torch, bucket.dtype)
-        offset = 0
+        received = receive_bucket(group, bucket, timeout_s, self.state[bucket.tensors[0][0]].device)
         with torch.no_grad():
-            for name, shape in bucket.tensors:
-                target = self.state[name]
-                nbytes = target.numel() * target.element_size()
-                target.copy_(buffer[offset:offset + nbytes].view(dtype).view(shape))
-                offset += nbytes
-        return [name for name, _ in bucket.tensors]
+            for name, tensor in received:
+                self.state[name].copy_(tensor)
+        return [name for name, _ in received]
+
+
+def receive_bucket(group: SyncGroup, bucket: Bucket, timeout_s: float, device: torch.device
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """Receive `bucket` by broadcast (waiting at most `timeout_s`); (name, tensor) of each of its tensors, views of the
+    received bytes on `device` (a generator that loads them elsewhere, a vLLM engine, reads them from there)."""
+    buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=group.device)
+    group.broadcast(buffer).wait(datetime.timedelta(seconds=timeout_s))
+    buffer = buffer.to(device)
+    dtype = getattr(torch, bucket.dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    received, offset = [], 0
+    for name, shape in bucket.tensors:
+        nbytes = itemsize * math.prod(shape)
+        received.append((name, buffer[offset:offset + nbytes].view(dtype).view(shape)))
+        offset += nbytes
+    return received

@@ -38,6 +38,10 @@ reset afterwards, since its KV blocks were computed with the old weights. Tensor
 the existing parameters, so CUDA graphs captured at start-up stay valid. This suits unquantized
 checkpoints (bf16/fp16/fp32); quantized models need vLLM's weight-transfer API, not used here.
 
+LoRA adapters (Ray generation actors with weight_sync.lora=adapters): the engine is built with ``enable_lora=True``
+and `use_adapter` points every later ``generate`` at a peft adapter directory by a ``LoRARequest(name, int_id,
+path)``, a new id per policy version; the base weights stay those loaded at start-up.
+
 Process layout: with tensor_parallel_size=1 the engine runs in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0), so `update_weights` hands tensors over by reference with no
 copy or serialization. vLLM then initializes torch.distributed (world size 1) in this process if
@@ -311,6 +315,8 @@ class VLLMGenerator:
         """Memory pools released by `sleep` and not yet restored: "weights", "kv_cache"."""
         self.weights_discarded = False
         """True after sleep(level=2) until `update_weights`: the engine's weights are garbage."""
+        self.lora_request: Any = None
+        """The LoRA request every generation goes with (`use_adapter`), or None: the engine's own weights."""
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
         """`num_samples` completions for each prompt; wakes the engine first if it sleeps."""
@@ -328,8 +334,10 @@ class VLLMGenerator:
             for i in range(len(prompts))
         ]
         start = time.perf_counter()
+        adapter = {} if self.lora_request is None else {"lora_request": self.lora_request}
         request_outputs = self.llm.generate(
             [self._tokens_prompt(prompt_token_ids=list(prompt)) for prompt in prompts], sampling_params, use_tqdm=False,
+            **adapter,
         )
         seconds = time.perf_counter() - start
         completions = completions_from_request_outputs(
@@ -350,19 +358,36 @@ class VLLMGenerator:
         If the engine sleeps, only its weights are woken for this; the KV cache wakes at the next
         `generate`, so the trainer keeps that memory until sampling starts.
         """
+        sent = sum(self.load_weights(bucket) for bucket in weight_buckets(weights))
+        self.finish_weight_update(version)
+        return sent
+
+    def load_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
+        """Load one bucket of Hugging Face-named weights into the engine in place (the model's own `load_weights`,
+        on every worker); the bytes loaded. A push is buckets, then `finish_weight_update` (Ray generation actors
+        receive a push bucket by bucket: distributed/ray_groups.py)."""
         self._wake(("weights",))
-        sent = 0
-        for bucket in weight_buckets(weights):
-            if self.in_process:
-                bucket = [(name, tensor.detach()) for name, tensor in bucket]
-            else:
-                bucket = [(name, tensor.detach().cpu()) for name, tensor in bucket]
-            self.llm.apply_model(partial(load_weights_into_model, bucket))
-            sent += sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+        if self.in_process:
+            bucket = [(name, tensor.detach()) for name, tensor in bucket]
+        else:
+            bucket = [(name, tensor.detach().cpu()) for name, tensor in bucket]
+        self.llm.apply_model(partial(load_weights_into_model, bucket))
+        return sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+
+    def finish_weight_update(self, version: int) -> None:
+        """End a push of policy `version`: the prefix cache (KV blocks of the old weights) is dropped and the version
+        stamped."""
         self.llm.reset_prefix_cache()
         self.weights_discarded = False
         self.weights_version = version
-        return sent
+
+    def use_adapter(self, directory: str, version: int) -> None:
+        """Sample from now on with the peft adapter in `directory` over the engine's weights (a LoRA request; the
+        engine was built with enable_lora=True and a max_lora_rank of at least the adapter's rank), stamped `version`.
+        Each version is a request of its own id, so the engine loads it afresh; with max_loras=1 it evicts the last."""
+        lora_request = importlib.import_module("vllm.lora.request").LoRARequest
+        self.lora_request = lora_request(f"policy-v{version}", version + 1, directory)
+        self.weights_version = version
 
     def sleep(self, level: int = 1) -> None:
         """Free the engine's GPU memory. level 1: weights kept in CPU memory, KV cache dropped;

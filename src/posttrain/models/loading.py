@@ -157,6 +157,19 @@ def _from_pretrained(auto_class: type, cfg: ModelConfig, path: str | Path | None
     return model
 
 
+def weight_specs_of(cfg: ModelConfig) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(name, dtype, shape) of every tensor of the state dict `load_causal_lm` would give for `cfg`, read from the
+    model's config alone: the model is built on the meta device, no weight is read or allocated. What a generator
+    that keeps its weights in another layout (a vLLM engine) expects a full weight push to bring."""
+    source = resolve_model_path(cfg.name_or_path)
+    config = AutoConfig.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[cfg.dtype],
+                                                 trust_remote_code=cfg.trust_remote_code)
+    return [(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+            for name, tensor in model.state_dict().items()]
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,3 +97,38 @@ def save_adapter(model: torch.nn.Module, directory: str | Path, tokenizer=None) 
 def merged_model(model: torch.nn.Module) -> PreTrainedModel:
     """The base model with the adapters folded into its weights (in place: `model` is consumed)."""
     return model.merge_and_unload()
+
+
+ADAPTER_TENSOR = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lora_embedding_B)"
+                            r"(?:\.[^.]+)?\.(?P<leaf>weight)$")
+"""An adapter tensor's name: the adapted module, which matrix, an optional adapter name (a peft module's state dict
+says `lora_A.default.weight`; peft's saved adapters drop it), the parameter."""
+
+
+def adapter_file_name(name: str) -> str:
+    """An adapter tensor's name as peft saves it (`...q_proj.lora_A.weight`): without the adapter's own name, which a
+    sharded policy's full state dict keeps (`...q_proj.lora_A.default.weight`). ValueError for a name that is no
+    adapter tensor (a weight adapters-only sync cannot carry)."""
+    match = ADAPTER_TENSOR.match(name)
+    if match is None:
+        raise ValueError(f"{name} is not a LoRA adapter tensor (lora_A / lora_B): adapters-only sync carries the "
+                         "adapters alone; a LoRA policy that trains other weights needs weight_sync.lora=merged")
+    return f"{match['module']}.{match['kind']}.{match['leaf']}"
+
+
+def write_adapter(tensors: dict[str, torch.Tensor], cfg: LoraSection, base_model: str, directory: str | Path) -> Path:
+    """Write `tensors` (adapter tensors by name, either naming of `adapter_file_name`) as a peft adapter directory
+    (adapter_model.safetensors + adapter_config.json) that peft and vLLM's LoRA requests load onto `base_model`. The
+    config's target modules are the modules the tensors adapt (what peft resolved `all-linear` to), its rank and
+    scaling those of `cfg`."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    named = {adapter_file_name(name): tensor.detach().cpu().contiguous() for name, tensor in tensors.items()}
+    modules = sorted({ADAPTER_TENSOR.match(name)["module"].rsplit(".", 1)[-1] for name in named})
+    LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, target_modules=modules, task_type="CAUSAL_LM",
+               base_model_name_or_path=base_model).save_pretrained(str(directory))
+    save_file(named, str(directory / "adapter_model.safetensors"))
+    return directory

@@ -11,7 +11,7 @@ Batches crossing the seam are the typed dataclasses of `posttrain.data.types`; r
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -46,6 +46,19 @@ class WeightReceiver(Protocol):
         """Load Hugging Face-named `weights` (consumed one by one, loaded in buckets) and record `version`;
         returns the bytes loaded (0 for a generator that samples from the trainer's own module and reads none)."""
         ...
+
+
+class PolicyWeights:
+    """A policy's weights as a push hands them to a generator: iterated, (Hugging Face name, full tensor) one at a
+    time, with LoRA the adapters merged in; a generator that loads the adapters alone (vLLM generation actors with
+    weight_sync.lora=adapters) sets `adapters_only` before iterating."""
+
+    def __init__(self, named_weights: Callable[[bool], Iterator[tuple[str, torch.Tensor]]]):
+        self.named_weights = named_weights
+        self.adapters_only = False
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.named_weights(self.adapters_only)
 
 
 @runtime_checkable

@@ -36,7 +36,7 @@ from posttrain.models.loading import load_causal_lm, load_trainable_model
 from posttrain.models.packing import unverified_architecture
 from posttrain.models.lora import ADAPTER_DIR, TaskKind, adapters_disabled, is_lora_model, merged_model, save_adapter
 from posttrain.optim import build_optimizer, build_scheduler
-from posttrain.workers.base import Exported, TrainBatch, WeightReceiver
+from posttrain.workers.base import Exported, PolicyWeights, TrainBatch, WeightReceiver
 from posttrain.errors import RunError
 from posttrain.workers.forward import (
     AnyBatch,
@@ -274,7 +274,7 @@ class LocalPolicyWorker(_LocalModel):
         from this worker's own module takes the version and reads no tensor. Metrics weight_sync/seconds,
         weight_sync/bytes and weight_sync/version (the version pushed)."""
         started = time.perf_counter()
-        sent = generator.update_weights(self.version, self.named_weights())
+        sent = generator.update_weights(self.version, PolicyWeights(self.named_weights))
         return {"weight_sync/seconds": time.perf_counter() - started, "weight_sync/bytes": float(sent),
                 "weight_sync/version": float(self.version)}
 
