@@ -165,11 +165,11 @@ class TeacherLoads:
         self._models: list[weakref.ref] = []
         original = distill.build_scorer
 
-        def recording(model, trainer, device, role="reference", offload=False):
+        def recording(model, trainer, device, role="reference", offload=False, **where):  # where: a Ray cluster
             gc.collect()
             self.alive_at_load.append(sum(ref() is not None for ref in self._models))
             self.loaded.append(model.name_or_path)
-            worker = original(model, trainer, device, role=role, offload=offload)
+            worker = original(model, trainer, device, role=role, offload=offload, **where)
             self._models.append(weakref.ref(worker.model))
             return worker
 

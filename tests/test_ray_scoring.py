@@ -183,6 +183,8 @@ def test_a_scoring_group_splits_on_micro_batches_joins_in_order_and_names_an_act
             workers = WorkerGroup("reference", lambda: next(started), 2, timeout_s=600, max_restarts=0)
             groups.append(workers)
             workers.call([Call(i, "ready") for i in range(2)], "the stand-ins to start")  # not timed
+            # Not timed either: an actor's first batch imports posttrain's types there, over 2 s on a loaded machine.
+            workers.call([Call(0, "logprobs", (rollouts(1), 1.0))], "a first batch")
             workers.timeout_s = 2
             return RayScoringGroup(workers, "reference", micro_batch_size=3)
 

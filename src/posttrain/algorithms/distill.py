@@ -43,6 +43,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -74,7 +75,7 @@ from posttrain.algorithms.evaluate import TrainingEvaluation
 from posttrain.algorithms.rl import policy_generator, rollout_sampling
 from posttrain.checkpoint import POLICY, checkpoint_to_resume
 from posttrain.config.losses import DistillationLossConfig
-from posttrain.config.schema import DistillConfig, TeacherSection, TrainerConfig
+from posttrain.config.schema import DistillConfig, TeacherSection, TrainerConfig, WeightSyncSection
 from posttrain.data import load_sft_examples
 from posttrain.data.collate import collate
 from posttrain.data.errors import DataError
@@ -83,6 +84,7 @@ from posttrain.data.sampler import EpochSampler, check_step_fits
 from posttrain.data.types import DistillBatch, SFTBatch, TokenizedExample
 from posttrain.distributed.builders import (build_policy, build_scorer, build_teacher, check_split,
                                             check_teacher_backend)
+from posttrain.distributed.cluster import start_cluster, stops_clusters
 from posttrain.errors import RunError
 from posttrain.generation.base import Generator, SamplingParams
 from posttrain.models.loading import default_device, load_tokenizer
@@ -179,19 +181,19 @@ def examples_topk(teacher: ScoringWorker, examples: Sequence[TokenizedExample], 
 
 def precomputed_topk(output_dir: Path, teacher_cfg: TeacherSection, loss: DistillationLossConfig,
                      examples: Sequence[TokenizedExample], pad_token_id: int, trainer: TrainerConfig,
-                     device: torch.device, run_log) -> TeacherTopk:
+                     device: torch.device, run_log, cluster: Any | None = None) -> TeacherTopk:
     """OUTPUT/teacher_topk/'s top-k when it was computed from this teacher, k, temperature and data and its
     checksum holds (a resumed run); else the teacher is loaded, scores every example once, the file is written
     (topk.safetensors, then manifest.json with its SHA-256, each renamed into place) and the teacher is freed."""
     settings = {"teacher": teacher_cfg.name_or_path, "dtype": teacher_cfg.dtype, "topk": loss.topk,
                 "temperature": loss.temperature, "examples": len(examples), "data_sha256": data_fingerprint(examples)}
     return topk_file(output_dir / TEACHER_TOPK_DIR, settings, teacher_cfg, loss, examples, pad_token_id, trainer,
-                     device, run_log)
+                     device, run_log, cluster)
 
 
 def routed_precomputed_topk(output_dir: Path, cfg: DistillConfig, examples: Sequence[TokenizedExample],
                             routes: Sequence[int], pad_token_id: int, device: torch.device,
-                            run_log) -> RoutedTeacherTopk:
+                            run_log, cluster: Any | None = None) -> RoutedTeacherTopk:
     """Several teachers with precompute: each teacher's top-k at only the examples routed to it, in
     OUTPUT/teacher_topk/<name>/ (topk.safetensors and manifest.json, as one teacher's, with teacher_column, the
     route and a SHA-256 of the routed examples' indices in its settings and data_sha256 of those examples). One
@@ -214,16 +216,18 @@ def routed_precomputed_topk(output_dir: Path, cfg: DistillConfig, examples: Sequ
                     "route": teacher_cfg.route, "examples": len(routed), "data_sha256": data_fingerprint(routed),
                     "example_indices_sha256": hashlib.sha256(json.dumps(members).encode()).hexdigest()}
         parts.append(topk_file(output_dir / TEACHER_TOPK_DIR / teacher_cfg.name, settings, teacher_cfg, cfg.loss,
-                               routed, pad_token_id, cfg.trainer, device, run_log))
+                               routed, pad_token_id, cfg.trainer, device, run_log, cluster,
+                               teacher_group_name(cfg, index)))
     return RoutedTeacherTopk(parts, where)
 
 
 def topk_file(folder: Path, settings: dict, teacher_cfg: TeacherSection, loss: DistillationLossConfig,
               examples: Sequence[TokenizedExample], pad_token_id: int, trainer: TrainerConfig,
-              device: torch.device, run_log) -> TeacherTopk:
+              device: torch.device, run_log, cluster: Any | None = None, group_name: str | None = None) -> TeacherTopk:
     """folder/topk.safetensors when folder/manifest.json records these settings and the file's SHA-256 holds; else
     the teacher is loaded, scores `examples` once, the file is written (topk.safetensors, then manifest.json with
-    the settings and its SHA-256, each renamed into place) and the teacher is freed."""
+    the settings and its SHA-256, each renamed into place) and the teacher is freed. With a Ray `cluster`
+    (cluster.teacher_workers) the teacher is a scoring group (`group_name`), released once it has scored."""
     path, manifest_path = folder / "topk.safetensors", folder / "manifest.json"
     if manifest_path.exists() and path.exists():
         manifest = json.loads(manifest_path.read_text())
@@ -234,8 +238,11 @@ def topk_file(folder: Path, settings: dict, teacher_cfg: TeacherSection, loss: D
         run_log.message(f"teacher top-k: {path} was computed from other settings or data, or fails its checksum; "
                         "scoring again")
     started = time.perf_counter()
-    teacher = build_scorer(teacher_cfg.as_model(), trainer, device, role="teacher")
+    teacher = build_scorer(teacher_cfg.as_model(), trainer, device, role="teacher", cluster=cluster,
+                           group_name=group_name)
     topk = examples_topk(teacher, examples, loss, pad_token_id, trainer.eval_batch_size)
+    if cluster is not None:  # its actors go: the next teacher's group takes their place
+        cluster.release(teacher)
     del teacher  # the student (and the next teacher) loads without this teacher resident
     gc.collect()
     if device.type == "cuda":
@@ -330,6 +337,12 @@ def select_rows(batch: DistillBatch, index: torch.Tensor) -> DistillBatch:
     selected = SFTBatch(rows.input_ids[index], rows.loss_mask[index], rows.position_ids[index],
                         rows.attention_mask[index], len(index), int(rows.attention_mask[index].sum()))
     return DistillBatch(selected, batch.teacher_topk_logprobs[index], batch.teacher_topk_ids[index])
+
+
+def teacher_group_name(cfg: DistillConfig, index: int) -> str | None:
+    """The Ray scoring group of teachers[index] (cluster.teacher_workers): "teacher" (None) for one teacher,
+    teacher_<name> for each of several (its metrics: heartbeat/teacher_<name>_seconds, faults/teacher_<name>_...)."""
+    return None if len(cfg.teachers) == 1 else f"teacher_{cfg.teachers[index].name}"
 
 
 def describe_teachers(cfg: DistillConfig, routes: list[int] | None) -> str:
@@ -431,6 +444,7 @@ def evaluate_nll(policy: PolicyWorker, examples: Sequence[TokenizedExample], cfg
 
 
 @one_run_per_output_dir
+@stops_clusters  # a Ray instance started for the teachers stops with the run, also when it fails
 def train_distill(cfg: DistillConfig) -> DistillResult:
     configure_torch(cfg.trainer)
     output_dir, changed_keys = prepare_output_dir(cfg, cfg.output_dir)
@@ -449,6 +463,11 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
     # The aligner serves teachers with another tokenizer, and combines several teachers' losses (kd_loss_mode).
     cross_tokenizer = (cfg.loss.cross_tokenizer.align == "always" or cfg.kd_loss_mode != "select"
                        or any(tokenizers_differ(tokenizer, other) for other in teacher_tokenizers))
+    if cross_tokenizer and cfg.cluster.backend == "ray":
+        other = next(t.name_or_path for t, o in zip(cfg.teachers, teacher_tokenizers) if tokenizers_differ(tokenizer, o))
+        raise RunError(f"teacher {other}'s tokenizer differs from the student's: such a teacher scores through the "
+                       "cross-tokenizer aligner, which runs in the driver process and has no Ray scoring group yet; "
+                       "set cluster.backend=local")
     if not cross_tokenizer:
         for each, other in zip(cfg.teachers, teacher_tokenizers, strict=True):
             check_same_tokenizer(tokenizer, other, each.name_or_path)
@@ -467,8 +486,10 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
     check_split(trainer)
     resume = checkpoint_to_resume(output_dir)
     sampler = EpochSampler(len(train_examples), seed=cfg.seed, shuffle=cfg.data.shuffle)
-    start_step, _ = resume_trainer_state(resume, sampler)
+    start_step, state = resume_trainer_state(resume, sampler)
     pad = tokenizer.pad_token_id
+    # cluster.backend=ray: the teachers' scoring groups (the student stays in this process).
+    cluster = start_cluster(cfg.cluster, WeightSyncSection(), output_dir)
 
     examples_per_step = trainer.micro_batch_size * trainer.gradient_accumulation_steps
     with run_logger(output_dir, cfg.logging, recipe="distill", total_steps=trainer.max_steps, start_step=start_step,
@@ -479,13 +500,16 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
             chunked = cross_tokenizer_teachers(cfg, output_dir, tokenizer, teacher_tokenizers, train_examples, aligned,
                                                routes, device, run_log)
         elif teacher_cfg.precompute and len(cfg.teachers) > 1:  # each teacher its routed examples, one at a time
-            cached = routed_precomputed_topk(output_dir, cfg, train_examples, routes, pad, device, run_log)
+            cached = routed_precomputed_topk(output_dir, cfg, train_examples, routes, pad, device, run_log, cluster)
         elif teacher_cfg.precompute:
             cached = precomputed_topk(output_dir, teacher_cfg, cfg.loss, train_examples, pad,
-                                      trainer, device, run_log)
-        else:  # each teacher loaded once (backend: transformers, or a vLLM engine)
-            teachers = [build_teacher(each, trainer, device, max_length=cfg.data.max_length, topk=cfg.loss.topk)
-                        for each in cfg.teachers]
+                                      trainer, device, run_log, cluster)
+        else:  # each teacher loaded once (backend: transformers, or a vLLM engine; or a Ray scoring group)
+            teachers = [build_teacher(each, trainer, device, max_length=cfg.data.max_length, topk=cfg.loss.topk,
+                                      cluster=cluster, group_name=teacher_group_name(cfg, index))
+                        for index, each in enumerate(cfg.teachers)]
+        if cluster is not None and "cluster" in state:  # the fault counts go on (max_restarts is per run)
+            cluster.load_state_dict(state["cluster"])
         loss = (CrossTokenizerObjective(cfg.loss, teacher_names=chunked.names) if chunked is not None
                 else DistillationObjective(cfg.loss))
         policy = build_policy(cfg.model, cfg.lora, trainer, tokenizer, device,
@@ -549,6 +573,7 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
                 "target_tokens": stats["target_tokens"],
                 "epoch": sampler.epochs_completed,
                 **{k: v for k, v in update.items() if k not in ("learning_rate", "grad_norm")},
+                **({} if cluster is None else cluster.metrics()),  # Ray teacher groups: heartbeats, restarts
             }
             guard.check(step, metrics)
             if eval_examples and is_eval_step(step, trainer):
@@ -557,7 +582,8 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
             if evaluation.is_due(step):
                 metrics.update(evaluation.run_for_policy(step, policy, cfg.model, run_log))
             log_step(run_log, step, metrics, trainer)
-            save_if_due(output_dir, step, trainer, {POLICY: policy}, sampler, run_log=run_log)
+            save_if_due(output_dir, step, trainer, {POLICY: policy}, sampler,
+                        None if cluster is None else lambda: {"cluster": cluster.state_dict()}, run_log=run_log)
 
         final_dir = export_policy(output_dir, policy, run_log, cfg.hub)
     return DistillResult(output_dir, final_dir, trainer.max_steps, step_loss, eval_nll)

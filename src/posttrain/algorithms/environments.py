@@ -8,7 +8,7 @@ builds the environment around them. A mixture's components get theirs under thei
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,10 @@ from posttrain.generation.base import SamplingParams
 from posttrain.generation.transformers_backend import TransformersGenerator
 from posttrain.models.loading import default_device, load_causal_lm, load_tokenizer
 from posttrain.workers.reward_model import RewardModel
+
+
+RewardModelBuilder = Callable[[RewardModelOptions], Any]
+"""Builds the reward model of reward_model options somewhere else than this process (`RayCluster.reward_model`)."""
 
 
 class LocalJudgeModel:
@@ -63,11 +67,13 @@ class LocalJudgeModel:
         self.generator = None
 
 
-def environment_model(options: Any) -> Any:
-    """The model an environment's options ask for, built: a `RewardModel` for reward_model options, a
-    `LocalJudgeModel` for a judge with a local path (also the judge of hle and gdpval options); None for every
-    other environment."""
+def environment_model(options: Any, reward_model: RewardModelBuilder | None = None) -> Any:
+    """The model an environment's options ask for, built: a `RewardModel` for reward_model options (by
+    `reward_model` when given: a Ray reward group's, cluster.reward_workers), a `LocalJudgeModel` for a judge with
+    a local path (also the judge of hle and gdpval options); None for every other environment."""
     if isinstance(options, RewardModelOptions):
+        if reward_model is not None:
+            return reward_model(options)
         return RewardModel.from_pretrained(options.path, device=options.device, batch_size=options.batch_size,
                                            max_length=options.max_length)
     if isinstance(options, (HleOptions, GdpvalOptions)):
@@ -78,20 +84,22 @@ def environment_model(options: Any) -> Any:
     return None
 
 
-def environment_models(options: Any) -> dict[str, Any]:
+def environment_models(options: Any, reward_model: RewardModelBuilder | None = None) -> dict[str, Any]:
     """The models `build_environment` takes for `options`: under "" the environment's own, under each mixture
     component's name that component's; environments that score without a model get none."""
     if isinstance(options, MixtureOptions):
-        models = {c.name: environment_model(c.options) for c in options.components}
+        models = {c.name: environment_model(c.options, reward_model) for c in options.components}
     else:
-        models = {"": environment_model(options)}
+        models = {"": environment_model(options, reward_model)}
     return {where: model for where, model in models.items() if model is not None}
 
 
-def build_recipe_environment(section: Any, tokenizer: Any = None) -> Environment:
+def build_recipe_environment(section: Any, tokenizer: Any = None,
+                             reward_model: RewardModelBuilder | None = None) -> Environment:
     """The environment of a recipe config's `environment` section (or of its YAML mapping, {kind, options, ...}),
     with the models it scores with built and handed in. `tokenizer`: the policy's, from whose chat template (and
-    model type) a tools environment with tool_call_format auto learns how the model writes tool calls."""
+    model type) a tools environment with tool_call_format auto learns how the model writes tool calls.
+    `reward_model`: builds the reward model of reward_model options (a Ray reward group's); loaded here without."""
     if isinstance(section, Mapping):
         section = environment_section(section)
     call_format = None
@@ -100,7 +108,7 @@ def build_recipe_environment(section: Any, tokenizer: Any = None) -> Environment
     return build_environment(section.options, worker_memory_mb=section.worker_memory_mb,
                              models=environment_models(section.options.task.typed_options
                                                        if isinstance(section.options, ToolsOptions)
-                                                       else section.options),
+                                                       else section.options, reward_model),
                              tool_call_format=call_format)
 
 

@@ -244,7 +244,8 @@ class RLData:
 def load_rl_data(cfg: GRPOConfig, cluster: Any | None = None) -> RLData:
     """The tokenizer, the training and validation prompts (checked against the environment's columns and against
     rollout.prompts_per_step) and the environment of an RL config (GRPO, PPO): built here, or with a `cluster`
-    (cluster.backend=ray) in its environment workers."""
+    (cluster.backend=ray) in its environment workers, or with cluster.reward_workers here around the cluster's
+    reward group."""
     tokenizer = load_tokenizer(cfg.model, padding_side="right")
     kind = cfg.environment.kind
     prompts, data_summary = load_prompts(cfg.data.train_files, cfg.data, cfg.prompt, kind, tokenizer)
@@ -252,6 +253,10 @@ def load_rl_data(cfg: GRPOConfig, cluster: Any | None = None) -> RLData:
     check_draw_fits({"rollout.prompts_per_step": cfg.rollout.prompts_per_step}, len(prompts), "training prompts")
     if cluster is None:
         environment = build_recipe_environment(cfg.environment, tokenizer)
+    elif cfg.cluster.reward_workers:
+        # The reward model in a Ray group of its own: the environment (tokenizing, any other components) runs here,
+        # and its reward model's passes in the group's actors.
+        environment = build_recipe_environment(cfg.environment, tokenizer, reward_model=cluster.reward_model)
     else:
         # An episode that lives in an actor (tools, swe, cua) has all its turns go there, and its tools or desktop
         # may be slow: each actor answers as many calls at once as the rollout has episodes in flight, so one slow

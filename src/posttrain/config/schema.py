@@ -551,6 +551,11 @@ class DistillConfig(RecipeConfig):
     """Evaluation sets sampled from the student during training (see docs/evaluation.md), each logged as
     eval/<name>/<metric>; none by default."""
 
+    cluster: ClusterSection = Field(default_factory=lambda: ClusterSection())
+    """Where the teachers score: in this process (backend local, the default), or with backend=ray and
+    teacher_workers > 0 each teacher in a group of that many Ray actors of its own (docs/ray.md). The student
+    trains, and on-policy steps sample, in this process."""
+
     @field_validator("lmbda", mode="before")
     @classmethod
     def _a_number(cls, value: Any) -> Any:
@@ -572,7 +577,47 @@ class DistillConfig(RecipeConfig):
                              "padded row); set data.packing=false")
         self._check_on_policy()
         self._check_vllm_teacher()
+        self._check_cluster()
         return self
+
+    def _check_cluster(self) -> None:
+        """cluster: for distill only the teacher groups (backend, address, num_cpus, timeout_s, teacher_workers,
+        the scoring workers' CPUs and GPUs, max_restarts); every other cluster key belongs to the RL recipes."""
+        c = self.cluster
+        for key in sorted(c.model_fields_set):
+            if key not in DISTILL_CLUSTER_KEYS and getattr(c, key) != ClusterSection.model_fields[key].default:
+                raise ValueError(f"cluster.{key} does not apply to distill: its Ray cluster holds the teachers' "
+                                 f"scoring groups only (the student trains, and samples, in the driver process); "
+                                 f"the keys it reads are cluster.{', cluster.'.join(DISTILL_CLUSTER_KEYS)}")
+        if c.backend == "local":
+            for key in ("teacher_workers", "cpus_per_scoring_worker", "gpus_per_scoring_worker"):
+                if key in c.model_fields_set:
+                    raise ValueError(f"cluster.{key} needs cluster.backend=ray (the teachers' Ray scoring groups)")
+            return
+        if not c.teacher_workers:
+            raise ValueError("cluster.backend=ray for distill puts the teachers on Ray actors: set "
+                             "cluster.teacher_workers to the actors of each teacher's group (1 or more), or "
+                             "cluster.backend=local")
+        if served := [i for i, teacher in enumerate(self.teachers) if teacher.backend != "transformers"]:
+            raise ValueError(f"cluster.teacher_workers={c.teacher_workers} with teachers[{served[0]}].backend="
+                             f"{self.teachers[served[0]].backend}: teacher actors run the transformers backend for "
+                             "now; set the teacher's backend=transformers or cluster.backend=local")
+        if self.kd_loss_mode != "select" or self.loss.cross_tokenizer.align == "always":
+            raise ValueError(f"cluster.backend=ray with "
+                             + (f"kd_loss_mode={self.kd_loss_mode}" if self.kd_loss_mode != "select"
+                                else "loss.cross_tokenizer.align=always")
+                             + ": these teachers score through the cross-tokenizer aligner, which runs in the "
+                             "driver process and has no Ray scoring group yet; set cluster.backend=local")
+        if c.address is None:
+            # Precomputed teachers are loaded one after the other; teachers scoring each step are all resident.
+            groups = 1 if self.teacher.precompute else len(self.teachers)
+            wanted = groups * c.teacher_workers * c.cpus_per_scoring_worker
+            if wanted > c.num_cpus:
+                raise ValueError(f"the teacher actors ask for more CPUs than the local Ray instance offers: {groups} "
+                                 f"teacher group(s) x cluster.teacher_workers={c.teacher_workers} x "
+                                 f"cpus_per_scoring_worker={c.cpus_per_scoring_worker:g} = {wanted:g} > "
+                                 f"cluster.num_cpus={c.num_cpus}; raise cluster.num_cpus (Ray counts slots, not "
+                                 "cores) or lower cluster.teacher_workers")
 
     def _check_vllm_teacher(self) -> None:
         """backend=vllm: one vLLM engine per process, scoring at temperature 1."""
@@ -696,6 +741,11 @@ class DistillConfig(RecipeConfig):
         return self.teachers[0]
 
 
+DISTILL_CLUSTER_KEYS = ("backend", "address", "num_cpus", "timeout_s", "teacher_workers", "cpus_per_scoring_worker",
+                        "gpus_per_scoring_worker", "max_restarts")
+"""The cluster keys `posttrain distill` reads (its Ray cluster holds the teachers' scoring groups only)."""
+
+
 class RewardLossSection(Section):
     """The Bradley-Terry reward-model loss (posttrain.losses.reward_model.bradley_terry_loss)."""
 
@@ -815,7 +865,8 @@ class ClusterSection(NumericSection):
     """Where the online RL workers run (docs/ray.md). local: everything in this process (the default). ray: the
     generation and environment workers are Ray actors, and with policy_workers > 0 the policy (and PPO's critic)
     too, started on a local Ray instance sized for this machine or on the cluster at `address`; the same recipe
-    loop drives them."""
+    loop drives them. `posttrain distill` reads only its teachers' keys (teacher_workers and the scoring workers'
+    resources)."""
 
     backend: Literal["local", "ray"] = "local"
     """local: generator and environment in this process; ray: each a group of Ray actors (needs the `ray` extra:
@@ -884,14 +935,22 @@ class ClusterSection(NumericSection):
     gae.kl_coef) and a full fine-tune (a LoRA policy's reference is its own weights with the adapters off)."""
 
     teacher_workers: int = Field(0, ge=0)
-    """ray: as reference_workers, for on-policy distillation's teacher (GRPO with advantage.estimator=opd and a
-    transformers teacher)."""
+    """ray: as reference_workers, for a distillation teacher: GRPO's on-policy distillation (advantage.estimator=opd
+    and a transformers teacher), and the teachers of `posttrain distill` (each teacher a group of this many actors
+    of its own; a step's micro-batches go to its actors in turn)."""
+
+    reward_workers: int = Field(0, ge=0)
+    """ray: 0 loads a reward_model environment's model where the environment runs (the environment actors); N > 0
+    loads it in a group of N Ray actors of its own, scoring through `sequence_scores` (each call of
+    environment.options.batch_size rows goes to the next actor in turn), and builds the environment in the driver
+    process, as verl scores a reward-model worker group from its driver (cluster.environment_* then do not apply).
+    Needs environment.kind=reward_model, or a mixture with one reward_model component."""
 
     cpus_per_scoring_worker: float = Field(1.0, gt=0)
-    """ray: CPUs the placement group of a reference or teacher group reserves for each of its actors."""
+    """ray: CPUs the placement group of a reference, teacher or reward group reserves for each of its actors."""
 
     gpus_per_scoring_worker: float = Field(0.0, ge=0)
-    """ray: GPUs reserved for each reference or teacher actor (0: score on CPUs); refused at start-up as
+    """ray: GPUs reserved for each reference, teacher or reward actor (0: score on CPUs); refused at start-up as
     gpus_per_policy_worker is."""
 
     colocated: bool = False
@@ -912,8 +971,10 @@ class ClusterSection(NumericSection):
     environment.max_error_fraction. Single-turn episodes only."""
 
     def scoring_workers(self, role: str) -> int:
-        """The actors of scorer `role`'s own group (reference_workers, teacher_workers); 0 for any other role."""
-        return {"reference": self.reference_workers, "teacher": self.teacher_workers}.get(role, 0)
+        """The actors of scorer `role`'s own group (reference_workers, teacher_workers, reward_workers); 0 for any
+        other role."""
+        return {"reference": self.reference_workers, "teacher": self.teacher_workers,
+                "reward": self.reward_workers}.get(role, 0)
 
 
 class WeightSyncSection(NumericSection):
@@ -1466,17 +1527,21 @@ class OnlineRLConfig(RecipeConfig):
                     raise ValueError("weight_sync.method does not apply with cluster.colocated=true: the generator "
                                      "samples from the trained module, nothing is copied")
             c = self.cluster
-            if (c.policy_workers or c.reference_workers or c.teacher_workers) and c.address is None:
+            if c.reward_workers:
+                self._check_reward_group()
+            if (c.policy_workers or c.reference_workers or c.teacher_workers or c.reward_workers) and c.address is None:
                 wanted = {"cluster.policy_workers x cpus_per_policy_worker":
                               c.policy_workers * c.cpus_per_policy_worker,
                           "cluster.generation_workers x cpus_per_generation_worker":
                               0 if c.colocated else c.generation_workers * c.cpus_per_generation_worker,
                           "cluster.environment_workers x cpus_per_environment_worker":
-                              c.environment_workers * c.cpus_per_environment_worker,
+                              0 if c.reward_workers else c.environment_workers * c.cpus_per_environment_worker,
                           "cluster.reference_workers x cpus_per_scoring_worker":
                               c.reference_workers * c.cpus_per_scoring_worker,
                           "cluster.teacher_workers x cpus_per_scoring_worker":
-                              c.teacher_workers * c.cpus_per_scoring_worker}
+                              c.teacher_workers * c.cpus_per_scoring_worker,
+                          "cluster.reward_workers x cpus_per_scoring_worker":
+                              c.reward_workers * c.cpus_per_scoring_worker}
                 wanted = {key: value for key, value in wanted.items() if value}
                 if sum(wanted.values()) > c.num_cpus:
                     listed = " + ".join(f"{key} = {value:g}" for key, value in wanted.items())
@@ -1491,11 +1556,40 @@ class OnlineRLConfig(RecipeConfig):
             raise ValueError("cluster.policy_workers needs cluster.backend=ray (under torchrun the ranks are the "
                              "processes torchrun starts: --nproc-per-node)")
         else:
-            for key in ("reference_workers", "teacher_workers", "gpus_per_generation_worker",
+            for key in ("reference_workers", "teacher_workers", "reward_workers", "gpus_per_generation_worker",
                         "gpus_per_environment_worker", "environment_concurrency", "cpus_per_scoring_worker", "gpus_per_scoring_worker"):
                 if key in self.cluster.model_fields_set:
                     raise ValueError(f"cluster.{key} needs cluster.backend=ray (Ray worker groups and their "
                                      "placement)")
+
+    def _check_reward_group(self) -> None:
+        """cluster.reward_workers: one reward model (environment.kind=reward_model, or one mixture component of that
+        kind) scored by the group, the environment in the driver (its environment actors' keys do not apply), and
+        synchronous rollouts."""
+        c, environment = self.cluster, self.environment
+        if environment.kind == "reward_model":
+            models = 1
+        elif environment.kind == "mixture":
+            models = sum(component.kind == "reward_model" for component in environment.options.components)
+        else:
+            models = 0
+        if models != 1:
+            found = (f"{models} reward_model components" if models else f"environment.kind={environment.kind}, "
+                     "which loads no reward model")
+            raise ValueError(f"cluster.reward_workers={c.reward_workers} scores one reward model in a group of its "
+                             "own: it needs environment.kind=reward_model, or a mixture with one reward_model "
+                             f"component; this run has {found}; set cluster.reward_workers=0")
+        for key in ("environment_workers", "cpus_per_environment_worker", "gpus_per_environment_worker",
+                    "environment_concurrency"):
+            if key in c.model_fields_set:
+                raise ValueError(f"cluster.{key} does not apply with cluster.reward_workers={c.reward_workers}: the "
+                                 "environment then runs in the driver process and its reward model in the reward "
+                                 f"group; remove cluster.{key} or set cluster.reward_workers=0")
+        if self.rollout.asynchronous:
+            raise ValueError(f"cluster.reward_workers={c.reward_workers} with rollout.asynchronous=true is not built "
+                             "yet (asynchronous rounds score in the environment actors); set "
+                             "cluster.reward_workers=0 (the environment actors then load the reward model) or "
+                             "rollout.asynchronous=false")
 
     def check_scoring_groups(self, needs_reference: bool, teacher: TeacherSection | None) -> None:
         """ValueError for a reference or teacher group (cluster.reference_workers, teacher_workers) that would load

@@ -60,13 +60,14 @@ def build_critic(init_from: str, model: ModelConfig, trainer: TrainerConfig, tok
 
 
 def build_scorer(model: ModelConfig, trainer: TrainerConfig, device: torch.device,
-                 role: str = "reference", offload: bool = False, cluster: Any | None = None) -> ScoringWorker:
+                 role: str = "reference", offload: bool = False, cluster: Any | None = None,
+                 group_name: str | None = None) -> ScoringWorker:
     """A frozen scoring worker: local in one process (with `offload`, its weights in CPU memory between passes),
     FSDP2-sharded under torchrun (offload refused there); with a Ray `cluster`, a group of its own when the cluster
-    section gives `role` actors (cluster.reference_workers, teacher_workers), else over the policy group when it
-    has one."""
+    section gives `role` actors (cluster.reference_workers, teacher_workers; named `group_name` when a run has
+    several of `role`), else over the policy group when it has one."""
     if cluster is not None and cluster.section.scoring_workers(role):
-        return cluster.scoring_group(model, trainer, role=role, offload=offload)
+        return cluster.scoring_group(model, trainer, role=role, offload=offload, name=group_name)
     if cluster is not None and cluster.section.policy_workers:
         return cluster.scorer(model, trainer, role=role, offload=offload)
     if not is_distributed():
@@ -78,15 +79,16 @@ def build_scorer(model: ModelConfig, trainer: TrainerConfig, device: torch.devic
 
 
 def build_teacher(teacher: TeacherSection, trainer: TrainerConfig, device: torch.device, *,
-                  max_length: int | None = None, topk: int = 20, cluster: Any | None = None) -> ScoringWorker:
+                  max_length: int | None = None, topk: int = 20, cluster: Any | None = None,
+                  group_name: str | None = None) -> ScoringWorker:
     """A frozen teacher by its teacher.backend: transformers, `build_scorer` (with teacher.offload); vllm, a vLLM
     engine in this process (generation/vllm_scorer.py) taking rows of up to `max_length` tokens (None: the
     model's own limit) and top-k requests up to `topk`; with a Ray `cluster`, a transformers teacher runs in
-    cluster.teacher_workers actors of its own, or sharded over the policy group's ranks. RunError under torchrun
-    for vllm."""
+    cluster.teacher_workers actors of its own (named `group_name` when there are several teachers), or sharded over
+    the policy group's ranks. RunError under torchrun for vllm."""
     if teacher.backend == "transformers":
         return build_scorer(teacher.as_model(), trainer, device, role="teacher", offload=teacher.offload,
-                            cluster=cluster)
+                            cluster=cluster, group_name=group_name)
     check_teacher_backend(teacher)
     return VLLMScoringWorker(teacher.name_or_path, role="teacher", dtype=teacher.dtype,
                              gpu_memory_utilization=teacher.vllm_gpu_memory_utilization,

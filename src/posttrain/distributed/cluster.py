@@ -1,4 +1,5 @@
-"""Where an online RL run's generation and environment workers live: `cluster.backend` (docs/ray.md).
+"""Where an online RL run's generation and environment workers live, and a distillation run's teachers:
+`cluster.backend` (docs/ray.md).
 
     cluster = start_cluster(cfg.cluster, output_dir)      # None for backend=local; a RayCluster for backend=ray
     environment = cluster.environment(build, cfg.environment)

@@ -42,7 +42,11 @@ What this first slice builds, and where it departs from the full design:
   a copy of its own.
 - With cluster.reference_workers (teacher_workers) > 0 the reference (teacher) is a group of `ScoringActor`s
   behind the `ScoringWorker` protocol (`RayScoringGroup`): a rollout batch's micro-batches are divided among them
-  in contiguous runs and the answers joined in row order.
+  in contiguous runs and the answers joined in row order; another batch (distill's padded micro-batches, a reward
+  model's rows) goes whole to the next actor in turn. Each teacher of `posttrain distill` has a group of its own
+  (a precomputed one is released once it has scored). With cluster.reward_workers > 0 a reward_model environment's
+  model is such a group (`RayCluster.reward_model`), scored through `sequence_scores` from the driver, where the
+  environment then runs.
 - Each group's actors are placed by a placement group of one bundle per actor (cluster.cpus_per_<group>_worker,
   gpus_per_<group>_worker; ray_policy.place_actors); GPUs the cluster lacks stop the run when it starts.
 - Every remote call waits at most cluster.timeout_s (actor start-up included); past it the run stops with a
@@ -84,8 +88,9 @@ from ray.util.placement_group import remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from posttrain.checkpoint import capture_rng_state, restore_rng_state
+from posttrain.config.environments import RewardModelOptions
 from posttrain.config.schema import ClusterSection, LoraSection, ModelConfig, TrainerConfig, WeightSyncSection
-from posttrain.data.types import RolloutBatch
+from posttrain.data.types import RolloutBatch, SFTBatch
 from posttrain.distributed import scratch
 from posttrain.envs.base import EnvStep, EpisodeLost, Message, ToolUse, holds_episodes, tool_use_of
 from posttrain.errors import RunError
@@ -126,6 +131,7 @@ from posttrain.distributed.weight_check import weight_digests
 from posttrain.workers import local
 from posttrain.workers.forward import AnyBatch
 from posttrain.workers.local import LocalScoringWorker
+from posttrain.workers.reward_model import RewardModel, load_reward_tokenizer
 
 HOLDER = -1
 """The weights' holder (the policy group's rank 0 or the driver) among the members of a weight-sync group, whose
@@ -1064,17 +1070,17 @@ class RayEnvironment:
 
 
 class ScoringProcess:
-    """A frozen scorer (reference, teacher) on its own copy of the model, built in this actor's process as
-    `local.build_scorer` builds it in the driver. `ScoringActor` is this class as a Ray actor."""
+    """A frozen scorer (reference, teacher, reward model) on its own copy of the model, built in this actor's process
+    by `build(*args)` (a module-level function: `causal_lm_scorer`, `reward_model_scorer`) as the driver would build
+    it. `ScoringActor` is this class as a Ray actor."""
 
-    def __init__(self, model: ModelConfig, trainer: TrainerConfig, role: str, offload: bool, num_threads: int,
-                 rng_state: dict):
+    def __init__(self, build: Callable[..., Any], args: tuple, num_threads: int, rng_state: dict):
         # The driver's thread count and deterministic kernels (configure_torch's settings): the same sums, rounded
         # the same way, as the scorer the driver would have built.
         torch.set_num_threads(num_threads)
         torch.use_deterministic_algorithms(True, warn_only=True)
         restore_rng_state(rng_state)  # the driver's random stream, so that loading draws what it draws there
-        self.scorer = local.build_scorer(model, trainer, default_device(), role, offload)
+        self.scorer = build(*args)
         self._rng_state = capture_rng_state()
 
     def ready(self) -> bool:
@@ -1097,6 +1103,18 @@ class ScoringProcess:
 ScoringActor = ray.remote(ScoringProcess)
 
 
+def causal_lm_scorer(model: ModelConfig, trainer: TrainerConfig, role: str, offload: bool) -> LocalScoringWorker:
+    """A reference or teacher, as `local.build_scorer` builds it in one process (on this process's device)."""
+    return local.build_scorer(model, trainer, default_device(), role, offload)
+
+
+def reward_model_scorer(options: RewardModelOptions) -> LocalScoringWorker:
+    """A reward_model environment's model (options.path, device, batch_size, max_length), loaded as the environment
+    loads it in one process (`RewardModel.from_pretrained`): its scorer, whose `sequence_scores` reads the head."""
+    return RewardModel.from_pretrained(options.path, device=options.device, batch_size=options.batch_size,
+                                       max_length=options.max_length).scorer
+
+
 class RayScoringGroup:
     """The `ScoringWorker` protocol over a group of `ScoringActor`s (cluster.reference_workers, teacher_workers):
     a rollout batch is cut into the micro-batches a local scorer would score (micro_batch_size rows each), the
@@ -1104,27 +1122,29 @@ class RayScoringGroup:
     in one process. Another batch (pairs, packed rows) goes whole to the next actor in turn. Every call has the
     group's deadline (cluster.timeout_s); a dead actor is replaced and its share re-sent (`WorkerGroup`)."""
 
-    def __init__(self, group: WorkerGroup, role: str, micro_batch_size: int):
+    def __init__(self, group: WorkerGroup, role: str, micro_batch_size: int, placement: Any = None):
         self.group, self.role, self.micro_batch_size = group, role, micro_batch_size
+        self.placement = placement
+        """The group's placement group (`RayCluster.release` removes it with the actors)."""
         self._next = itertools.count()
 
     def logprobs(self, batch: AnyBatch, temperature: float = 1.0) -> torch.Tensor:
-        return torch.cat(self._scatter("logprobs", batch, f"the log-probabilities of {len(batch)} rows",
+        return torch.cat(self._scatter("logprobs", batch, f"the log-probabilities of {rows_of(batch)} rows",
                                        temperature))
 
     def topk_logprobs(self, batch: AnyBatch, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = self._scatter("topk_logprobs", batch, f"the top-{k} log-probabilities of {len(batch)} rows", k,
+        parts = self._scatter("topk_logprobs", batch, f"the top-{k} log-probabilities of {rows_of(batch)} rows", k,
                               temperature)
         return torch.cat([values for values, _ in parts]), torch.cat([ids for _, ids in parts])
 
     def sequence_scores(self, batch: AnyBatch) -> torch.Tensor:
-        return torch.cat(self._scatter("sequence_scores", batch, f"the scores of {len(batch)} rows"))
+        return torch.cat(self._scatter("sequence_scores", batch, f"the scores of {rows_of(batch)} rows"))
 
     def _scatter(self, method: str, batch: AnyBatch, waiting_for: str, *args: Any) -> list[Any]:
         """The actors' answers to `method` on their shares of `batch`, in row order."""
         if not isinstance(batch, RolloutBatch):
             index = next(self._next) % len(self.group.actors)
-            return self.group.call([Call(index, method, (batch, *args), samples=len(batch))], waiting_for)
+            return self.group.call([Call(index, method, (batch, *args), samples=rows_of(batch))], waiting_for)
         rows, size = len(batch), self.micro_batch_size
         chunks = -(-rows // size)
         calls = []
@@ -1132,6 +1152,11 @@ class RayScoringGroup:
             first, last = start * size, min(stop * size, rows)
             calls.append(Call(index, method, (batch.select(torch.arange(first, last)), *args), samples=last - first))
         return self.group.call(calls, waiting_for)
+
+
+def rows_of(batch: Any) -> int:
+    """The samples a scorer's batch holds (an SFTBatch: its examples, one per row unless packed)."""
+    return batch.num_examples if isinstance(batch, SFTBatch) else len(batch)
 
 
 # ---- the cluster ---------------------------------------------------------------------------------------------
@@ -1169,10 +1194,14 @@ class RayCluster:
             self.close()
             raise
 
-    def _placement(self, name: str) -> PlacementGroupSchedulingStrategy:
-        """Where group `name`'s actors go: a placement group of one bundle per actor (`place_actors`); a replacement
-        actor takes the bundle its dead predecessor freed."""
-        placement = place_actors(group_resources(self.section)[name], self.section, self.started)
+    def _placement(self, name: str, group_name: str | None = None) -> PlacementGroupSchedulingStrategy:
+        """Where group `name`'s actors go (`group_name`: one of several groups of that kind, a teacher of several):
+        a placement group of one bundle per actor (`place_actors`); a replacement actor takes the bundle its dead
+        predecessor freed."""
+        resources = group_resources(self.section)[name]
+        if group_name is not None:
+            resources = replace(resources, name=group_name)
+        placement = place_actors(resources, self.section, self.started)
         self._placements.append(placement)
         return PlacementGroupSchedulingStrategy(placement)
 
@@ -1233,19 +1262,42 @@ class RayCluster:
         """A frozen scorer (reference, teacher) sharded over the policy group's actors."""
         return start_scorer(self._policy_group(), model, trainer, role, offload)
 
-    def scoring_group(self, model: ModelConfig, trainer: TrainerConfig, *, role: str, offload: bool = False
-                      ) -> RayScoringGroup:
+    def scoring_group(self, model: ModelConfig, trainer: TrainerConfig, *, role: str, offload: bool = False,
+                      name: str | None = None) -> RayScoringGroup:
         """A frozen scorer (reference, teacher) in a group of its own: cluster.reference_workers (teacher_workers)
-        actors of cluster.cpus_per_scoring_worker CPUs and gpus_per_scoring_worker GPUs, each loading `model`."""
+        actors of cluster.cpus_per_scoring_worker CPUs and gpus_per_scoring_worker GPUs, each loading `model`.
+        `name`: the group's name when a run has several of `role` (the teachers of distill: teacher_<name>),
+        naming its metrics and errors; `role` by default."""
+        return self._scoring_group(role, name or role, causal_lm_scorer, (model, trainer, role, offload),
+                                   trainer.micro_batch_size)
+
+    def reward_model(self, options: RewardModelOptions) -> RewardModel:
+        """A reward_model environment's model in a group of its own (cluster.reward_workers actors), behind the
+        `RewardModel` the environment scores with: the text is tokenized here as in one process, and each call of
+        options.batch_size rows is scored by the next actor in turn (`sequence_scores`)."""
+        group = self._scoring_group("reward", "reward", reward_model_scorer, (options,), options.batch_size)
+        return RewardModel.scored_by(group, load_reward_tokenizer(options.path), options.batch_size,
+                                     options.max_length)
+
+    def _scoring_group(self, role: str, name: str, build: Callable[..., Any], args: tuple,
+                       micro_batch_size: int) -> RayScoringGroup:
+        strategy = self._placement(role, name)
         actor = ScoringActor.options(num_cpus=self.section.cpus_per_scoring_worker,
-                                     num_gpus=self.section.gpus_per_scoring_worker,
-                                     scheduling_strategy=self._placement(role))
+                                     num_gpus=self.section.gpus_per_scoring_worker, scheduling_strategy=strategy)
         threads, state = torch.get_num_threads(), capture_rng_state()
-        group = self._start(WorkerGroup(role, lambda: actor.remote(model, trainer, role, offload, threads, state),
+        group = self._start(WorkerGroup(name, lambda: actor.remote(build, args, threads, state),
                                         self.section.scoring_workers(role), self.section.timeout_s,
                                         self.section.max_restarts))
-        restore_rng_state(group.call([Call(0, "rng_state")], f"the {role}'s random state after building")[0])
-        return RayScoringGroup(group, role, trainer.micro_batch_size)
+        restore_rng_state(group.call([Call(0, "rng_state")], f"the {name}'s random state after building")[0])
+        return RayScoringGroup(group, role, micro_batch_size, strategy.placement_group)
+
+    def release(self, scorer: RayScoringGroup) -> None:
+        """Kill a scoring group's actors and free its placement (a precomputed teacher, done scoring); its counts
+        leave the step metrics with it."""
+        scorer.group.kill()
+        self.groups.remove(scorer.group)
+        self._placements.remove(scorer.placement)
+        remove_placement_group(scorer.placement)
 
     def _policy_group(self) -> RankGroup:
         for group in self.groups:

@@ -323,19 +323,22 @@ class GroupResources:
 
 def group_resources(section: ClusterSection) -> dict[str, GroupResources]:
     """Every worker group the cluster section asks for, by name (groups of 0 actors left out): the policy group, the
-    generation actors (not when colocated), the environment actors, the reference and teacher groups."""
+    generation actors (not when colocated), the environment actors (not with a reward group: the environment then
+    runs in the driver), the reference, teacher and reward groups. Several teachers of `posttrain distill` each
+    take a group of the "teacher" group's size."""
     c = section
     groups = [GroupResources(GROUP, c.policy_workers, c.cpus_per_policy_worker, c.gpus_per_policy_worker,
                              "policy_workers", "cpus_per_policy_worker", "gpus_per_policy_worker"),
               GroupResources("generation", 0 if c.colocated else c.generation_workers, c.cpus_per_generation_worker,
                              c.gpus_per_generation_worker, "generation_workers", "cpus_per_generation_worker",
                              "gpus_per_generation_worker"),
-              GroupResources("environment", c.environment_workers, c.cpus_per_environment_worker,
+              GroupResources("environment", 0 if c.reward_workers else c.environment_workers,
+                             c.cpus_per_environment_worker,
                              c.gpus_per_environment_worker, "environment_workers", "cpus_per_environment_worker",
                              "gpus_per_environment_worker"),
               *(GroupResources(role, c.scoring_workers(role), c.cpus_per_scoring_worker, c.gpus_per_scoring_worker,
                                f"{role}_workers", "cpus_per_scoring_worker", "gpus_per_scoring_worker")
-                for role in ("reference", "teacher"))]
+                for role in ("reference", "teacher", "reward"))]
     return {group.name: group for group in groups if group.size}
 
 

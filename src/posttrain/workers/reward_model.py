@@ -28,6 +28,7 @@ from posttrain.config.schema import TrainerConfig
 from posttrain.data.types import TokenizedExample
 from posttrain.models.loading import DTYPES, default_device, resolve_model_path
 from posttrain.models.value_head import scalar_head_model_class
+from posttrain.workers.base import ScoringWorker
 from posttrain.workers.local import LocalScoringWorker
 
 if TYPE_CHECKING:
@@ -53,6 +54,16 @@ class RewardModel:
         self.max_length = max_length
 
     @classmethod
+    def scored_by(cls, scorer: ScoringWorker, tokenizer: PreTrainedTokenizerBase, batch_size: int = 32,
+                  max_length: int | None = None) -> RewardModel:
+        """A reward model whose weights live elsewhere (a Ray scoring group, cluster.reward_workers): the text is
+        tokenized and padded here, as `score` does in one process, and `scorer.sequence_scores` scores each batch."""
+        reward_model = cls.__new__(cls)
+        reward_model.model, reward_model.scorer, reward_model.tokenizer = None, scorer, tokenizer
+        reward_model.batch_size, reward_model.max_length = batch_size, max_length
+        return reward_model
+
+    @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device | None = None, dtype: str = "float32",
                         batch_size: int = 32, max_length: int | None = None) -> RewardModel:
         """Load a reward-model directory (or hub id, or embedded name) with AutoModelForSequenceClassification, or,
@@ -60,12 +71,13 @@ class RewardModel:
         model (posttrain.models.value_head), which is how `posttrain rm` saved it."""
         source = resolve_model_path(str(path))
         model = scalar_head_model_class(source).from_pretrained(source, dtype=DTYPES[dtype])
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = load_reward_tokenizer(source)
         model.to(device if device is not None else default_device())
         return cls(model, tokenizer, batch_size, max_length)
 
     @property
     def device(self) -> torch.device:
+        """The device of the model's weights (this process's reward models only)."""
         return self.model.device
 
     @torch.no_grad()
@@ -91,3 +103,12 @@ class RewardModel:
                                                              "max_length")]
         ids = tuple(prompt_ids + completion_ids)
         return TokenizedExample(ids, (0,) * len(prompt_ids) + (1,) * len(completion_ids), f"pair {index}")
+
+
+def load_reward_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """A reward model's tokenizer (a directory, hub id or embedded name), with its EOS as the pad token when it
+    has none (as the model was trained)."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(str(path)))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
