@@ -241,6 +241,7 @@ class Sweep:
             self.posttrain(code_path, [*args, *overrides], log)
             result["model"] = str(run_dir / "run" / "final")
             records = [json.loads(line) for line in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
+            result.update(step_rate(records))
             evaluated = [r for r in records if any(k.startswith("eval_") for k in r)]
             if evaluated:
                 result.update({k: v for k, v in evaluated[-1].items() if k.startswith("eval_")})
@@ -272,6 +273,19 @@ class Sweep:
         result["seconds"] = round(time.perf_counter() - started, 1)
         write_json(result_file, result)
         return result
+
+
+def step_rate(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Training steps per second over the steps after the first two (`time/step`: sampling, scoring and the
+    update, not evaluation or checkpoints), and the mean sampled reward of the last 50 steps."""
+    stepped = [r for r in records if "time/step" in r]
+    rate: dict[str, float] = {}
+    if len(stepped) > 2:
+        rate["steps_per_second"] = (len(stepped) - 2) / sum(r["time/step"] for r in stepped[2:])
+    rewards = [r["reward/mean"] for r in stepped[-50:] if "reward/mean" in r]
+    if rewards:
+        rate["train_reward_last50"] = statistics.fmean(rewards)
+    return rate
 
 
 def gap_closed(exact_match: float, start: float, teacher: float) -> float:
