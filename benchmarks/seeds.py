@@ -26,6 +26,17 @@ BENCHMARKS.md or a config's header is checked:
 - the table (and OUTPUT/PRESET/summary.json) gives min / median / max of each metric and whether each claim
   holds on the worst run. The exit status is 1 when a claim fails.
 
+Every training run also reports `steps_per_second` (steps after the first two, from `time/step`) and
+`train_reward_last50` (the mean sampled reward of its last 50 steps). Asynchronous GRPO against synchronous, with a
+reward that takes about as long as a training step (BENCHMARKS.md, "Asynchronous against synchronous GRPO"):
+
+    export POSTTRAIN_BENCH_REWARD_SECONDS=0.12
+    R="cluster.backend=ray trainer.max_steps=800 trainer.eval_every=0 trainer.save_every=0 environment.kind=python"
+    F="environment.options={functions: ['$PWD/benchmarks/slow_reward.py:slow_correct'], num_workers: 0, samples_per_call: 128}"
+    python benchmarks/seeds.py grpo_arithmetic --start embedded --seeds 0-2 --jobs 1 $R "$F" --label ray-sync
+    python benchmarks/seeds.py grpo_arithmetic --start embedded --seeds 0-2 --jobs 1 $R "$F" --label ray-async \
+        rollout.asynchronous=true loss.importance_correction=tis
+
 Held-out exact match is greedy, on 800 held-out 2-digit additions (`posttrain eval ... num_examples=800`); the
 quickstart's own table scores the same 800 problems, so its GRPO stage is also a `grpo_arithmetic` run.
 """
