@@ -6,8 +6,6 @@ model loads). One small Ray instance per run; the Ray tests are skipped when ray
 
 import json
 from pathlib import Path
-import threading
-import time
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ from posttrain.errors import RunError
 from posttrain.logging import read_metrics
 from posttrain.models.loading import load_reward_backbone, load_tokenizer
 
-from ray_for_tests import assert_same_steps, needs_ray
+from ray_for_tests import KillAfterSteps, assert_same_steps, needs_ray
 from rl_configs import DIGITS, TINY_RL
 from teachers_for_tests import ARITHMETIC_64, TINY_DISTILL, perturbed_tiny_teacher
 from test_distill_teachers import write_rows
@@ -200,31 +198,13 @@ def test_grpo_with_a_two_actor_reward_group_logs_the_in_process_run_and_replaces
     norms."""
     import ray
 
-    from posttrain.distributed import cluster as clusters
-
-    killed = []
-
-    def kill_a_reward_actor_after_step_two() -> None:
-        metrics = tmp_path / "ray" / "metrics.jsonl"
-        give_up = time.monotonic() + 600
-        while time.monotonic() < give_up:
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
-                reward = next(g for g in clusters._started[0].groups if g.name == "reward")
-                ray.kill(reward.actors[0], no_restart=True)
-                killed.append(reward.worker_name(0))
-                return
-            time.sleep(0.02)
-
     environment = reward_model_environment(reward_model_dir)
     train_grpo(grpo(tmp_path / "local", *environment, "trainer.max_steps=4"))
-    killer = threading.Thread(target=kill_a_reward_actor_after_step_two, daemon=True)
-    killer.start()
-    with monkeypatch.context() as patches:
+    with KillAfterSteps(tmp_path / "ray" / "metrics.jsonl", "reward") as killer, monkeypatch.context() as patches:
         no_model_in_the_driver(patches)
         train_grpo(grpo(tmp_path / "ray", *environment, "trainer.max_steps=4", *RAY, "cluster.num_cpus=3",
                         "cluster.reward_workers=2"))
-    killer.join(timeout=5)
-    assert killed == ["reward worker 0 of 2"]
+    assert killer.killed == ["reward worker 0 of 2"]
     assert not ray.is_initialized()
     local = read_metrics(tmp_path / "local" / "metrics.jsonl")
     remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")

@@ -8,7 +8,6 @@ tests are skipped when ray is not installed."""
 import gc
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from posttrain.config.schema import GRPOConfig, PPOConfig
 from posttrain.logging import read_metrics
 
 from rl_configs import DIGITS, TINY_RL
-from ray_for_tests import assert_same_steps, needs_ray
+from ray_for_tests import KillAfterSteps, assert_same_steps, needs_ray
 from teachers_for_tests import perturbed_tiny_teacher
 
 
@@ -56,29 +55,11 @@ def test_grpo_with_a_two_actor_reference_group_logs_the_in_process_run_and_repla
     in-process run's rewards, losses, gradient norms and KL."""
     import ray
 
-    from posttrain.distributed import cluster as clusters
-
-    killed = []
-
-    def kill_a_reference_actor_after_step_two() -> None:
-        metrics = tmp_path / "ray" / "metrics.jsonl"
-        give_up = time.monotonic() + 600
-        while time.monotonic() < give_up:
-            if metrics.is_file() and len(metrics.read_text().splitlines()) >= 2:
-                reference = next(g for g in clusters._started[0].groups if g.name == "reference")
-                ray.kill(reference.actors[0], no_restart=True)
-                killed.append(reference.worker_name(0))
-                return
-            time.sleep(0.02)
-
     train_grpo(grpo(tmp_path / "local", "trainer.max_steps=4"))
-    killer = threading.Thread(target=kill_a_reference_actor_after_step_two, daemon=True)
-    killer.start()
-    with monkeypatch.context() as patches:
+    with KillAfterSteps(tmp_path / "ray" / "metrics.jsonl", "reference") as killer, monkeypatch.context() as patches:
         no_scorer_in_the_driver(patches)
         train_grpo(grpo(tmp_path / "ray", "trainer.max_steps=4", *RAY, "cluster.reference_workers=2"))
-    killer.join(timeout=5)
-    assert killed == ["reference worker 0 of 2"]
+    assert killer.killed == ["reference worker 0 of 2"]
     assert not ray.is_initialized()
     local = read_metrics(tmp_path / "local" / "metrics.jsonl")
     remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")

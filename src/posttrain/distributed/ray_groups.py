@@ -333,7 +333,19 @@ def vllm_import_problem() -> str | None:
     return None
 
 
-class GenerationWorker:
+class WeightSyncMember:
+    """A generation worker's membership of the weight-sync group (`weight_sync.method=broadcast`)."""
+
+    def join_weight_sync(self, address: str, port: int, rank: int, world_size: int, backend: str,
+                         timeout_s: float) -> bool:
+        """Join the weight-sync group at the holder's address (every member at once); replaces an earlier one."""
+        self._sync = None
+        self._sync = SyncGroup(address, port, rank, world_size, backend, timeout_s)
+        self._timeout_s = timeout_s
+        return True
+
+
+class GenerationWorker(WeightSyncMember):
     """A transformers generator on its own copy of the model, loaded from the policy's weight pushes (through the
     object store, `load_bucket`, or by broadcast, `receive_bucket`), on the GPU Ray granted the actor
     (cluster.gpus_per_generation_worker) or on the CPU. `GenerationActor` is this class as a Ray actor.
@@ -399,14 +411,6 @@ class GenerationWorker:
         self._loader = WeightLoader(self.generator.model, bucket_bytes)
         return plan_digest(self._loader.plan), backend_offer(self.device), self._loader.specs
 
-    def join_weight_sync(self, address: str, port: int, rank: int, world_size: int, backend: str,
-                         timeout_s: float) -> bool:
-        """Join the weight-sync group at the holder's address (every member at once); replaces an earlier one."""
-        self._sync = None
-        self._sync = SyncGroup(address, port, rank, world_size, backend, timeout_s)
-        self._timeout_s = timeout_s
-        return True
-
     def receive_bucket(self, index: int) -> int:
         """Receive bucket `index` of the plan by broadcast into the model; the bytes loaded."""
         names = self._loader.receive(self._sync, index, self._timeout_s)
@@ -454,7 +458,7 @@ class GenerationWorker:
 GenerationActor = ray.remote(GenerationWorker)
 
 
-class VLLMGenerationWorker:
+class VLLMGenerationWorker(WeightSyncMember):
     """A vLLM engine (generation/vllm_backend.py, in this actor's process) on the GPU Ray granted the actor, sampling
     for `rollout.backend=vllm` with the sampled tokens' log-probabilities as the engine reports them (the
     distribution it drew from: docs/rl.md, Generators). The policy's weight pushes arrive as for `GenerationWorker`,
@@ -540,13 +544,6 @@ class VLLMGenerationWorker:
         and dtypes, whatever dtype the engine computes in."""
         self._plan = bucket_plan(self.specs, bucket_bytes)
         return plan_digest(self._plan), backend_offer(self.device), self.specs
-
-    def join_weight_sync(self, address: str, port: int, rank: int, world_size: int, backend: str,
-                         timeout_s: float) -> bool:
-        self._sync = None
-        self._sync = SyncGroup(address, port, rank, world_size, backend, timeout_s)
-        self._timeout_s = timeout_s
-        return True
 
     def receive_bucket(self, index: int) -> int:
         """Receive bucket `index` of the plan by broadcast and load it into the engine; the bytes loaded."""

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
+from safetensors.torch import save_file
 
 from posttrain.config.schema import LoraSection
 from posttrain.rundir import check_export_dir, write_manifest
@@ -122,7 +123,6 @@ def write_adapter(tensors: dict[str, torch.Tensor], cfg: LoraSection, base_model
     config's target modules are the modules the tensors adapt (what peft resolved `all-linear` to), its rank and
     scaling those of `cfg`."""
     from peft import LoraConfig
-    from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
