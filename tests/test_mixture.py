@@ -4,17 +4,15 @@ sample, options checked at load, and the GRPO loop logging reward/<name>."""
 from pathlib import Path
 
 import pytest
-import torch
 from test_judge import JudgeServer
 
 from posttrain.algorithms.grpo import train_grpo
 from posttrain.algorithms.rollout import scalar_reward
 from posttrain.config import ConfigError, load_config
-from posttrain.config.schema import GRPOConfig, ModelConfig
+from posttrain.config.schema import GRPOConfig
 from posttrain.algorithms.environments import build_recipe_environment
 from posttrain.logging import read_metrics
 from posttrain.workers import RewardModel
-from posttrain.models.loading import load_reward_backbone, load_tokenizer
 
 REWARDS = str(Path(__file__).with_name("reward_fns_for_tests.py"))
 
@@ -26,18 +24,6 @@ def logs(*replies: str, prompt: str = "1+1=") -> list[list[dict[str, str]]]:
 def python_component(name: str, function: str, weight: float = 1.0) -> dict:
     return {"name": name, "kind": "python", "weight": weight,
             "options": {"functions": [f"{REWARDS}:{function}"], "num_workers": 0}}
-
-
-@pytest.fixture(scope="module")
-def reward_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
-    """An untrained reward model (tiny backbone, fresh head): enough to be a component that scores."""
-    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
-    torch.manual_seed(0)
-    model = load_reward_backbone(ModelConfig(name_or_path=str(tiny_model_dir)), tokenizer.pad_token_id)
-    directory = tmp_path_factory.mktemp("rm")
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
 
 
 def test_arithmetic_reward_model_and_judge_each_give_a_named_component(reward_model_dir):

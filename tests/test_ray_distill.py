@@ -13,10 +13,9 @@ import torch
 from posttrain.algorithms.distill import train_distill
 from posttrain.algorithms.grpo import train_grpo
 from posttrain.config import ConfigError, DistillConfig, load_config
-from posttrain.config.schema import GRPOConfig, ModelConfig, PPOConfig
+from posttrain.config.schema import GRPOConfig, PPOConfig
 from posttrain.errors import RunError
 from posttrain.logging import read_metrics
-from posttrain.models.loading import load_reward_backbone, load_tokenizer
 
 from ray_for_tests import KillAfterSteps, assert_same_steps, needs_ray
 from rl_configs import DIGITS, TINY_RL
@@ -166,18 +165,6 @@ def test_precomputed_teachers_share_the_cpu_budget_one_group_at_a_time(tmp_path)
 
 
 # ---- the reward-model group ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def reward_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
-    """An untrained reward model (tiny backbone, seeded fresh head): its scores differ from reply to reply."""
-    tokenizer = load_tokenizer(ModelConfig(name_or_path=str(tiny_model_dir)))
-    torch.manual_seed(0)
-    model = load_reward_backbone(ModelConfig(name_or_path=str(tiny_model_dir)), tokenizer.pad_token_id)
-    directory = tmp_path_factory.mktemp("rm")
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
 
 
 def reward_model_environment(path: Path) -> list[str]:
