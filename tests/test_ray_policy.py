@@ -77,6 +77,36 @@ def test_grpo_on_a_two_rank_ray_policy_group_logs_the_rewards_and_losses_of_the_
 
 
 @needs_ray
+@pytest.mark.slow  # about 40 s: an in-process run, then a Ray run of two policy ranks sampling on themselves
+def test_colocated_generation_on_a_two_rank_policy_group_samples_on_the_ranks_and_logs_the_in_process_run(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """cluster.colocated=true with a policy group: no generation actor and no generator in the driver; each rank
+    samples its half of a round from a copy it refills in its own process after every optimizer step, and the run
+    logs the in-process run's numbers."""
+    from posttrain.algorithms import rl
+
+    steps = ["rollout.seed_per_group=true", "trainer.max_steps=3"]
+    train_grpo(grpo(tmp_path / "local", *steps))
+    with monkeypatch.context() as patches:
+        no_model_in_the_driver(patches)
+        patches.setattr(rl, "build_generator", no_generator_in_the_driver)
+        train_grpo(grpo(tmp_path / "ray", *steps, *POLICY_GROUP, "cluster.colocated=true"))
+    local = read_metrics(tmp_path / "local" / "metrics.jsonl")
+    remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
+    assert len(local) == 3
+    assert_same_steps(local, remote, ("reward/mean", "loss", "grad_norm", "kl", "generator_logprob_error"))
+    assert len({r["reward/mean"] for r in local}) > 1  # the runs learn: rewards move
+    for a, b in zip(local, remote):
+        assert b["weight_sync/version"] == 2 * a["step"]  # two optimizer steps a step, each rank refilled after both
+        assert b["weight_sync/bytes"] > 4 * 2**20  # each rank copied the whole model into its generator
+        assert "heartbeat/policy_seconds" in b and "heartbeat/generation_seconds" not in b  # no generation actor
+
+
+def no_generator_in_the_driver(*args, **kwargs):
+    raise AssertionError("a generator was built in the driver process")
+
+
+@needs_ray
 @pytest.mark.slow  # about 40 s: an in-process run, then a Ray run of two policy ranks
 def test_lora_grpo_on_a_ray_policy_group_scores_its_reference_on_the_ranks_and_logs_the_in_process_run(
         tmp_path, tiny_model_dir, monkeypatch):

@@ -121,8 +121,8 @@ def test_a_broadcast_fills_every_members_model_bitwise_and_a_member_that_stops_a
 @pytest.mark.parametrize("overrides, message", [
     (["weight_sync.method=nccl"], "weight_sync.method"),
     (["cluster.colocated=true"], "cluster.colocated applies to cluster.backend=ray"),
-    ([*RAY, "cluster.colocated=true", *POLICY_GROUP], "generation from the sharded policy on its own ranks is not "
-                                                      "built"),
+    ([*RAY, "cluster.colocated=true", *POLICY_GROUP], "cluster.policy_workers=2 needs rollout.seed_per_group=true: "
+                                                      "each rank samples its share of a round"),
     ([*RAY, "cluster.colocated=true", "cluster.generation_workers=2", "rollout.seed_per_group=true"],
      "cluster.generation_workers does not apply with cluster.colocated=true"),
     ([*RAY, "cluster.colocated=true", *BROADCAST], "weight_sync.method does not apply with cluster.colocated=true"),
@@ -305,5 +305,20 @@ def test_check_weight_sync_says_a_colocated_generator_has_no_copy_to_compare(tmp
     from posttrain.algorithms.weight_check import check_weight_sync
     from posttrain.errors import RunError
 
-    with pytest.raises(RunError, match="cluster.colocated=true: the generator samples from the trained module itself"):
+    with pytest.raises(RunError, match="cluster.policy_workers=0: the generator samples from the trained module "
+                                       "itself"):
         check_weight_sync(config(tmp_path, *CHECK, *RAY, "cluster.colocated=true"))
+
+
+@needs_ray
+@pytest.mark.slow  # about 30 s: a Ray instance, two policy ranks and an environment actor
+def test_check_weight_sync_compares_the_copy_each_colocated_policy_rank_keeps(tmp_path, tiny_model_dir):
+    """With a policy group, colocated generation samples from a copy on each rank: both copies are the trainer's
+    weights bit for bit after the push, and give the trainer's log-probabilities."""
+    from posttrain.algorithms.weight_check import check_weight_sync
+
+    result = check_weight_sync(config(tmp_path, *CHECK, *RAY, "cluster.colocated=true", *POLICY_GROUP,
+                                      "rollout.seed_per_group=true"))
+    assert result.passed, result.summary()
+    assert result.workers == 2 and result.generator_versions == [1, 1] and result.version == 1
+    assert result.bytes_sent > 4 * 2**20 and result.tensors > 10 and result.tokens > 0

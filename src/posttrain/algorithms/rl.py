@@ -281,18 +281,21 @@ def rollout_sampling(rollout: RolloutSection) -> tuple[SamplingParams, SamplingP
 def policy_generator(cfg: GRPOConfig, tokenizer, policy: PolicyWorker, cluster: Any | None = None) -> Generator:
     """The rollout.backend generator sampling from `policy` (see build_generator); with a `cluster`
     (cluster.backend=ray) its generation workers, loaded with the policy's current weights, unless
-    cluster.colocated, where generation shares the driver's trained module as with backend=local."""
+    cluster.colocated, where generation shares the driver's trained module as with backend=local, or with a policy
+    group (cluster.policy_workers > 0) runs on its ranks, each filling a copy of its own in its process."""
     rollout = cfg.rollout
-    if cluster is not None and not cfg.cluster.colocated:
-        model = cfg.model.model_copy(update={"name_or_path": resolve_model_path(cfg.model.name_or_path)})
-        generator = cluster.generator(model, tokenizer, batch_size=rollout.generation_batch_size, seed=cfg.seed,
-                                      backend=rollout.backend,
-                                      vllm_gpu_memory_utilization=rollout.vllm_gpu_memory_utilization,
-                                      lora=cfg.lora)
-        policy.push_weights(generator)
-        return generator
-    return build_generator(cfg.model, rollout.backend, tokenizer, policy, batch_size=rollout.generation_batch_size,
-                           seed=cfg.seed, vllm_gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
+    if cluster is None or (cfg.cluster.colocated and not cfg.cluster.policy_workers):
+        return build_generator(cfg.model, rollout.backend, tokenizer, policy, batch_size=rollout.generation_batch_size,
+                               seed=cfg.seed, vllm_gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
+    model = cfg.model.model_copy(update={"name_or_path": resolve_model_path(cfg.model.name_or_path)})
+    if cfg.cluster.colocated:
+        return cluster.colocated_generator(policy, model, tokenizer, batch_size=rollout.generation_batch_size,
+                                           seed=cfg.seed)
+    generator = cluster.generator(model, tokenizer, batch_size=rollout.generation_batch_size, seed=cfg.seed,
+                                  backend=rollout.backend, lora=cfg.lora,
+                                  vllm_gpu_memory_utilization=rollout.vllm_gpu_memory_utilization)
+    policy.push_weights(generator)
+    return generator
 
 
 @dataclass

@@ -105,9 +105,10 @@ def check_weight_sync(cfg: OnlineRLConfig, num_prompts: int = 4) -> WeightSyncCh
 
 @stops_clusters
 def _check(cfg: OnlineRLConfig, num_prompts: int, scratch: Path) -> WeightSyncCheck:
-    if cfg.cluster.colocated:
-        raise RunError("--check-weight-sync with cluster.colocated=true: the generator samples from the trained "
-                       "module itself, so there is no copy to compare; weight_sync/bytes is 0 at every step")
+    if cfg.cluster.colocated and not cfg.cluster.policy_workers:
+        raise RunError("--check-weight-sync with cluster.colocated=true and cluster.policy_workers=0: the generator "
+                       "samples from the trained module itself, so there is no copy to compare; weight_sync/bytes is "
+                       "0 at every step")
     if cfg.cluster.backend == "ray" and cfg.rollout.backend == "vllm":
         raise RunError("--check-weight-sync with rollout.backend=vllm on Ray generation workers: the engine keeps the "
                        "weights in its own layout (q/k/v fused, sharded), so there is no copy to compare tensor by "

@@ -954,10 +954,12 @@ class ClusterSection(NumericSection):
     gpus_per_policy_worker is."""
 
     colocated: bool = False
-    """ray: generation shares the trainer's process and memory instead of keeping a copy: the driver's transformers
-    generator samples from the trained module itself (no weight copy, weight_sync/bytes 0) while environments stay
-    Ray actors. Needs policy_workers=0 (a sharded policy has no whole module to sample from) and synchronous
-    rollouts."""
+    """ray: generation shares the trainer's processes and devices instead of actors of its own. With
+    policy_workers=0 the driver's transformers generator samples from the trained module itself (no weight copy,
+    weight_sync/bytes 0); with a policy group each rank samples its share of a round from a copy it refills in its
+    own process from the gathered weights after every optimizer step (no byte leaves the process; needs
+    rollout.seed_per_group with more than one rank). Environments stay Ray actors. Synchronous rollouts,
+    rollout.backend=transformers."""
 
     max_restarts: int = Field(3, ge=0)
     """ray: generation, environment, reference or teacher actors each group may replace over the run when one dies;
@@ -1511,21 +1513,22 @@ class OnlineRLConfig(RecipeConfig):
                                  "whichever actor draws them")
             if self.cluster.colocated:
                 c = self.cluster
-                if c.policy_workers:
-                    raise ValueError(f"cluster.colocated=true with cluster.policy_workers={c.policy_workers}: "
-                                     "generation from the sharded policy on its own ranks is not built; set "
-                                     "cluster.policy_workers=0 (generation then samples from the driver's trained "
-                                     "module) or cluster.colocated=false")
+                if c.policy_workers > 1 and not self.rollout.seed_per_group:
+                    raise ValueError(f"cluster.colocated=true with cluster.policy_workers={c.policy_workers} needs "
+                                     "rollout.seed_per_group=true: each rank samples its share of a round, and a "
+                                     "round seeded as a whole draws from one stream, which several ranks cannot "
+                                     "share")
                 if self.rollout.asynchronous:
                     raise ValueError("cluster.colocated=true with rollout.asynchronous=true: generation in the "
                                      "trainer's process cannot run ahead of training; set one of them to false")
                 for key in ("generation_workers", "cpus_per_generation_worker", "gpus_per_generation_worker"):
                     if key in c.model_fields_set:
                         raise ValueError(f"cluster.{key} does not apply with cluster.colocated=true (generation "
-                                         "runs in the driver's process)")
+                                         "runs in the driver's process, or on the policy group's ranks)")
                 if "method" in self.weight_sync.model_fields_set:
                     raise ValueError("weight_sync.method does not apply with cluster.colocated=true: the generator "
-                                     "samples from the trained module, nothing is copied")
+                                     "samples from the trained module, or from a copy each policy rank fills in its "
+                                     "own process")
             c = self.cluster
             if c.reward_workers:
                 self._check_reward_group()

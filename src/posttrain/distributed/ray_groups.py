@@ -101,7 +101,9 @@ from posttrain.models.loading import default_device, load_causal_lm, weight_spec
 from posttrain.models.lora import adapter_file_name, write_adapter
 from posttrain.preemption import PREEMPTION_SIGNALS
 from posttrain.distributed.ray_policy import (
+    RankGenerator,
     RankGroup,
+    contiguous_blocks,
     group_resources,
     one_line,
     place_actors,
@@ -601,18 +603,6 @@ def bucket_payload(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, st
         payload.append((name, str(data.dtype).removeprefix("torch."), tuple(data.shape),
                         data.reshape(-1).view(torch.uint8).numpy()))
     return payload
-
-
-def contiguous_blocks(count: int, parts: int) -> list[tuple[int, int]]:
-    """(start, stop) of `count` items cut into at most `parts` contiguous, non-empty blocks of near-equal size."""
-    size, extra = divmod(count, parts)
-    blocks, start = [], 0
-    for part in range(parts):
-        stop = start + size + (part < extra)
-        if stop > start:
-            blocks.append((start, stop))
-        start = stop
-    return blocks
 
 
 class RayGenerator:
@@ -1240,6 +1230,12 @@ class RayCluster:
                 generator.group.failed = True
                 raise RunError(f"{generator.group.worker_name(index)} could not start: {problem}")
         return generator
+
+    def colocated_generator(self, policy: RayPolicyWorker, model: ModelConfig, tokenizer, *, batch_size: int,
+                            seed: int) -> RankGenerator:
+        """cluster.colocated=true with a policy group: a transformers generator of `model` on each of the policy's
+        ranks, on the rank's device, filled with the policy's current weights (ray_policy.RankGenerator)."""
+        return RankGenerator(policy, model, tokenizer, batch_size, seed)
 
     def policy(self, model: ModelConfig, lora: LoraSection, trainer: TrainerConfig, tokenizer, *,
                task: str = "causal_lm", schedule: TrainerConfig | None = None,

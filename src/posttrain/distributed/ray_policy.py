@@ -26,6 +26,9 @@ How it is built, and where it departs from the full design:
   the generators' bucketed path (`RayGenerator.update_weights`); with weight_sync.method=broadcast rank 0 keeps them
   and broadcasts them to the generation actors itself over a process group of their own (`gather_for_broadcast`,
   `broadcast_bucket`; distributed/weight_broadcast.py).
+- cluster.colocated=true: no generation actors; each rank loads a transformers generator on its own device and
+  samples its block of a round's prompts (`RankGenerator`); a weight push makes every rank gather the full weights
+  and copy them into its generator in its own process (`sync_generator`).
 - Checkpoints: every rank writes its shards into the checkpoint's staging folder (torch.distributed.checkpoint), as
   torchrun's ranks do; the folder must be one file system for the driver and every actor (one machine, or a shared
   volume).
@@ -38,8 +41,8 @@ from __future__ import annotations
 
 import datetime
 import time
-from dataclasses import dataclass
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +58,9 @@ from posttrain.config.schema import ClusterSection, LoraSection, ModelConfig, Tr
 from posttrain.data.types import RolloutBatch
 from posttrain.distributed import builders
 from posttrain.distributed.weight_broadcast import SyncGroup, WeightSender, free_port, local_backend, plan_digest
+from posttrain.distributed.weight_check import InProcessCopy
 from posttrain.errors import RunError
+from posttrain.generation.base import GenerationOutput, SamplingParams
 from posttrain.models.loading import default_device
 from posttrain.workers.base import AnyBatch, Exported, TrainBatch, WeightReceiver
 from posttrain.workers.metrics import MetricDict
@@ -84,6 +89,8 @@ class TrainerRankActor:
         self._sender: WeightSender | None = None
         self._sync: SyncGroup | None = None
         self._sync_timeout_s = 0.0
+        self.generator: InProcessCopy | None = None
+        """cluster.colocated: this rank's generator (`start_generator`)."""
 
     def ready(self) -> bool:
         return True
@@ -136,6 +143,35 @@ class TrainerRankActor:
     def weight_piece(self, names: list[str]) -> list[tuple[str, torch.Tensor]]:
         """Gathered tensors `names`, handed over once (rank 0 drops each as it goes)."""
         return [(name, self._gathered.pop(name)) for name in names]
+
+    # ---- cluster.colocated: a generator on each rank, on the rank's device, filled in this process ----
+
+    def start_generator(self, role: str, model: ModelConfig, tokenizer, batch_size: int, seed: int) -> int:
+        """Load a transformers generator of `model` on this rank's device, then fill it with worker `role`'s current
+        weights (`sync_generator`, collective); the bytes copied."""
+        self.generator = InProcessCopy(model, tokenizer, batch_size, seed, default_device())
+        self.generator.generator.model.requires_grad_(False)
+        return self.sync_generator(role)
+
+    def sync_generator(self, role: str) -> int:
+        """Every rank gathers worker `role`'s full weights (collective) and copies them into its own generator,
+        stamped with the worker's version: no byte leaves the process. The bytes copied."""
+        worker = self.workers[role]
+        return self.generator.update_weights(worker.version, worker.named_weights())
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int) -> GenerationOutput:
+        output = self.generator.generate(prompts, params, num_samples)
+        output.extra["weights_version"] = self.generator.weights_version
+        return output
+
+    def generator_version(self) -> int:
+        return self.generator.weights_version
+
+    def generator_digests(self) -> dict[str, str]:
+        return self.generator.weight_digests()[0]
+
+    def generator_logprobs(self, batch: RolloutBatch, trainer: TrainerConfig, temperature: float) -> torch.Tensor:
+        return self.generator.logprobs(batch, trainer, temperature)
 
     # ---- weight_sync.method=broadcast: rank 0 holds the gathered weights and broadcasts them ----
 
@@ -206,15 +242,15 @@ class RankGroup:
 
     def one(self, method: str, waiting_for: str, *args: Any) -> Any:
         """Rank 0's answer to a call sent to it alone (no collective)."""
-        return self._collect({getattr(self.actors[0], method).remote(*args): 0}, method, waiting_for)[0]
+        return self.collect({getattr(self.actors[0], method).remote(*args): 0}, method, waiting_for)[0]
 
     def each(self, method: str, waiting_for: str, *args: Any, named: str | None = None) -> list[Any]:
         """Every rank's answer, in rank order, to the same call sent to all; `named`: the call as messages name it
         (the worker's method, for `call`)."""
         refs = {getattr(actor, method).remote(*args): rank for rank, actor in enumerate(self.actors)}
-        return self._collect(refs, named or method, waiting_for)
+        return self.collect(refs, named or method, waiting_for)
 
-    def _collect(self, refs: dict[Any, int], method: str, waiting_for: str) -> list[Any]:
+    def collect(self, refs: dict[Any, int], method: str, waiting_for: str) -> list[Any]:
         """The answers of `refs` by rank. RunError naming a rank that died, ran past the deadline, or (re-raised
         with the rank named) the error a rank's call raised."""
         if self.failed:
@@ -479,6 +515,70 @@ class RankZeroWeights:
         """Every rank gathers, rank 0 keeps the weights and its plan: (its digest, backend, specs)."""
         return self.group.each("gather_for_broadcast", "every rank to gather the full weights", self.policy.role,
                                self.adapters_only, bucket_bytes)[0]
+
+
+class RankGenerator:
+    """The `Generator` protocol on the policy group's own ranks (cluster.colocated=true with cluster.policy_workers >
+    0): each rank samples with a generator of its own on its own device, which a weight push fills in the rank's
+    process from the weights every rank gathers (no byte crosses a process or the object store). A step's prompts go
+    to the ranks in contiguous blocks when they carry per-prompt seeds, a call seeded as a whole to rank 0. A rank
+    that dies stops the run, as during training (`RankGroup`)."""
+
+    def __init__(self, policy: RayPolicyWorker, model: ModelConfig, tokenizer, batch_size: int, seed: int):
+        self.group, self.role = policy.group, policy.role
+        self.group.each("start_generator", "every rank to load its generator and fill it with the gathered weights",
+                        self.role, model, tokenizer, batch_size, seed)
+        self.weights_version = policy.version
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
+        """Each rank's block of `prompts`, sampled on the ranks at once; extra["weights_versions"] lists the version
+        each rank sampled with. One cluster.timeout_s deadline covers them all (rollouts here are synchronous)."""
+        params.check_seeds_fit(len(prompts))
+        started = time.perf_counter()
+        ranks = self.group.size if params.seed is None else 1  # a whole-call seed: one stream, one rank
+        blocks = contiguous_blocks(len(prompts), ranks)
+        refs = {}
+        for rank, (start, stop) in enumerate(blocks):
+            block_params = params if params.seeds is None else replace(params, seeds=params.seeds[start:stop])
+            refs[self.group.actors[rank].generate.remote(prompts[start:stop], block_params, num_samples)] = rank
+        outputs = self.group.collect(refs, "generate", f"{len(prompts)} prompts x {num_samples} samples of up to "
+                                     f"{params.max_new_tokens} tokens on {len(blocks)} rank(s)")
+        return GenerationOutput([samples for output in outputs for samples in output.completions],
+                                time.perf_counter() - started, sum(o.num_generated_tokens for o in outputs),
+                                {"weights_versions": [output.extra["weights_version"] for output in outputs]})
+
+    def update_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Every rank refills its generator from the gathered weights of the policy (`weights`: `RankZeroWeights` of
+        this group's policy); the bytes each rank copied."""
+        if getattr(weights, "group", None) is not self.group:
+            raise RunError("a colocated generator on the policy group takes weights from that group's policy only")
+        copied = self.group.each("sync_generator", f"every rank to refill its generator with version {version}",
+                                 self.role)
+        self.weights_version = version
+        return copied[0]
+
+    def actor_versions(self) -> list[int]:
+        return self.group.each("generator_version", "the version each rank's generator holds")
+
+    def weight_digests(self) -> list[dict[str, str]]:
+        return self.group.each("generator_digests", "the digests of each rank's generator weights")
+
+    def logprobs(self, batch: RolloutBatch, trainer: TrainerConfig, temperature: float) -> torch.Tensor:
+        """The log-probabilities of rank 0's generator copy (every rank's holds the same weights: `weight_digests`)."""
+        return self.group.one("generator_logprobs", f"the log-probabilities of {len(batch)} rows on rank 0's "
+                              "generator", batch, trainer, temperature)
+
+
+def contiguous_blocks(count: int, parts: int) -> list[tuple[int, int]]:
+    """(start, stop) of `count` items cut into at most `parts` contiguous, non-empty blocks of near-equal size."""
+    size, extra = divmod(count, parts)
+    blocks, start = [], 0
+    for part in range(parts):
+        stop = start + size + (part < extra)
+        if stop > start:
+            blocks.append((start, stop))
+        start = stop
+    return blocks
 
 
 class RayCriticWorker:
