@@ -12,6 +12,13 @@ itself and copies nothing, so it has no row.
     .venv/bin/python benchmarks/scale.py                           # posttrain/tiny and posttrain/bench-vocab152k
     .venv/bin/python benchmarks/scale.py --models posttrain/tiny --bucket-mb 1
 
+With --policy-group: the weights of a policy trained on two FSDP2 ranks (Ray actors, gloo) pushed to one generation
+actor through the object store, and refilled into the copy each rank keeps for colocated generation
+(`cluster.colocated=true` with `cluster.policy_workers=2`: every rank gathers the full weights, then copies them in
+its own process), against a memcpy of the same bytes in the driver. Both include the ranks' gather.
+
+    .venv/bin/python benchmarks/scale.py --policy-group --repeats 5
+
 With --steps-per-second: the same GRPO job (posttrain/tiny, 8 prompts x 4 samples of up to 6 tokens, the digit-
 fraction reward) in-process, on Ray synchronously and on Ray asynchronously (max_staleness 1, tis), once with a
 reward that sleeps --reward-seconds per call (a slow judge; benchmarks/slow_reward.py) and once with the reward
@@ -76,6 +83,38 @@ def measure(name: str, repeats: int, bucket_mb: float, scratch: Path) -> dict[st
     return {"mib": size / 2**20, **{path: size / s / 1e6 for path, s in seconds.items()}}
 
 
+def measure_policy_group(name: str, repeats: int, bucket_mb: float, scratch: Path) -> dict[str, float]:
+    """A policy of two FSDP2 ranks on Ray actors (gloo) pushing its gathered weights to one generation actor through
+    the object store (rank 0 -> the driver -> the object store -> the actor), and refilling the generator each rank
+    keeps for colocated generation (cluster.colocated: the gather, then a copy inside each rank's process), against a
+    memcpy of the same bytes in the driver."""
+    from posttrain.distributed.ray_groups import RayCluster  # the ray extra
+
+    model = ModelConfig(name_or_path=resolve_model_path(name))
+    tokenizer = load_tokenizer(model)
+    section = ClusterSection(backend="ray", num_cpus=3, policy_workers=2)
+    cluster = RayCluster(section, WeightSyncSection(bucket_mb=bucket_mb), scratch)
+    try:
+        policy = cluster.policy(model, LoraSection(), TrainerConfig(), tokenizer)
+        tensors = [tensor for _, tensor in policy.named_weights()]
+        size = sum(t.numel() * t.element_size() for t in tensors)
+        buffers = [torch.empty_like(t) for t in tensors]
+
+        def memcpy() -> None:
+            for buffer, tensor in zip(buffers, tensors):
+                buffer.copy_(tensor)
+
+        generator = cluster.generator(model, tokenizer, batch_size=8, seed=0)
+        policy.push_weights(generator)  # warm-up: the object store's first allocation
+        colocated = cluster.colocated_generator(policy, model, tokenizer, batch_size=8, seed=0)  # filled once here
+        seconds = {"memcpy": median_seconds(memcpy, repeats),
+                   "ray_actor": median_seconds(lambda: policy.push_weights(generator), repeats),
+                   "colocated": median_seconds(lambda: policy.push_weights(colocated), repeats)}
+    finally:
+        cluster.close()
+    return {"mib": size / 2**20, **{path: size / s / 1e6 for path, s in seconds.items()}}
+
+
 LAYOUTS = {"in-process": [], "ray sync": ["cluster.backend=ray"],
            "ray async": ["cluster.backend=ray", "rollout.asynchronous=true", "loss.importance_correction=tis"]}
 TINY_GRPO = ["model.name_or_path=posttrain/tiny", "data.train_files=['posttrain/arithmetic[:256]']",
@@ -118,6 +157,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-mb", type=float, default=256.0)
     parser.add_argument("--steps-per-second", action="store_true", help="the GRPO step-rate comparison instead")
+    parser.add_argument("--policy-group", action="store_true",
+                        help="pushes from a 2-rank Ray policy group instead: to a generation actor and colocated")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seeds", default="0")
     parser.add_argument("--reward-seconds", type=float, default=0.5)
@@ -125,6 +166,16 @@ def main() -> int:
     if args.steps_per_second:
         with tempfile.TemporaryDirectory(prefix="scale-") as scratch:
             grpo_rates(args.steps, [int(s) for s in args.seeds.split(",")], args.reward_seconds, Path(scratch))
+        return 0
+    if args.policy_group:
+        print("| model | MiB | memcpy MB/s | policy group to a Ray actor, object store MB/s (of memcpy) | policy group, "
+              "colocated on its ranks MB/s (of memcpy) |")
+        print("|---|---|---|---|---|")
+        for name in args.models.split(","):
+            with tempfile.TemporaryDirectory(prefix="scale-") as scratch:
+                r = measure_policy_group(name, args.repeats, args.bucket_mb, Path(scratch))
+            print(f"| {name} | {r['mib']:.1f} | {r['memcpy']:.0f} | {r['ray_actor']:.0f} "
+                  f"({r['ray_actor'] / r['memcpy']:.0%}) | {r['colocated']:.0f} ({r['colocated'] / r['memcpy']:.0%}) |")
         return 0
     print("| model | MiB | memcpy MB/s | in-process copy MB/s (of memcpy) | Ray actor, object store MB/s (of memcpy) "
           "| Ray actor, broadcast MB/s (of memcpy) |")
