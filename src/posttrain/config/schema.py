@@ -944,7 +944,8 @@ class ClusterSection(NumericSection):
     loads it in a group of N Ray actors of its own, scoring through `sequence_scores` (each call of
     environment.options.batch_size rows goes to the next actor in turn), and builds the environment in the driver
     process, as verl scores a reward-model worker group from its driver (cluster.environment_* then do not apply).
-    Needs environment.kind=reward_model, or a mixture with one reward_model component."""
+    Needs environment.kind=reward_model, or a mixture with one reward_model component. With asynchronous rollouts
+    the groups of a round are scored from several driver threads at once, their calls spread over the actors."""
 
     cpus_per_scoring_worker: float = Field(1.0, gt=0)
     """ray: CPUs the placement group of a reference, teacher or reward group reserves for each of its actors."""
@@ -1567,8 +1568,7 @@ class OnlineRLConfig(RecipeConfig):
 
     def _check_reward_group(self) -> None:
         """cluster.reward_workers: one reward model (environment.kind=reward_model, or one mixture component of that
-        kind) scored by the group, the environment in the driver (its environment actors' keys do not apply), and
-        synchronous rollouts."""
+        kind) scored by the group, the environment in the driver (its environment actors' keys do not apply)."""
         c, environment = self.cluster, self.environment
         if environment.kind == "reward_model":
             models = 1
@@ -1588,11 +1588,6 @@ class OnlineRLConfig(RecipeConfig):
                 raise ValueError(f"cluster.{key} does not apply with cluster.reward_workers={c.reward_workers}: the "
                                  "environment then runs in the driver process and its reward model in the reward "
                                  f"group; remove cluster.{key} or set cluster.reward_workers=0")
-        if self.rollout.asynchronous:
-            raise ValueError(f"cluster.reward_workers={c.reward_workers} with rollout.asynchronous=true is not built "
-                             "yet (asynchronous rounds score in the environment actors); set "
-                             "cluster.reward_workers=0 (the environment actors then load the reward model) or "
-                             "rollout.asynchronous=false")
 
     def check_scoring_groups(self, needs_reference: bool, teacher: TeacherSection | None) -> None:
         """ValueError for a reference or teacher group (cluster.reference_workers, teacher_workers) that would load

@@ -1127,6 +1127,14 @@ class RayScoringGroup:
     def sequence_scores(self, batch: AnyBatch) -> torch.Tensor:
         return torch.cat(self._scatter("sequence_scores", batch, f"the scores of {rows_of(batch)} rows"))
 
+    def sequence_scores_each(self, batches: Sequence[AnyBatch]) -> list[torch.Tensor]:
+        """`sequence_scores` of each batch, the calls sent at once to the actors in turn (a reward model's batches
+        of one environment step are scored in parallel), the answers in the batches' order."""
+        calls = [Call(next(self._next) % len(self.group.actors), "sequence_scores", (batch,), samples=rows_of(batch))
+                 for batch in batches]
+        rows = sum(call.samples for call in calls)
+        return self.group.call(calls, f"the scores of {rows} rows in {len(calls)} calls")
+
     def _scatter(self, method: str, batch: AnyBatch, waiting_for: str, *args: Any) -> list[Any]:
         """The actors' answers to `method` on their shares of `batch`, in row order."""
         if not isinstance(batch, RolloutBatch):

@@ -14,6 +14,7 @@ right-padded and the head reads each row's last non-pad token, as in training; t
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,6 +53,8 @@ class RewardModel:
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.max_length = max_length
+        self._tokenizing = threading.Lock()
+        """Held while tokenizing: asynchronous rounds score groups from several threads (a reward group's model)."""
 
     @classmethod
     def scored_by(cls, scorer: ScoringWorker, tokenizer: PreTrainedTokenizerBase, batch_size: int = 32,
@@ -61,6 +64,7 @@ class RewardModel:
         reward_model = cls.__new__(cls)
         reward_model.model, reward_model.scorer, reward_model.tokenizer = None, scorer, tokenizer
         reward_model.batch_size, reward_model.max_length = batch_size, max_length
+        reward_model._tokenizing = threading.Lock()
         return reward_model
 
     @classmethod
@@ -88,13 +92,14 @@ class RewardModel:
         data.overlong=truncate does in training); DataError (a ValueError) when a prompt alone does not fit."""
         if len(prompts) != len(completions):
             raise ValueError(f"got {len(prompts)} prompts but {len(completions)} completions; pass one per prompt")
-        rows = [self._tokenize(prompt, completion, index)
-                for index, (prompt, completion) in enumerate(zip(prompts, completions))]
-        rewards: list[float] = []
-        for start in range(0, len(rows), self.batch_size):
-            batch = collate_padded(rows[start:start + self.batch_size], self.tokenizer.pad_token_id)
-            rewards.extend(self.scorer.sequence_scores(batch).tolist())
-        return rewards
+        with self._tokenizing:  # a fast tokenizer refuses calls from two threads at once ("Already borrowed")
+            rows = [self._tokenize(prompt, completion, index)
+                    for index, (prompt, completion) in enumerate(zip(prompts, completions))]
+        batches = [collate_padded(rows[start:start + self.batch_size], self.tokenizer.pad_token_id)
+                   for start in range(0, len(rows), self.batch_size)]
+        score_each = getattr(self.scorer, "sequence_scores_each", None)  # a Ray reward group: the batches at once
+        scores = score_each(batches) if score_each is not None else map(self.scorer.sequence_scores, batches)
+        return [reward for batch_scores in scores for reward in batch_scores.tolist()]
 
     def _tokenize(self, prompt: str | Messages, completion: str | Messages, index: int) -> TokenizedExample:
         prompt_ids, (completion_ids,) = tokenize_completions(prompt, [completion], self.tokenizer, f"pair {index}")
