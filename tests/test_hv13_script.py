@@ -1,6 +1,6 @@
 """HV-13's script (scripts/hardware/hv13_ray_generation_gpu.py): its per-run checks on hand-made records, each
 failing when what it guards is broken; the CPU dry run end to end (the transformers phase with CPU generation
-actors; the GPU runs are HV-13's job)."""
+actors, the colocated phase on a CPU policy rank; the GPU runs are HV-13's job)."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ def test_each_check_passes_a_healthy_run_and_fails_when_its_part_breaks():
     assert not script.same_rewards([{"reward/mean": 0.5}], [{"reward/mean": 0.25}])
 
 
-@pytest.mark.slow  # about 110 s on 2 shared cores: two 2-step Ray runs
-def test_cpu_dry_run_passes_the_transformers_phase_and_skips_the_vllm_phases(tmp_path):
+@pytest.mark.slow  # about 150 s on 2 shared cores: three 2-step Ray runs
+def test_cpu_dry_run_passes_the_transformers_and_colocated_phases_and_skips_the_vllm_phases(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(SCRIPT.parents[2] / "src")}
     done = subprocess.run([sys.executable, str(SCRIPT), "--allow-cpu", "--steps", "2"], env=env, capture_output=True,
                           text=True, timeout=900)
@@ -62,3 +62,5 @@ def test_cpu_dry_run_passes_the_transformers_phase_and_skips_the_vllm_phases(tmp
     assert result["passed"] and set(result["skipped"]) == {"vllm", "adapters"}
     assert result["runs"]["transformers-broadcast"]["sync_backend"] == "gloo"
     assert result["runs"]["transformers-object-store"]["devices"] == ["cpu"]
+    assert result["runs"]["colocated-policy-rank"]["devices"] == ["cpu"]  # the rank's own generator
+    assert result["checks"]["colocated-policy-rank/version_pushed_each_step"]

@@ -1,9 +1,11 @@
 """HV-13: Ray generation actors on GPUs (cluster.gpus_per_generation_worker, docs/ray.md): the transformers actor
-sampling on the GPU Ray granted it, the vLLM generation actor (rollout.backend=vllm with cluster.backend=ray), and
-LoRA adapters-only sync to it (weight_sync.lora=adapters).
+sampling on the GPU Ray granted it, the vLLM generation actor (rollout.backend=vllm with cluster.backend=ray),
+LoRA adapters-only sync to it (weight_sync.lora=adapters), and colocated generation on a GPU policy rank
+(cluster.colocated=true with cluster.policy_workers=1).
 
-    .venv/bin/python scripts/hardware/hv13_ray_generation_gpu.py [--steps 4] [--phases transformers,vllm,adapters]
-    .venv/bin/python scripts/hardware/hv13_ray_generation_gpu.py --allow-cpu      # the transformers phase on CPUs
+    .venv/bin/python scripts/hardware/hv13_ray_generation_gpu.py [--steps 4] \
+        [--phases transformers,vllm,adapters,colocated]
+    .venv/bin/python scripts/hardware/hv13_ray_generation_gpu.py --allow-cpu   # transformers, colocated on CPUs
 
 Every phase is a GRPO run of the tiny arithmetic set-up (posttrain/tiny, 8 prompts x 4 samples, digit-fraction
 reward) with cluster.backend=ray, the policy in the driver process (on GPU 0), one generation actor of one GPU and one
@@ -13,7 +15,9 @@ CPU environment actor:
                 reported, not a failure);
   vllm          the vLLM generation actor (bfloat16 engine), weights by the object store, then by broadcast;
   adapters      a LoRA policy (r 8) pushing its adapters alone to the vLLM actor, against the same run pushing the
-                merged weights.
+                merged weights;
+  colocated     no generation actor: the policy on one Ray rank of one GPU (FSDP2), sampling from the copy it refills
+                on that GPU in its own process after each optimizer step.
 Checks per run (first estimates, in THRESHOLDS): the actor samples where it should (cuda:0; "cpu" in the dry run);
 every step pushed its version (weight_sync/version equals the step) and every trained episode of step s was sampled
 by version s - 1 (samples.jsonl's policy_version: the actor stamped each push); the generator-vs-trainer
@@ -47,7 +51,7 @@ THRESHOLDS = {
     "adapters_bytes_fraction_max": 0.2,
 }
 TESTS = Path(__file__).resolve().parents[2] / "tests"
-PHASES = ("transformers", "vllm", "adapters")
+PHASES = ("transformers", "vllm", "adapters", "colocated")
 
 
 def run_checks(metrics: list[dict], samples: list[dict], devices: list[str], expected_device: str, steps: int,
@@ -90,14 +94,15 @@ def main() -> int:
     from posttrain.logging.samples import read_samples
 
     made: list[tuple[list[str], object]] = []
-    real_generator = ray_groups.RayCluster.generator
+    def recording(real):
+        def make(self, *a, **k):
+            generator = real(self, *a, **k)
+            made.append((generator.sampling_devices(), generator))
+            return generator
+        return make
 
-    def recording(self, *a, **k):
-        generator = real_generator(self, *a, **k)
-        made.append((generator.sampling_devices(), generator))
-        return generator
-
-    ray_groups.RayCluster.generator = recording
+    ray_groups.RayCluster.generator = recording(ray_groups.RayCluster.generator)
+    ray_groups.RayCluster.colocated_generator = recording(ray_groups.RayCluster.colocated_generator)
     gpus = torch.cuda.device_count() if cuda else 0
     gpu = ["cluster.gpus_per_generation_worker=1"] if cuda else []
     common = [*TINY_RL, *DIGITS, f"trainer.max_steps={args.steps}", "trainer.save_every=0",
@@ -121,7 +126,8 @@ def main() -> int:
         devices, generator = made[-1]
         result["runs"][name] = {
             "seconds": time.perf_counter() - started, "devices": devices,
-            "sync_backend": generator.sync_backend, "sync_backend_note": generator.sync_backend_note,
+            "sync_backend": getattr(generator, "sync_backend", None),
+            "sync_backend_note": getattr(generator, "sync_backend_note", None),
             "rewards": [m["reward/mean"] for m in metrics],
             "generator_logprob_error": [m["generator_logprob_error"] for m in metrics],
             "generator_logprob_error_max": [m["generator_logprob_error_max"] for m in metrics],
@@ -177,6 +183,12 @@ def main() -> int:
                                                                                   for m in merged[0])
                 result["adapters_bytes_fraction"] = fraction
                 result["checks"]["adapters/bytes_fraction"] = fraction <= THRESHOLDS["adapters_bytes_fraction_max"]
+        if "colocated" in phases:
+            rank_gpu = ["cluster.gpus_per_policy_worker=1"] if cuda else []
+            colocated = run("colocated-policy-rank", scratch, "cluster.colocated=true", "cluster.policy_workers=1",
+                            "trainer.num_threads=1", *rank_gpu)
+            check("colocated-policy-rank", colocated, "cuda:0" if cuda else "cpu",
+                  THRESHOLDS["transformers_logprob_error_max"])
     result["passed"] = bool(result["checks"]) and all(result["checks"].values())
     text = json.dumps(result, indent=2)
     print(text)

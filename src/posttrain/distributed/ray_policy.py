@@ -167,6 +167,9 @@ class TrainerRankActor:
     def generator_version(self) -> int:
         return self.generator.weights_version
 
+    def generator_device(self) -> str:
+        return str(self.generator.generator.device)
+
     def generator_digests(self) -> dict[str, str]:
         return self.generator.weight_digests()[0]
 
@@ -559,6 +562,9 @@ class RankGenerator:
 
     def actor_versions(self) -> list[int]:
         return self.group.each("generator_version", "the version each rank's generator holds")
+
+    def sampling_devices(self) -> list[str]:
+        return self.group.each("generator_device", "the device each rank's generator samples on")
 
     def weight_digests(self) -> list[dict[str, str]]:
         return self.group.each("generator_digests", "the digests of each rank's generator weights")
