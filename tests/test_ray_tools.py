@@ -354,6 +354,39 @@ def test_asynchronous_multi_turn_rounds_stay_within_the_staleness_bound_counted_
     assert fractions[0] == 0 and 0 <= fractions[1] <= 1 and fractions[2:] == [1, 1]
 
 
+@pytest.mark.slow  # about 50 s: a 3-step asynchronous multi-turn Ray run, one group's tool straggling 20 s
+def test_an_asynchronous_multi_turn_group_whose_tool_straggles_on_its_actor_is_dropped_and_counted(
+        tmp_path, tiny_model_dir, monkeypatch):
+    """The first prompt of round 1 calls a tool that sleeps 20 s on its environment actor, past the 8 s group
+    timeout: its group is dropped and counted at step 1 and never trained; the round's other groups, whose tools
+    answer at once on the same actors, are trained, and later rounds drop nothing."""
+    import json
+
+    slow: list[str] = []
+
+    def call_for(text: str) -> ToolCall:
+        slow.append(slow[0] if slow else text)  # the first prompt the run samples
+        return ToolCall("sleep_for", {"seconds": 20.0 if text == slow[0] else 0.0})
+
+    forced_first_turns(monkeypatch, call_for=call_for)
+    tools = [f"environment.options={{tools: ['{TOOL_FNS}:sleep_for'], timeout_s: 60}}"]
+    cfg = load_config(GRPOConfig, None, [*TOOLS, *tools, *RAY, f"output_dir={tmp_path}", "trainer.max_steps=3",
+                                         "rollout.asynchronous=true", "loss.importance_correction=tis",
+                                         "rollout.group_timeout_s=8", "logging.samples_per_step=8"])
+    with pytest.warns(RuntimeWarning, match="does not render tools"):
+        train_grpo(cfg)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["rollout/timed_out_groups"] for r in records] == [1, 0, 0]
+    assert records[-1]["rollout/timed_out_groups_total"] == 1
+    assert all(r["rollout/generation_timed_out_groups"] == 0 for r in records)  # it straggled in its tool
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    by_step = {step: [s for s in samples if s["step"] == step] for step in (1, 2, 3)}
+    assert len(by_step[1]) == 6 and len(by_step[2]) == len(by_step[3]) == 8  # 3 groups of 2, then 4
+    assert all(slow[0] not in s["prompt"] for s in samples)  # the dropped group was never trained
+    assert all(s["completion"].count("awake") >= 1 for s in samples)  # every trained episode's tool answered
+
+
 @pytest.mark.slow  # about 70 s: an asynchronous multi-turn Ray run stopped after step 2, then resumed to step 4
 def test_an_asynchronous_multi_turn_run_resumes_with_the_round_in_flight_and_its_versions(tmp_path, tiny_model_dir,
                                                                                         monkeypatch):

@@ -56,3 +56,13 @@ def wait_for_the_next_step(metrics: str) -> str:
             return "next"
         time.sleep(0.01)
     return "first" if not logged else "timed out"
+
+
+def sleep_for(seconds: float) -> str:
+    """Sleep `seconds`, then answer "awake" (a tool that straggles when asked to).
+
+    Args:
+        seconds: how long to sleep
+    """
+    time.sleep(seconds)
+    return "awake"
