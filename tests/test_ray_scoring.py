@@ -179,6 +179,13 @@ def test_a_scoring_group_splits_on_micro_batches_joins_in_order_and_names_an_act
         assert scorer.sequence_scores(rollouts(2)).tolist() == [0.0, 0.0]  # one micro-batch: one actor scores it
         # Rows that are not a rollout batch (here a stand-in list) go whole to the next actor in turn.
         assert [scorer.sequence_scores(["a", "b"]).tolist() for _ in range(3)] == [[0.0] * 2, [1.0] * 2, [0.0] * 2]
+        # Several batches at once (a distillation step's micro-batches, a reward step's calls): sent together, to
+        # the actors in turn (going on from where the last call left), answered in the batches' order.
+        parts = [rollouts(2), rollouts(3), rollouts(1)]
+        answers = scorer.topk_logprobs_each(parts, 2)
+        assert [ids[0, 0, 0].item() for _, ids in answers] == [1, 0, 1]
+        assert [tuple(values.shape) for values, _ in answers] == [(2, 5, 2), (3, 5, 2), (1, 5, 2)]
+        assert [s.tolist() for s in scorer.sequence_scores_each([["a"], ["b", "c"]])] == [[0.0], [1.0, 1.0]]
 
         silent = group(hanging=True)
         started = time.monotonic()

@@ -164,18 +164,34 @@ def teacher_batch(teacher: ScoringWorker, rows: SFTBatch, loss: DistillationLoss
     return DistillBatch(rows, values.float(), ids)
 
 
+def teacher_batches(teacher: ScoringWorker, rows: Sequence[SFTBatch], loss: DistillationLossConfig
+                    ) -> list[DistillBatch]:
+    """`teacher_batch` of each of `rows`; a Ray teacher group (`topk_logprobs_each`) scores them at once, spread
+    over its actors."""
+    each = getattr(teacher, "topk_logprobs_each", None)
+    if each is None:
+        return [teacher_batch(teacher, part, loss) for part in rows]
+    return [DistillBatch(part, values.float(), ids)
+            for part, (values, ids) in zip(rows, each(rows, loss.topk, loss.temperature), strict=True)]
+
+
+PRECOMPUTE_BATCHES_AT_ONCE = 8
+"""Precomputing the top-k, batches handed to the teacher at a time (a Ray group scores them in parallel)."""
+
+
 def examples_topk(teacher: ScoringWorker, examples: Sequence[TokenizedExample], loss: DistillationLossConfig,
                   pad_token_id: int, batch_size: int) -> TeacherTopk:
     """The teacher's top-k at every target of every example (TeacherTopk), scored batch_size examples at a time."""
     values, ids, counts = [], [], [0]
-    for group in chunks(list(examples), batch_size):
-        rows = collate(group, pad_token_id, packing=False, max_length=max(len(e) for e in group))  # padded
-        scored = teacher_batch(teacher, rows, loss)
-        for row in range(len(group)):
-            sources = rows.loss_mask[row].nonzero().squeeze(-1) - 1
-            values.append(scored.teacher_topk_logprobs[row, sources])
-            ids.append(scored.teacher_topk_ids[row, sources])
-            counts.append(len(sources))
+    for window in chunks(list(chunks(list(examples), batch_size)), PRECOMPUTE_BATCHES_AT_ONCE):
+        collated = [collate(group, pad_token_id, packing=False, max_length=max(len(e) for e in group))  # padded
+                    for group in window]
+        for group, rows, scored in zip(window, collated, teacher_batches(teacher, collated, loss), strict=True):
+            for row in range(len(group)):
+                sources = rows.loss_mask[row].nonzero().squeeze(-1) - 1
+                values.append(scored.teacher_topk_logprobs[row, sources])
+                ids.append(scored.teacher_topk_ids[row, sources])
+                counts.append(len(sources))
     return TeacherTopk(torch.cat(values), torch.cat(ids), torch.tensor(counts).cumsum(0))
 
 
@@ -537,18 +553,18 @@ def train_distill(cfg: DistillConfig) -> DistillResult:
                 examples = list(chunks(flat, trainer.micro_batch_size))
             # The teacher's top-k at every target of every micro-batch.
             scoring_started = time.perf_counter()
-            micro_batches = []
-            for indices, part in zip(draws, examples, strict=True):
-                rows = collate(part, pad, False, cfg.data.max_length)
-                if chunked is not None:
-                    micro_batches.append(chunked.batch(rows, indices, part if step_on_policy else None))
-                elif cached is not None:
-                    micro_batches.append(cached.batch(rows, indices))
-                elif routes is None:
-                    micro_batches.append(teacher_batch(teachers[0], rows, cfg.loss))
-                else:
-                    micro_batches.append(routed_teacher_batch(teachers, [routes[i] for i in indices], part, rows,
-                                                              cfg.loss, pad))
+            collated = [collate(part, pad, False, cfg.data.max_length) for part in examples]
+            if chunked is not None:
+                micro_batches = [chunked.batch(rows, indices, part if step_on_policy else None)
+                                 for rows, indices, part in zip(collated, draws, examples, strict=True)]
+            elif cached is not None:
+                micro_batches = [cached.batch(rows, indices) for rows, indices in zip(collated, draws, strict=True)]
+            elif routes is None:  # a Ray teacher group scores the step's micro-batches at once
+                micro_batches = teacher_batches(teachers[0], collated, cfg.loss)
+            else:
+                micro_batches = [routed_teacher_batch(teachers, [routes[i] for i in indices], part, rows, cfg.loss,
+                                                      pad)
+                                 for rows, indices, part in zip(collated, draws, examples, strict=True)]
             teacher_seconds = time.perf_counter() - scoring_started
             if sum(mb.num_target_tokens for mb in micro_batches) == 0:
                 raise ValueError("an optimizer step drew no target tokens; check data.completion_only_loss and the data")

@@ -1128,12 +1128,21 @@ class RayScoringGroup:
         return torch.cat(self._scatter("sequence_scores", batch, f"the scores of {rows_of(batch)} rows"))
 
     def sequence_scores_each(self, batches: Sequence[AnyBatch]) -> list[torch.Tensor]:
-        """`sequence_scores` of each batch, the calls sent at once to the actors in turn (a reward model's batches
-        of one environment step are scored in parallel), the answers in the batches' order."""
-        calls = [Call(next(self._next) % len(self.group.actors), "sequence_scores", (batch,), samples=rows_of(batch))
+        """`sequence_scores` of each batch (a reward model's batches of one environment step), in parallel: `_each`."""
+        return self._each("sequence_scores", batches, "the scores")
+
+    def topk_logprobs_each(self, batches: Sequence[AnyBatch], k: int,
+                           temperature: float = 1.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`topk_logprobs` of each batch (the micro-batches of a distillation step), in parallel: `_each`."""
+        return self._each("topk_logprobs", batches, f"the top-{k} log-probabilities", k, temperature)
+
+    def _each(self, method: str, batches: Sequence[AnyBatch], what: str, *args: Any) -> list[Any]:
+        """`method` of each batch, whole, the calls sent at once to the actors in turn (N actors answer N calls in
+        parallel); the answers in the batches' order."""
+        calls = [Call(next(self._next) % len(self.group.actors), method, (batch, *args), samples=rows_of(batch))
                  for batch in batches]
         rows = sum(call.samples for call in calls)
-        return self.group.call(calls, f"the scores of {rows} rows in {len(calls)} calls")
+        return self.group.call(calls, f"{what} of {rows} rows in {len(calls)} calls")
 
     def _scatter(self, method: str, batch: AnyBatch, waiting_for: str, *args: Any) -> list[Any]:
         """The actors' answers to `method` on their shares of `batch`, in row order."""
