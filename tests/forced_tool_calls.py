@@ -11,10 +11,12 @@ from posttrain.generation.base import Completion, GenerationOutput
 
 class FirstTurnForced:
     """`call_for(prompt_text)`: the ToolCall a first turn makes, rendered in the Hermes format and ended with
-    <|im_end|>. `forced` counts the samples replaced."""
+    <|im_end|>; with `with_version`, `call_for(prompt_text, version)`, version: the oldest weights version that
+    sampled the call's first turns (as its output says, else the generator's). `forced` counts the samples
+    replaced."""
 
-    def __init__(self, inner, tokenizer, call_for: Callable[[str], ToolCall]):
-        self.inner, self.tokenizer, self.call_for = inner, tokenizer, call_for
+    def __init__(self, inner, tokenizer, call_for: Callable[..., ToolCall], with_version: bool = False):
+        self.inner, self.tokenizer, self.call_for, self.with_version = inner, tokenizer, call_for, with_version
         self.im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.forced = 0
 
@@ -35,12 +37,14 @@ class FirstTurnForced:
 
     def forced_output(self, prompts, output):
         completions = []
+        version = min(output.extra.get("weights_versions") or [self.inner.weights_version])
         for prompt, samples in zip(prompts, output.completions):
             text = self.tokenizer.decode(prompt)
             if "<|im_start|>tool" in text:  # a later turn: the model's own
                 completions.append(samples)
                 continue
-            call = parser_of("hermes").render([self.call_for(text)])
+            call = parser_of("hermes").render([self.call_for(text, version) if self.with_version else
+                                               self.call_for(text)])
             ids = self.tokenizer(call, add_special_tokens=False)["input_ids"] + [self.im_end]
             completions.append([Completion(prompt, ids, [-1.0] * len(ids), call, "stop")] * len(samples))
             self.forced += len(samples)

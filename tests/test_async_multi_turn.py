@@ -15,7 +15,7 @@ from posttrain.config.schema import GRPOConfig
 from posttrain.data.sampler import EpochSampler
 from posttrain.envs.base import EnvStep
 from posttrain.envs.rewards import RewardErrorBudget
-from posttrain.generation.base import Completion, GenerationOutput, SamplingParams
+from posttrain.generation.base import Completion, GenerationOutput, SamplingParams, SubmittedBlock
 from posttrain.models.tiny import build_tokenizer
 
 from rl_configs import TINY_RL
@@ -265,6 +265,55 @@ def test_a_multi_turn_group_whose_later_turn_generation_straggles_is_dropped_and
     finally:
         generator.release.set()
         running.close()
+
+
+class TwoActorSampler(TurnSampler):
+    """TurnSampler as two generation actors (`submit_blocks`, as the Ray generator has it): a call's first half of
+    prompts is one block, its second half another; the second block of the run's first call is not answered until
+    `release` is set (a straggling actor)."""
+
+    def __init__(self):
+        super().__init__()
+        self.held = False
+
+    def submit_blocks(self, prompts, params, num_samples=1):
+        half = (len(prompts) + 1) // 2
+        blocks = []
+        for start, stop in ((0, half), (half, len(prompts))):
+            answer = self.submit(prompts[start:stop], params, num_samples)
+            hold = start > 0 and not self.held
+
+            def wait(answer=answer, hold=hold):
+                if hold:
+                    assert self.release.wait(timeout=120), "the test never released the straggling block"
+                return answer()
+            blocks.append(SubmittedBlock(start, stop, wait))
+        self.held = True
+        return blocks
+
+
+def test_the_groups_of_a_multi_turn_rounds_straggling_first_turn_block_are_dropped_as_generation_stragglers(
+        tmp_path):
+    """A multi-turn round's first turns are sent one block per generation actor: the groups of the block that
+    answers first run both turns and are trained while the other block straggles past the group timeout, and its
+    groups are dropped and counted as generation stragglers, never trained."""
+    cfg = multi_turn_config(tmp_path, "rollout.group_timeout_s=3")
+    first_round = EpochSampler(ROWS, seed=cfg.seed, shuffle=True).next_indices(8)
+    generator = TwoActorSampler()
+    running = multi_turn_source(cfg, generator, TwoTurns())
+    try:
+        step_1 = running.next_groups(1)
+        assert trained(step_1) == [(g, row) for g, row in enumerate(first_round[:4])]  # the first block's groups
+        assert all(len(group) == 4 and all(e.num_turns == 2 for e in group) for group in step_1.groups)
+        assert step_1.metrics["rollout/timed_out_groups"] == 4 == step_1.metrics["rollout/generation_timed_out_groups"]
+        generator.release.set()
+        step_2 = running.next_groups(2)  # round 2's blocks both answer: nothing dropped
+        assert len(step_2.groups) == 8 and step_2.metrics["rollout/timed_out_groups"] == 0
+        assert running.state_dict()["generation_timed_out_groups"] == 4
+    finally:
+        generator.release.set()
+        running.close()
+    assert [g for g, _ in trained(step_1) + trained(step_2)] == [0, 1, 2, 3, *range(8, 16)]  # none again
 
 
 def test_later_turns_of_in_flight_rounds_are_sampled_in_chunks_and_record_each_spans_version(tmp_path):

@@ -168,9 +168,11 @@ COMPARED = ("reward/mean", "loss", "grad_norm", "generator_logprob_error", "turn
             "tools/budget_stop_rate", "tools/errors/unknown_tool", "tools/errors/malformed")
 
 
-def forced_first_turns(monkeypatch, on_later_turn=lambda: None, call_for=word_problem_call) -> list:
+def forced_first_turns(monkeypatch, on_later_turn=lambda: None, call_for=word_problem_call,
+                       with_version: bool = False) -> list:
     """Every run's generator, the policy's (the Ray generation workers on Ray) with a forced first turn
-    (`call_for(prompt text)`); `on_later_turn()` runs before each call that samples a later turn."""
+    (`call_for(prompt text)`, or with `with_version` `call_for(prompt text, the version that sampled it)`);
+    `on_later_turn()` runs before each call that samples a later turn."""
     generators = []
     policy_generator = grpo_module.policy_generator
 
@@ -181,7 +183,8 @@ def forced_first_turns(monkeypatch, on_later_turn=lambda: None, call_for=word_pr
             return super().generate(prompts, params, num_samples)
 
     def forced(cfg, tokenizer, policy, cluster=None):
-        generators.append(Forced(policy_generator(cfg, tokenizer, policy, cluster), tokenizer, call_for))
+        generators.append(Forced(policy_generator(cfg, tokenizer, policy, cluster), tokenizer, call_for,
+                                 with_version))
         return generators[-1]
 
     monkeypatch.setattr(grpo_module, "policy_generator", forced)
@@ -327,14 +330,15 @@ def test_ray_grpo_with_the_swe_environment_scores_the_gold_edit_1_on_the_environ
 @pytest.mark.slow  # about 60 s: a 4-step asynchronous Ray run with tool calls
 def test_asynchronous_multi_turn_rounds_stay_within_the_staleness_bound_counted_from_the_oldest_version(
         tmp_path, tiny_model_dir, monkeypatch):
-    """Each episode's first turn calls a tool that, once the run has logged a step, answers only when it logs the
-    next one: the rounds sent ahead at steps 2 and 3 sample their first turns from the weights of before the push
-    that ends that step and their second turns from the weights after it. Their age still counts from the first
+    """Each episode's first turn calls a tool that, once the run has logged a step, answers only when the weights
+    are newer than those that sampled the first turn (the step after them is logged): the rounds sent ahead at
+    steps 2 and 3 sample their first turns from the weights of before the push that ends that step and their second
+    turns from the weights after it (however slowly the first turns come). Their age still counts from the first
     turn's version, so every step stays within max_staleness=1."""
     metrics = tmp_path / "metrics.jsonl"
-    generators = forced_first_turns(monkeypatch, call_for=lambda text: ToolCall("wait_for_the_next_step",
-                                                                                {"metrics": str(metrics)}))
-    slow = [f"environment.options={{tools: ['{TOOL_FNS}:wait_for_the_next_step'], timeout_s: 120}}"]
+    generators = forced_first_turns(monkeypatch, with_version=True, call_for=lambda text, version: ToolCall(
+        "wait_for_the_version_after", {"metrics": str(metrics), "version": version}))
+    slow = [f"environment.options={{tools: ['{TOOL_FNS}:wait_for_the_version_after'], timeout_s: 120}}"]
     cfg = load_config(GRPOConfig, None, [*TOOLS, *slow, *RAY, f"output_dir={tmp_path}", "trainer.max_steps=4",
                                          "rollout.asynchronous=true", "loss.importance_correction=tis",
                                          "rollout.max_staleness=1"])
@@ -396,8 +400,9 @@ def test_an_asynchronous_multi_turn_run_resumes_with_the_round_in_flight_and_its
     import json
 
     metrics = tmp_path / "metrics.jsonl"
-    forced_first_turns(monkeypatch, call_for=lambda text: ToolCall("wait_for_the_next_step", {"metrics": str(metrics)}))
-    slow = [f"environment.options={{tools: ['{TOOL_FNS}:wait_for_the_next_step'], timeout_s: 120}}"]
+    forced_first_turns(monkeypatch, with_version=True, call_for=lambda text, version: ToolCall(
+        "wait_for_the_version_after", {"metrics": str(metrics), "version": version}))
+    slow = [f"environment.options={{tools: ['{TOOL_FNS}:wait_for_the_version_after'], timeout_s: 120}}"]
     for steps in (2, 4):
         with pytest.warns(RuntimeWarning, match="does not render tools"):
             train_grpo(load_config(GRPOConfig, None, [

@@ -41,23 +41,6 @@ def rendezvous(meeting: str, party: str) -> str:
     return "alone"
 
 
-def wait_for_the_next_step(metrics: str) -> str:
-    """Once a run has logged a step, wait (up to 60 s) until it logs the next one, which comes after its next weight
-    push: what the episode samples after this answer, newer weights sample. Before the first step, no wait.
-
-    Args:
-        metrics: the run's metrics.jsonl
-    """
-    path = Path(metrics)
-    logged = len(path.read_text().splitlines()) if path.is_file() else 0
-    give_up = time.monotonic() + 60
-    while logged and time.monotonic() < give_up:
-        if len(path.read_text().splitlines()) > logged:
-            return "next"
-        time.sleep(0.01)
-    return "first" if not logged else "timed out"
-
-
 def sleep_for(seconds: float) -> str:
     """Sleep `seconds`, then answer "awake" (a tool that straggles when asked to).
 
@@ -66,3 +49,27 @@ def sleep_for(seconds: float) -> str:
     """
     time.sleep(seconds)
     return "awake"
+
+
+def wait_for_the_version_after(metrics: str, version: int) -> str:
+    """Once a run has logged a step, wait (up to 60 s) until it has logged step `version` + 1, whose weight push
+    installs version + 1: what the episode samples after this answer, weights newer than `version` sample. Before
+    the first step, no wait (the first step needs the first round's episodes).
+
+    Args:
+        metrics: the run's metrics.jsonl
+        version: the weights version that sampled the episode's first turn
+    """
+    path = Path(metrics)
+
+    def logged() -> int:
+        return len(path.read_text().splitlines()) if path.is_file() else 0
+
+    if not logged():
+        return "first"
+    give_up = time.monotonic() + 60
+    while time.monotonic() < give_up:
+        if logged() > version:
+            return "next"
+        time.sleep(0.01)
+    return "timed out"

@@ -184,7 +184,14 @@ def run_episodes_within(rows: list[PromptRow], first_group_id: int, num_samples:
         first_params = params
     if tool_use is not None and tool_use.max_episode_tokens is not None:
         first_params = replace(first_params, max_new_tokens=min(params.max_new_tokens, tool_use.max_episode_tokens))
-    first = times.sample(generator, [row.prompt_ids for row in rows], first_params, num_samples, episodes)
+    first_prompts = [row.prompt_ids for row in rows]
+    # A multi-turn round under a group timeout whose first turn was sent in blocks (one per generation actor,
+    # `SubmittedGeneration` in blocks): each block's episodes start as soon as it arrives, and the clock with the
+    # first block, so a straggling actor's first turns are dropped like its later ones.
+    take_blocks = getattr(generator, "first_turn_blocks", None) if max_turns > 1 and group_timeout_s else None
+    blocks = take_blocks(first_prompts, first_params, num_samples) if take_blocks is not None else None
+    if blocks is None:
+        first = times.sample(generator, first_prompts, first_params, num_samples, episodes)
     group_ids = list(range(first_group_id, first_group_id + len(rows)))
     if max_turns == 1 and group_timeout_s is not None:
         # A generator that sampled in chunks under the timeout (rollout_source.ChunkedGeneration) names the samples
@@ -205,23 +212,48 @@ def run_episodes_within(rows: list[PromptRow], first_group_id: int, num_samples:
         return GroupsWithin(episodes, times.rollout_times(), [], [])
 
     stream_base = group_seed if group_seed is not None else params.seed
-    # The clock of the group timeout starts when the first turn's completions have arrived.
-    deadline = time.monotonic() + group_timeout_s if group_timeout_s is not None else math.inf
     waiting_on_generation: list[Episode] = []
     pool = ThreadPoolExecutor(max_workers=min(len(episodes), EPISODE_THREADS), thread_name_prefix="environment-step")
     sampler = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="turn-sample") if group_timeout_s is not None
                else None)
+    arrivals = ThreadPoolExecutor(max_workers=len(blocks), thread_name_prefix="first-turn") if blocks else None
     try:
-        pending = {pool.submit(environment.step, [e.messages], [e.metadata]): e for e in episodes}
-        while pending:
+        pending: dict[Future, Episode] = {}
+        arriving: dict[Future, Any] = {}
+        if arrivals is None:
+            pending = {pool.submit(environment.step, [e.messages], [e.metadata]): e for e in episodes}
+        else:  # bounded: every block's wait has a deadline of its own (a Ray generator's cluster.timeout_s)
+            arriving = {arrivals.submit(block.wait): block for block in blocks}
             started = time.perf_counter()
-            finished, _ = wait(pending, timeout=min(step_deadline, max(deadline - time.monotonic(), 0.0)),
+            wait(arriving, return_when=FIRST_COMPLETED)
+            times.generate += time.perf_counter() - started
+        # The clock of the group timeout starts when the first turn's completions (its first block) have arrived.
+        deadline = time.monotonic() + group_timeout_s if group_timeout_s is not None else math.inf
+        while pending or arriving:
+            for future in [f for f in arriving if f.done()]:
+                block = arriving.pop(future)
+                output = future.result()  # raises what the block raised
+                arrived = episodes[block.start * num_samples:block.stop * num_samples]
+                times.tokens += output.num_generated_tokens
+                _append_completions(arrived, output)
+                pending.update({pool.submit(environment.step, [e.messages], [e.metadata]): e for e in arrived})
+            if not pending:
+                if time.monotonic() >= deadline:
+                    break  # the blocks still out are dropped below, as generation stragglers
+                wait(arriving, timeout=max(deadline - time.monotonic(), 0.0), return_when=FIRST_COMPLETED)
+                continue
+            started = time.perf_counter()
+            finished, _ = wait([*pending, *arriving],
+                               timeout=min(step_deadline, max(deadline - time.monotonic(), 0.0)),
                                return_when=FIRST_COMPLETED)
+            finished = {future for future in finished if future in pending}
             if finished and len(finished) < len(pending):
                 finished, _ = wait(pending, timeout=GATHER_SECONDS, return_when=ALL_COMPLETED)
             times.score += time.perf_counter() - started
             if not finished and time.monotonic() >= deadline:
                 break  # the groups still running are dropped below
+            if not finished and any(future.done() for future in arriving):
+                continue  # a block of first turns arrived: its episodes start above
             if not finished:
                 waiting = sorted((e.group_id, sample_index[id(e)]) for e in pending.values())
                 raise RunError(f"{type(environment).__name__}.step returned nothing within {step_deadline:g} s for "
@@ -260,11 +292,14 @@ def run_episodes_within(rows: list[PromptRow], first_group_id: int, num_samples:
             pending.update({pool.submit(environment.step, [e.messages], [e.metadata]): e for e in ready})
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
-        if sampler is not None:
-            sampler.shutdown(wait=False, cancel_futures=True)
-    # With a group timeout: the groups with an episode still running (its environment call or its next turn's
-    # generation call unanswered) are dropped, whole.
+        for executor in (sampler, arrivals):
+            if executor is not None:
+                executor.shutdown(wait=False, cancel_futures=True)
+    # With a group timeout: the groups with an episode still running (its environment call, its first turn's block
+    # or its next turn's generation call unanswered) are dropped, whole.
     running = {e.group_id for e in episodes if not e.done}
+    waiting_on_generation += [e for block in arriving.values()
+                              for e in episodes[block.start * num_samples:block.stop * num_samples]]
     late = sorted({e.group_id for e in waiting_on_generation})
     kept = [e for e in episodes if e.group_id not in running]
     return GroupsWithin(kept, times.rollout_times(), late, sorted(running - set(late)))

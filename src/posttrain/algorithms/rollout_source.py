@@ -238,8 +238,9 @@ class AsynchronousRolloutSource:
             submitted = ChunkedGeneration(self.generator, prompts, seeded, rollout.num_generations_per_prompt,
                                           rollout.in_flight_chunk_tokens, first_group_id, self.tokenizer,
                                           rollout.group_timeout_s if rollout.max_turns == 1 else None)
-        else:
-            submitted = SubmittedGeneration(self.generator, prompts, seeded, rollout.num_generations_per_prompt)
+        else:  # a multi-turn round's first turns under the group timeout: each actor's block waited for on its own
+            submitted = SubmittedGeneration(self.generator, prompts, seeded, rollout.num_generations_per_prompt,
+                                            in_blocks=rollout.group_timeout_s is not None)
         self.in_flight.append(self.pool.submit(self._finish_round, rows, first_group_id, submitted, seeded))
 
     def _finish_round(self, rows: list[PromptRow], first_group_id: int,
@@ -378,23 +379,42 @@ class SubmittedGeneration:
     later turns of multi-turn episodes) go to the generator when they are made, sampled by the weights it then
     holds; their outputs say which version that was."""
 
-    def __init__(self, generator, prompts: list[list[int]], params: SamplingParams, num_samples: int):
+    def __init__(self, generator, prompts: list[list[int]], params: SamplingParams, num_samples: int,
+                 in_blocks: bool = False):
+        """in_blocks: send it as one block per generation actor (`submit_blocks`, when the generator has it), for
+        `first_turn_blocks` (a multi-turn round under rollout.group_timeout_s)."""
         self.generator = generator
         self.weights_version = generator.weights_version
         self.request = (prompts, params, num_samples)
-        self._answer = generator.submit(prompts, params, num_samples)
+        self.blocks = (generator.submit_blocks(prompts, params, num_samples)
+                       if in_blocks and hasattr(generator, "submit_blocks") else None)
+        self._answer = generator.submit(prompts, params, num_samples) if self.blocks is None else None
         self._answered = False
         self.oldest_version = self.weights_version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
         if self._answered:  # a later turn
             return self.generator.submit(prompts, params, num_samples)()
-        if (prompts, params, num_samples) != self.request:
-            raise ValueError("a submitted generation was asked for other prompts or parameters than it was sent with")
-        self._answered = True
+        self._take(prompts, params, num_samples)
+        if self.blocks is not None:
+            raise ValueError("a generation sent in blocks is answered by first_turn_blocks, not generate")
         output = self._answer()
         self.oldest_version = min(output.extra.get("weights_versions", [self.weights_version]))
         return output
+
+    def first_turn_blocks(self, prompts: list[list[int]], params: SamplingParams,
+                          num_samples: int) -> list[SubmittedBlock] | None:
+        """The blocks it was sent in (each waited for on its own), or None when it was sent whole (then `generate`
+        answers it)."""
+        if self.blocks is None:
+            return None
+        self._take(prompts, params, num_samples)
+        return self.blocks
+
+    def _take(self, prompts: list[list[int]], params: SamplingParams, num_samples: int) -> None:
+        if (prompts, params, num_samples) != self.request:
+            raise ValueError("a submitted generation was asked for other prompts or parameters than it was sent with")
+        self._answered = True
 
     def version_spans(self, sample: int) -> list[tuple[int, int]]:
         """Every token of a sample was sampled by one version (`oldest_version`): no spans."""
