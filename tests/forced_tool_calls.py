@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from posttrain.envs.tools import ToolCall, parser_of
-from posttrain.generation.base import Completion, GenerationOutput
+from posttrain.generation.base import Completion, GenerationOutput, SubmittedBlock
 
 
 class FirstTurnForced:
@@ -34,6 +34,12 @@ class FirstTurnForced:
         """A call sent now and answered later (asynchronous rollouts), forced as `generate` is."""
         answer = self.inner.submit(prompts, params, num_samples)
         return lambda: self.forced_output(prompts, answer())
+
+    def submit_blocks(self, prompts, params, num_samples=1):
+        """`submit` in the inner generator's blocks (one per generation actor), each forced as `generate` is."""
+        return [SubmittedBlock(block.start, block.stop,
+                               lambda block=block: self.forced_output(prompts[block.start:block.stop], block.wait()))
+                for block in self.inner.submit_blocks(prompts, params, num_samples)]
 
     def forced_output(self, prompts, output):
         completions = []

@@ -268,15 +268,16 @@ def test_a_multi_turn_group_whose_later_turn_generation_straggles_is_dropped_and
 
 
 class TwoActorSampler(TurnSampler):
-    """TurnSampler as two generation actors (`submit_blocks`, as the Ray generator has it): a call's first half of
-    prompts is one block, its second half another; the second block of the run's first call is not answered until
-    `release` is set (a straggling actor)."""
+    """TurnSampler as two generation actors (`submit_blocks`, as the Ray generator has it): a call with per-prompt
+    seeds is cut in two blocks, its first half of prompts and its second (a call seeded as a whole is one block);
+    the second block of the run's first call is not answered until `release` is set (a straggling actor)."""
 
     def __init__(self):
         super().__init__()
         self.held = False
 
     def submit_blocks(self, prompts, params, num_samples=1):
+        assert params.seed is None and params.seeds is not None  # rollout.seed_per_group: per-group streams
         half = (len(prompts) + 1) // 2
         blocks = []
         for start, stop in ((0, half), (half, len(prompts))):
@@ -297,7 +298,7 @@ def test_the_groups_of_a_multi_turn_rounds_straggling_first_turn_block_are_dropp
     """A multi-turn round's first turns are sent one block per generation actor: the groups of the block that
     answers first run both turns and are trained while the other block straggles past the group timeout, and its
     groups are dropped and counted as generation stragglers, never trained."""
-    cfg = multi_turn_config(tmp_path, "rollout.group_timeout_s=3")
+    cfg = multi_turn_config(tmp_path, "rollout.group_timeout_s=3", "rollout.seed_per_group=true")
     first_round = EpochSampler(ROWS, seed=cfg.seed, shuffle=True).next_indices(8)
     generator = TwoActorSampler()
     running = multi_turn_source(cfg, generator, TwoTurns())
@@ -314,6 +315,22 @@ def test_the_groups_of_a_multi_turn_rounds_straggling_first_turn_block_are_dropp
         generator.release.set()
         running.close()
     assert [g for g, _ in trained(step_1) + trained(step_2)] == [0, 1, 2, 3, *range(8, 16)]  # none again
+
+
+def test_a_first_turn_block_that_arrives_within_the_group_timeout_starts_its_episodes_and_drops_nothing(tmp_path):
+    """The second block of round 1's first turns comes 0.5 s after the first, whose episodes are already at their
+    environment calls: its episodes start when it arrives, and every group of the round runs both turns."""
+    cfg = multi_turn_config(tmp_path, "rollout.group_timeout_s=20", "rollout.seed_per_group=true")
+    generator = TwoActorSampler()
+    threading.Timer(0.5, generator.release.set).start()
+    running = multi_turn_source(cfg, generator, TwoTurns())
+    try:
+        step_1 = running.next_groups(1)
+        assert len(step_1.groups) == 8 and step_1.metrics["rollout/timed_out_groups"] == 0
+        assert all(len(group) == 4 and all(e.num_turns == 2 for e in group) for group in step_1.groups)
+    finally:
+        generator.release.set()
+        running.close()
 
 
 def test_later_turns_of_in_flight_rounds_are_sampled_in_chunks_and_record_each_spans_version(tmp_path):

@@ -188,3 +188,31 @@ def test_the_chunked_lm_head_gives_the_full_heads_loss_and_gradients(teacher_dir
     for a, b in zip(full_grads, chunked_grads, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
     assert any(g.abs().sum() > 0 for g in full_grads)
+
+
+def test_precomputing_hands_a_group_teacher_its_batches_eight_at_a_time_and_keeps_the_one_by_one_top_k():
+    """A teacher that scores several batches at once (a Ray teacher group's `topk_logprobs_each`) gets the
+    precompute's batches in windows of 8; the top-k it yields is the top-k of a teacher asked one batch at a time."""
+    from posttrain.algorithms.distill import PRECOMPUTE_BATCHES_AT_ONCE, examples_topk
+
+    class ByIds:  # a deterministic stand-in teacher: scores from the token ids alone
+        def topk_logprobs(self, batch, k, temperature=1.0):
+            ids = batch.input_ids[..., None] + torch.arange(k)
+            return -(ids.float() / 100) / temperature, ids
+
+    class Group(ByIds):
+        def __init__(self):
+            self.windows = []
+
+        def topk_logprobs_each(self, batches, k, temperature=1.0):
+            self.windows.append(len(batches))
+            return [self.topk_logprobs(batch, k, temperature) for batch in batches]
+
+    examples = [TokenizedExample(tuple(range(3, 3 + n)), (0,) * 3 + (1,) * (n - 3)) for n in range(5, 25)]
+    loss = DistillationLossConfig(topk=4)
+    group = Group()
+    one_by_one = examples_topk(ByIds(), examples, loss, pad_token_id=0, batch_size=2)
+    windowed = examples_topk(group, examples, loss, pad_token_id=0, batch_size=2)
+    assert PRECOMPUTE_BATCHES_AT_ONCE == 8 and group.windows == [8, 2]  # 20 examples: 10 batches of 2
+    assert torch.equal(windowed.logprobs, one_by_one.logprobs) and torch.equal(windowed.ids, one_by_one.ids)
+    assert torch.equal(windowed.offsets, one_by_one.offsets) and windowed.offsets[-1] == sum(range(2, 22))

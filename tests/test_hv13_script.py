@@ -62,5 +62,7 @@ def test_cpu_dry_run_passes_the_transformers_and_colocated_phases_and_skips_the_
     assert result["passed"] and set(result["skipped"]) == {"vllm", "adapters"}
     assert result["runs"]["transformers-broadcast"]["sync_backend"] == "gloo"
     assert result["runs"]["transformers-object-store"]["devices"] == ["cpu"]
-    assert result["runs"]["colocated-policy-rank"]["devices"] == ["cpu"]  # the rank's own generator
+    assert result["runs"]["colocated-policy-rank"]["generator"] == "RankGenerator"  # sampling on the policy rank
+    assert result["runs"]["colocated-policy-rank"]["devices"] == ["cpu"]
+    assert result["runs"]["transformers-object-store"]["generator"] == "RayGenerator"
     assert result["checks"]["colocated-policy-rank/version_pushed_each_step"]

@@ -133,7 +133,8 @@ def test_ray_weight_sync_is_versioned_bucketed_and_bitwise_and_the_actors_logpro
 def test_the_groups_of_a_straggling_generation_actor_are_dropped_past_the_group_timeout(tmp_path):
     """RayGenerator.submit_blocks over two stand-in generation actors (no model), the second of which takes 60 s: its
     groups are dropped once group_timeout_s (2 s) has passed since the first actor's share arrived, the others
-    scored. The bound on the wait leaves room for a loaded machine's slow first share, far below the straggler's."""
+    scored, and the next call goes whole to the first actor, which is idle. The bounds on the waits leave room for a
+    loaded machine's slow answers, far below the straggler's."""
     import ray
 
     from posttrain.algorithms.rollout import PromptRow, sample_and_score_within
@@ -177,6 +178,12 @@ def test_the_groups_of_a_straggling_generation_actor_are_dropped_past_the_group_
         assert within.generation_timed_out == [102, 103] and within.scoring_timed_out == []
         assert [(e.group_id, e.reward, e.policy_version) for e in within.episodes] == [
             (100, 0.0, 3), (100, 0.0, 3), (101, 1.0, 3), (101, 1.0, 3)]
+        # The next call (a later turn) goes to the actor with no call outstanding, not to the straggler's queue.
+        started = time.monotonic()
+        again = generator.submit_blocks([r.prompt_ids for r in rows], SamplingParams(max_new_tokens=1,
+                                                                                     seeds=(5, 6, 7, 8)), 1)
+        assert [(b.start, b.stop) for b in again] == [(0, 4)]
+        assert len(again[0].wait().completions) == 4 and time.monotonic() - started < 30
         generator.group.kill()  # the straggler, still in its call, goes before the shutdown
         del generator, blocks
     finally:

@@ -268,6 +268,10 @@ def test_ppo_rlhf_mixture_with_a_reward_group_logs_the_in_process_run(tmp_path, 
     (["cluster.backend=ray", "cluster.reward_workers=1", "environment.kind=mixture",
       "environment.options={components: [{name: a, kind: reward_model, options: {path: x}}, "
       "{name: b, kind: reward_model, options: {path: y}}]}"], "this run has 2 reward_model components"),
+    (["cluster.backend=ray", "cluster.reward_workers=1", "environment.kind=mixture", "rollout.asynchronous=true",
+      "loss.importance_correction=tis", "environment.options={components: [{name: a, kind: reward_model, options: "
+      "{path: x}}, {name: m, kind: math, options: {num_workers: 0}}]}"],
+     "math component 'm' has num_workers=0, which scores in the calling thread"),
     (["cluster.backend=ray", "cluster.reward_workers=1", *reward_model_environment(Path("x")),
       "cluster.environment_workers=2"], "cluster.environment_workers does not apply with cluster.reward_workers=1"),
     (["cluster.backend=ray", "cluster.reward_workers=2", *reward_model_environment(Path("x"))],

@@ -83,7 +83,7 @@ def test_the_weight_specs_read_from_a_models_config_are_those_of_the_loaded_mode
 
 @pytest.mark.parametrize("overrides, message", [
     ([*RAY, "rollout.backend=vllm"], "needs cluster.gpus_per_generation_worker > 0"),
-    ([*VLLM, "cluster.colocated=true"], "colocated generation samples from the trained module itself"),
+    ([*VLLM, "cluster.colocated=true"], "colocated generation samples with the transformers backend"),
     ([*VLLM, "rollout.asynchronous=true", "loss.importance_correction=tis", "rollout.in_flight_updates=true"],
      "in_flight_updates=true with rollout.backend=vllm"),
 ])

@@ -84,13 +84,24 @@ def test_colocated_generation_on_a_two_rank_policy_group_samples_on_the_ranks_an
     samples its half of a round from a copy it refills in its own process after every optimizer step, and the run
     logs the in-process run's numbers."""
     from posttrain.algorithms import rl
+    from posttrain.distributed.ray_policy import RankGenerator
 
     steps = ["rollout.seed_per_group=true", "trainer.max_steps=3"]
     train_grpo(grpo(tmp_path / "local", *steps))
+    sampled_by: list[int] = []  # per generation call, the ranks that sampled a share of it
+    real = RankGenerator.generate
+
+    def recording(self, prompts, params, num_samples=1):
+        output = real(self, prompts, params, num_samples)
+        sampled_by.append(len(output.extra["weights_versions"]))
+        return output
+
     with monkeypatch.context() as patches:
         no_model_in_the_driver(patches)
         patches.setattr(rl, "build_generator", no_generator_in_the_driver)
+        patches.setattr(RankGenerator, "generate", recording)
         train_grpo(grpo(tmp_path / "ray", *steps, *POLICY_GROUP, "cluster.colocated=true"))
+    assert sampled_by[:3] == [2, 2, 2]  # each step's round: both ranks sampled their halves
     local = read_metrics(tmp_path / "local" / "metrics.jsonl")
     remote = read_metrics(tmp_path / "ray" / "metrics.jsonl")
     assert len(local) == 3

@@ -115,6 +115,7 @@ def main() -> int:
     def run(name: str, scratch: Path, *overrides: str) -> tuple[list[dict], list[dict], list[str], object] | None:
         output = scratch / name
         started = time.perf_counter()
+        made.clear()  # this run's generator only: a run that built none through the cluster must not pass on another's
         try:
             train_grpo(load_config(GRPOConfig, None, [*common, f"output_dir={output}", *overrides]))
         except Exception as error:  # the JSON reports a failed run; the next phases still run
@@ -122,10 +123,14 @@ def main() -> int:
                                     "traceback": traceback.format_exc()[-4000:]}
             result["checks"][f"{name}/ran"] = False
             return None
+        if len(made) != 1:
+            result["runs"][name] = {"error": f"{len(made)} generators were built through the Ray cluster, not 1"}
+            result["checks"][f"{name}/ran"] = False
+            return None
         metrics, samples = read_metrics(output / "metrics.jsonl"), read_samples(output / "samples.jsonl")
         devices, generator = made[-1]
         result["runs"][name] = {
-            "seconds": time.perf_counter() - started, "devices": devices,
+            "seconds": time.perf_counter() - started, "generator": type(generator).__name__, "devices": devices,
             "sync_backend": getattr(generator, "sync_backend", None),
             "sync_backend_note": getattr(generator, "sync_backend_note", None),
             "rewards": [m["reward/mean"] for m in metrics],

@@ -181,7 +181,8 @@ PRECOMPUTE_BATCHES_AT_ONCE = 8
 
 def examples_topk(teacher: ScoringWorker, examples: Sequence[TokenizedExample], loss: DistillationLossConfig,
                   pad_token_id: int, batch_size: int) -> TeacherTopk:
-    """The teacher's top-k at every target of every example (TeacherTopk), scored batch_size examples at a time."""
+    """The teacher's top-k at every target of every example (TeacherTopk), in batches of batch_size examples handed
+    to the teacher PRECOMPUTE_BATCHES_AT_ONCE at a time (`teacher_batches`)."""
     values, ids, counts = [], [], [0]
     for window in chunks(list(chunks(list(examples), batch_size)), PRECOMPUTE_BATCHES_AT_ONCE):
         collated = [collate(group, pad_token_id, packing=False, max_length=max(len(e) for e in group))  # padded

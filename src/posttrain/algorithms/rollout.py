@@ -137,7 +137,9 @@ def run_episodes_within(rows: list[PromptRow], first_group_id: int, num_samples:
     """`num_samples` episodes per row (group ids first_group_id, first_group_id + 1, ...), run to the end, or with
     `group_timeout_s` kept to the groups that ended in time.
 
-    The first turn samples every episode in one generation call (each prompt prefilled once). With one turn the
+    The first turn samples every episode in one generation call (each prompt prefilled once), or, for a multi-turn
+    round under `group_timeout_s` whose generator sent it in blocks (`first_turn_blocks`: one per generation actor),
+    in those blocks, each block's episodes starting as soon as it arrives. With one turn the
     environment then scores them all in one call, or with `group_timeout_s` each group in a call of its own: the
     episodes of a group not scored within group_timeout_s of the completions' arrival are left out of the result
     (dropped; the caller counts the group ids missing). With several, every episode advances on its own: its
@@ -145,11 +147,12 @@ def run_episodes_within(rows: list[PromptRow], first_group_id: int, num_samples:
     arrived are sampled together while the others' calls are still running, so one slow environment call holds
     back only its own episode. `environment.step` is then called with one episode at a time, from worker threads.
     With `group_timeout_s` a multi-turn group whose episodes have not all ended within group_timeout_s of the first
-    turn's completions (an environment call or a later turn's generation call straggling) is dropped: the rollout
-    stops waiting then, and the groups with an episode still running are left out of the result. The episodes
-    waiting for a straggling generation call are its groups' and those sampled after it (a generation actor answers
-    one call at a time); such groups are `generation_timed_out`, the others `scoring_timed_out`. The late calls are
-    not waited for (their answers, if any, are never read; a Ray call still ends within its own deadline).
+    turn's completions (of its first block, when sent in blocks), because a first-turn block, an environment call or
+    a later turn's generation call straggled, is dropped: the rollout stops waiting then, and the groups with an
+    episode still running are left out of the result. The episodes waiting for a straggling generation call are its
+    groups' and those sampled after it; such groups are `generation_timed_out`, the others `scoring_timed_out`. The
+    late calls are not waited for (their answers, if any, are never read; a Ray call still ends within its own
+    deadline).
 
     Sampling is seeded by `params.seed` (the first turn's whole call), or with `group_seed` per group: each episode
     draws from a stream of its own, seeded from `group_seed`, its group id, its index in the group and the turn
@@ -222,9 +225,11 @@ def run_episodes_within(rows: list[PromptRow], first_group_id: int, num_samples:
         arriving: dict[Future, Any] = {}
         if arrivals is None:
             pending = {pool.submit(environment.step, [e.messages], [e.metadata]): e for e in episodes}
-        else:  # bounded: every block's wait has a deadline of its own (a Ray generator's cluster.timeout_s)
+        else:
             arriving = {arrivals.submit(block.wait): block for block in blocks}
             started = time.perf_counter()
+            # No timeout here: every block's wait has a deadline of its own (a Ray generator's cluster.timeout_s),
+            # past which it raises, and the first to end starts the group clock.
             wait(arriving, return_when=FIRST_COMPLETED)
             times.generate += time.perf_counter() - started
         # The clock of the group timeout starts when the first turn's completions (its first block) have arrived.
@@ -240,7 +245,9 @@ def run_episodes_within(rows: list[PromptRow], first_group_id: int, num_samples:
             if not pending:
                 if time.monotonic() >= deadline:
                     break  # the blocks still out are dropped below, as generation stragglers
+                started = time.perf_counter()
                 wait(arriving, timeout=max(deadline - time.monotonic(), 0.0), return_when=FIRST_COMPLETED)
+                times.generate += time.perf_counter() - started
                 continue
             started = time.perf_counter()
             finished, _ = wait([*pending, *arriving],

@@ -226,7 +226,11 @@ class AsynchronousRolloutSource:
         rows = [self.prompts[i] for i in self.sampler.next_indices(rollout.prompts_per_step)]
         first_group_id = self.next_group_id
         self.next_group_id += len(rows)
-        seeded = replace(self.sampling, seed=self.cfg.seed * 1_000_003 + first_group_id)
+        if rollout.seed_per_group:  # each group its own streams (sample_round's): the blocks go to every actor
+            seeded = replace(self.sampling, seed=None, seeds=tuple(
+                episode_stream_seed(self.cfg.seed, first_group_id + i, 0) for i in range(len(rows))))
+        else:  # one stream for the round: one generation actor samples it
+            seeded = replace(self.sampling, seed=self.cfg.seed * 1_000_003 + first_group_id)
         prompts = [row.prompt_ids for row in rows]
         if rollout.group_timeout_s is not None and not rollout.in_flight_updates and rollout.max_turns == 1:
             # Each generation actor's share is waited for on its own: the groups of one that straggles are dropped.
@@ -249,6 +253,7 @@ class AsynchronousRolloutSource:
         rollout = self.cfg.rollout
         within = run_episodes_within(rows, first_group_id, rollout.num_generations_per_prompt, submitted,
                                      self.environment, self.tokenizer, seeded, max_turns=rollout.max_turns,
+                                     group_seed=self.cfg.seed if rollout.seed_per_group else None,
                                      group_timeout_s=rollout.group_timeout_s)
         samples = rollout.num_generations_per_prompt
         for index, episode in enumerate(within.episodes if rollout.max_turns == 1 else []):  # whole groups, in order
@@ -490,7 +495,8 @@ class ChunkedGeneration:
         if (prompts, params, num_samples) != self.request:
             raise ValueError("a submitted generation was asked for other prompts or parameters than it was sent with")
         self._answered = True
-        round_seed = params.seed if params.seed is not None else 0
+        # The round's seed, or (per-group seeds) its first group's: later chunks' streams then share no group's turns'.
+        round_seed = params.seed if params.seed is not None else params.seeds[0]
         output = self._sample(prompts, params, num_samples, self._first, True, lambda i, chunk: episode_stream_seed(
             round_seed, self.first_group_id + i // num_samples, chunk) + i % num_samples)
         self._spans = output.extra["version_spans"]

@@ -1492,7 +1492,8 @@ class OnlineRLConfig(RecipeConfig):
             if self.rollout.backend == "vllm":
                 if self.cluster.colocated:
                     raise ValueError("cluster.colocated=true with rollout.backend=vllm: colocated generation samples "
-                                     "from the trained module itself with the transformers backend; set "
+                                     "with the transformers backend (from the trained module, or from a copy on each "
+                                     "policy rank); set "
                                      "rollout.backend=transformers, or cluster.colocated=false for vLLM generation "
                                      "actors")
                 if self.cluster.gpus_per_generation_worker == 0:
@@ -1588,6 +1589,13 @@ class OnlineRLConfig(RecipeConfig):
                 raise ValueError(f"cluster.{key} does not apply with cluster.reward_workers={c.reward_workers}: the "
                                  "environment then runs in the driver process and its reward model in the reward "
                                  f"group; remove cluster.{key} or set cluster.reward_workers=0")
+        if self.rollout.asynchronous and environment.kind == "mixture":
+            for component in environment.options.components:
+                if component.kind == "math" and component.options.num_workers == 0:
+                    raise ValueError(f"the mixture's math component {component.name!r} has num_workers=0, which scores "
+                                     "in the calling thread; with cluster.reward_workers and asynchronous rollouts "
+                                     "the environment runs in the driver's rollout threads, and math-verify times "
+                                     "itself with signal.alarm (main thread only): give it num_workers >= 1")
 
     def check_scoring_groups(self, needs_reference: bool, teacher: TeacherSection | None) -> None:
         """ValueError for a reference or teacher group (cluster.reference_workers, teacher_workers) that would load

@@ -105,6 +105,7 @@ from posttrain.distributed.ray_policy import (
     RankGroup,
     contiguous_blocks,
     group_resources,
+    seeded_blocks,
     one_line,
     place_actors,
     refuse_missing_gpus,
@@ -633,6 +634,8 @@ class RayGenerator:
         self._buckets: list[Any] = []
         """The object refs of the weight buckets pushed so far (of the version being pushed during a push)."""
         self._syncing = False
+        self._outstanding: dict[int, list[Any]] = {}
+        """Per actor, the object refs of its generation calls not yet answered (`_idle_actors`)."""
         self._push_lock = threading.Lock()
         """Held through a weight push: a call sent from another thread (the next chunk of a round sampled with
         in-flight updates) waits for the push to end, so that no call samples from half-loaded weights."""
@@ -661,20 +664,20 @@ class RayGenerator:
 
     def submit_blocks(self, prompts: list[list[int]], params: SamplingParams,
                       num_samples: int = 1) -> list[SubmittedBlock]:
-        """`submit`, with each actor's share waited for on its own: a block of contiguous prompts per actor (one
-        block for a whole-call seed), so that a caller can use the blocks that answered while another straggles
-        (rollout.group_timeout_s). Each block's wait has a cluster.timeout_s deadline from when it is asked."""
-        params.check_seeds_fit(len(prompts))
-        actors = len(self.group.actors) if params.seed is None else 1  # a whole-call seed: one stream, one actor
-        calls = []
-        for index, (start, stop) in enumerate(contiguous_blocks(len(prompts), actors)):
-            block_params = params if params.seeds is None else replace(params, seeds=params.seeds[start:stop])
-            calls.append(Call(index, "generate", (prompts[start:stop], block_params, num_samples),
-                              samples=(stop - start) * num_samples))
+        """`submit`, with each actor's share waited for on its own: a block of contiguous prompts per actor with no
+        call outstanding (`_idle_actors`; one block for a whole-call seed), so that a caller can use the blocks that
+        answered while another straggles (rollout.group_timeout_s). Each block's wait has a cluster.timeout_s
+        deadline from when it is asked."""
         with self._push_lock:
-            sent = self.group.send(calls)
+            actors = self._idle_actors()
+            parts = seeded_blocks(len(prompts), params, len(actors))
+            sent = self.group.send([Call(index, "generate", (prompts[start:stop], block_params, num_samples),
+                                         samples=(stop - start) * num_samples)
+                                    for index, (start, stop, block_params) in zip(actors, parts)])
+            for call, _, ref in sent:
+                self._outstanding.setdefault(call.index, []).append(ref)
         blocks = []
-        for (start, stop), one in zip(contiguous_blocks(len(prompts), actors), sent, strict=True):
+        for (start, stop, _), one in zip(parts, sent, strict=True):
             def wait(one=one, start=start, stop=stop) -> GenerationOutput:
                 started = time.perf_counter()
                 output, = self.group.collect([one], f"prompts {start}..{stop - 1} of {len(prompts)} x {num_samples} "
@@ -684,6 +687,21 @@ class RayGenerator:
                                         {"weights_versions": [output.extra["weights_version"]]})
             blocks.append(SubmittedBlock(start, stop, wait))
         return blocks
+
+    def _idle_actors(self) -> list[int]:
+        """The actors with no generation call outstanding, or every actor when all are busy: a new call's blocks go
+        to them, so that a call does not queue behind an actor still sampling an earlier one (a straggler). Which
+        actor samples a block changes nothing it samples: every actor holds the same weights, and a block draws
+        from its prompts' own seeds (a call seeded as a whole goes to one actor)."""
+        idle = []
+        for index in self._actors():
+            refs = self._outstanding.get(index, [])
+            if refs:
+                _, refs = ray.wait(refs, num_returns=len(refs), timeout=0)
+                self._outstanding[index] = refs
+            if not refs:
+                idle.append(index)
+        return idle or list(self._actors())
 
     def update_weights(self, version: int, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Send policy `version`'s weights to every actor, one bucket of weight_sync.bucket_mb in flight at a time;
@@ -1137,12 +1155,17 @@ class RayScoringGroup:
         return self._each("topk_logprobs", batches, f"the top-{k} log-probabilities", k, temperature)
 
     def _each(self, method: str, batches: Sequence[AnyBatch], what: str, *args: Any) -> list[Any]:
-        """`method` of each batch, whole, the calls sent at once to the actors in turn (N actors answer N calls in
-        parallel); the answers in the batches' order."""
-        calls = [Call(next(self._next) % len(self.group.actors), method, (batch, *args), samples=rows_of(batch))
-                 for batch in batches]
-        rows = sum(call.samples for call in calls)
-        return self.group.call(calls, f"{what} of {rows} rows in {len(calls)} calls")
+        """`method` of each batch, whole, to the actors in turn, one call per actor at a time (N actors answer N
+        calls in parallel, and no call waits in an actor's queue against its own cluster.timeout_s deadline); the
+        answers in the batches' order."""
+        actors, results = len(self.group.actors), []
+        for first in range(0, len(batches), actors):
+            calls = [Call(next(self._next) % actors, method, (batch, *args), samples=rows_of(batch))
+                     for batch in batches[first:first + actors]]
+            rows = sum(call.samples for call in calls)
+            results += self.group.call(calls, f"{what} of {rows} rows (batches {first + 1}..{first + len(calls)} of "
+                                              f"{len(batches)})")
+        return results
 
     def _scatter(self, method: str, batch: AnyBatch, waiting_for: str, *args: Any) -> list[Any]:
         """The actors' answers to `method` on their shares of `batch`, in row order."""

@@ -536,14 +536,10 @@ class RankGenerator:
     def generate(self, prompts: list[list[int]], params: SamplingParams, num_samples: int = 1) -> GenerationOutput:
         """Each rank's block of `prompts`, sampled on the ranks at once; extra["weights_versions"] lists the version
         each rank sampled with. One cluster.timeout_s deadline covers them all (rollouts here are synchronous)."""
-        params.check_seeds_fit(len(prompts))
         started = time.perf_counter()
-        ranks = self.group.size if params.seed is None else 1  # a whole-call seed: one stream, one rank
-        blocks = contiguous_blocks(len(prompts), ranks)
-        refs = {}
-        for rank, (start, stop) in enumerate(blocks):
-            block_params = params if params.seeds is None else replace(params, seeds=params.seeds[start:stop])
-            refs[self.group.actors[rank].generate.remote(prompts[start:stop], block_params, num_samples)] = rank
+        blocks = seeded_blocks(len(prompts), params, self.group.size)
+        refs = {self.group.actors[rank].generate.remote(prompts[start:stop], block_params, num_samples): rank
+                for rank, (start, stop, block_params) in enumerate(blocks)}
         outputs = self.group.collect(refs, "generate", f"{len(prompts)} prompts x {num_samples} samples of up to "
                                      f"{params.max_new_tokens} tokens on {len(blocks)} rank(s)")
         return GenerationOutput([samples for output in outputs for samples in output.completions],
@@ -573,6 +569,16 @@ class RankGenerator:
         """The log-probabilities of rank 0's generator copy (every rank's holds the same weights: `weight_digests`)."""
         return self.group.one("generator_logprobs", f"the log-probabilities of {len(batch)} rows on rank 0's "
                               "generator", batch, trainer, temperature)
+
+
+def seeded_blocks(count: int, params: SamplingParams, parts: int) -> list[tuple[int, int, SamplingParams]]:
+    """A generation call of `count` prompts cut for `parts` workers: (start, stop, the block's parameters) of
+    contiguous blocks, each with its slice of the per-prompt seeds; one block for a call seeded as a whole (one
+    random stream, which one worker must draw)."""
+    params.check_seeds_fit(count)
+    blocks = contiguous_blocks(count, parts if params.seed is None else 1)
+    return [(start, stop, params if params.seeds is None else replace(params, seeds=params.seeds[start:stop]))
+            for start, stop in blocks]
 
 
 def contiguous_blocks(count: int, parts: int) -> list[tuple[int, int]]:

@@ -48,11 +48,13 @@ class RewardModel:
             tokenizer.pad_token = tokenizer.eos_token
         if model.config.pad_token_id is None:
             model.config.pad_token_id = tokenizer.pad_token_id
-        self.model = model.eval()
-        self.scorer = LocalScoringWorker(model, TrainerConfig(micro_batch_size=batch_size), role="reward")
-        self.tokenizer = tokenizer
-        self.batch_size = batch_size
-        self.max_length = max_length
+        scorer = LocalScoringWorker(model, TrainerConfig(micro_batch_size=batch_size), role="reward")
+        self._attach(model.eval(), scorer, tokenizer, batch_size, max_length)
+
+    def _attach(self, model: PreTrainedModel | None, scorer: ScoringWorker, tokenizer: PreTrainedTokenizerBase,
+                batch_size: int, max_length: int | None) -> None:
+        self.model, self.scorer, self.tokenizer = model, scorer, tokenizer
+        self.batch_size, self.max_length = batch_size, max_length
         self._tokenizing = threading.Lock()
         """Held while tokenizing: asynchronous rounds score groups from several threads (a reward group's model)."""
 
@@ -62,9 +64,7 @@ class RewardModel:
         """A reward model whose weights live elsewhere (a Ray scoring group, cluster.reward_workers): the text is
         tokenized and padded here, as `score` does in one process, and `scorer.sequence_scores` scores each batch."""
         reward_model = cls.__new__(cls)
-        reward_model.model, reward_model.scorer, reward_model.tokenizer = None, scorer, tokenizer
-        reward_model.batch_size, reward_model.max_length = batch_size, max_length
-        reward_model._tokenizing = threading.Lock()
+        reward_model._attach(None, scorer, tokenizer, batch_size, max_length)
         return reward_model
 
     @classmethod
