@@ -33,6 +33,7 @@ import argparse
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -52,20 +53,25 @@ def median_seconds(action, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(name: str, repeats: int, bucket_mb: float, scratch: Path) -> dict[str, float]:
-    from posttrain.distributed.ray_groups import RayCluster  # the ray extra
-
-    model = ModelConfig(name_or_path=resolve_model_path(name))
-    tokenizer = load_tokenizer(model)
-    policy = build_policy(model, LoraSection(), TrainerConfig(), tokenizer, torch.device("cpu"))
+def memcpy_of(policy) -> tuple[int, Callable[[], None]]:
+    """The bytes of `policy`'s full weights, and the reference: a copy of those tensors into preallocated ones."""
     tensors = [tensor for _, tensor in policy.named_weights()]
-    size = sum(t.numel() * t.element_size() for t in tensors)
     buffers = [torch.empty_like(t) for t in tensors]
 
     def memcpy() -> None:
         for buffer, tensor in zip(buffers, tensors):
             buffer.copy_(tensor)
 
+    return sum(t.numel() * t.element_size() for t in tensors), memcpy
+
+
+def measure(name: str, repeats: int, bucket_mb: float, scratch: Path) -> dict[str, float]:
+    from posttrain.distributed.ray_groups import RayCluster  # the ray extra
+
+    model = ModelConfig(name_or_path=resolve_model_path(name))
+    tokenizer = load_tokenizer(model)
+    policy = build_policy(model, LoraSection(), TrainerConfig(), tokenizer, torch.device("cpu"))
+    size, memcpy = memcpy_of(policy)
     copy = InProcessCopy(model, tokenizer, batch_size=8, seed=0, device=torch.device("cpu"))
     cluster = RayCluster(ClusterSection(backend="ray", num_cpus=2), WeightSyncSection(bucket_mb=bucket_mb), scratch)
     try:
@@ -96,14 +102,7 @@ def measure_policy_group(name: str, repeats: int, bucket_mb: float, scratch: Pat
     cluster = RayCluster(section, WeightSyncSection(bucket_mb=bucket_mb), scratch)
     try:
         policy = cluster.policy(model, LoraSection(), TrainerConfig(), tokenizer)
-        tensors = [tensor for _, tensor in policy.named_weights()]
-        size = sum(t.numel() * t.element_size() for t in tensors)
-        buffers = [torch.empty_like(t) for t in tensors]
-
-        def memcpy() -> None:
-            for buffer, tensor in zip(buffers, tensors):
-                buffer.copy_(tensor)
-
+        size, memcpy = memcpy_of(policy)
         generator = cluster.generator(model, tokenizer, batch_size=8, seed=0)
         policy.push_weights(generator)  # warm-up: the object store's first allocation
         colocated = cluster.colocated_generator(policy, model, tokenizer, batch_size=8, seed=0)  # filled once here
