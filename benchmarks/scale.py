@@ -167,25 +167,18 @@ def main() -> int:
             grpo_rates(args.steps, [int(s) for s in args.seeds.split(",")], args.reward_seconds, Path(scratch))
         return 0
     if args.policy_group:
-        print("| model | MiB | memcpy MB/s | policy group to a Ray actor, object store MB/s (of memcpy) | policy group, "
-              "colocated on its ranks MB/s (of memcpy) |")
-        print("|---|---|---|---|---|")
-        for name in args.models.split(","):
-            with tempfile.TemporaryDirectory(prefix="scale-") as scratch:
-                r = measure_policy_group(name, args.repeats, args.bucket_mb, Path(scratch))
-            print(f"| {name} | {r['mib']:.1f} | {r['memcpy']:.0f} | {r['ray_actor']:.0f} "
-                  f"({r['ray_actor'] / r['memcpy']:.0%}) | {r['colocated']:.0f} ({r['colocated'] / r['memcpy']:.0%}) |")
-        return 0
-    print("| model | MiB | memcpy MB/s | in-process copy MB/s (of memcpy) | Ray actor, object store MB/s (of memcpy) "
-          "| Ray actor, broadcast MB/s (of memcpy) |")
-    print("|---|---|---|---|---|---|")
+        measure_one, paths = measure_policy_group, {"ray_actor": "policy group to a Ray actor, object store",
+                                                    "colocated": "policy group, colocated on its ranks"}
+    else:
+        measure_one, paths = measure, {"in_process_copy": "in-process copy", "ray_actor": "Ray actor, object store",
+                                       "ray_broadcast": "Ray actor, broadcast"}
+    print("| model | MiB | memcpy MB/s | " + " | ".join(f"{title} MB/s (of memcpy)" for title in paths.values()) + " |")
+    print("|---|---|---|" + "---|" * len(paths))
     for name in args.models.split(","):
         with tempfile.TemporaryDirectory(prefix="scale-") as scratch:
-            r = measure(name, args.repeats, args.bucket_mb, Path(scratch))
-        print(f"| {name} | {r['mib']:.1f} | {r['memcpy']:.0f} | {r['in_process_copy']:.0f} "
-              f"({r['in_process_copy'] / r['memcpy']:.0%}) | {r['ray_actor']:.0f} "
-              f"({r['ray_actor'] / r['memcpy']:.0%}) | {r['ray_broadcast']:.0f} "
-              f"({r['ray_broadcast'] / r['memcpy']:.0%}) |")
+            r = measure_one(name, args.repeats, args.bucket_mb, Path(scratch))
+        print(f"| {name} | {r['mib']:.1f} | {r['memcpy']:.0f} | "
+              + " | ".join(f"{r[path]:.0f} ({r[path] / r['memcpy']:.0%})" for path in paths) + " |")
     return 0
 
 
