@@ -1134,16 +1134,14 @@ class RayScoringGroup:
         self._next = itertools.count()
 
     def logprobs(self, batch: AnyBatch, temperature: float = 1.0) -> torch.Tensor:
-        return torch.cat(self._scatter("logprobs", batch, f"the log-probabilities of {rows_of(batch)} rows",
-                                       temperature))
+        return torch.cat(self._scatter("logprobs", batch, "the log-probabilities", temperature))
 
     def topk_logprobs(self, batch: AnyBatch, k: int, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = self._scatter("topk_logprobs", batch, f"the top-{k} log-probabilities of {rows_of(batch)} rows", k,
-                              temperature)
+        parts = self._scatter("topk_logprobs", batch, f"the top-{k} log-probabilities", k, temperature)
         return torch.cat([values for values, _ in parts]), torch.cat([ids for _, ids in parts])
 
     def sequence_scores(self, batch: AnyBatch) -> torch.Tensor:
-        return torch.cat(self._scatter("sequence_scores", batch, f"the scores of {rows_of(batch)} rows"))
+        return torch.cat(self._scatter("sequence_scores", batch, "the scores"))
 
     def sequence_scores_each(self, batches: Sequence[AnyBatch]) -> list[torch.Tensor]:
         """`sequence_scores` of each batch (a reward model's batches of one environment step), in parallel: `_each`."""
@@ -1163,22 +1161,22 @@ class RayScoringGroup:
             calls = [Call(next(self._next) % actors, method, (batch, *args), samples=rows_of(batch))
                      for batch in batches[first:first + actors]]
             rows = sum(call.samples for call in calls)
-            results += self.group.call(calls, f"{what} of {rows} rows (batches {first + 1}..{first + len(calls)} of "
-                                              f"{len(batches)})")
+            of = f" (batches {first + 1}..{first + len(calls)} of {len(batches)})" if len(batches) > 1 else ""
+            results += self.group.call(calls, f"{what} of {rows} rows{of}")
         return results
 
-    def _scatter(self, method: str, batch: AnyBatch, waiting_for: str, *args: Any) -> list[Any]:
-        """The actors' answers to `method` on their shares of `batch`, in row order."""
-        if not isinstance(batch, RolloutBatch):
-            index = next(self._next) % len(self.group.actors)
-            return self.group.call([Call(index, method, (batch, *args), samples=rows_of(batch))], waiting_for)
+    def _scatter(self, method: str, batch: AnyBatch, what: str, *args: Any) -> list[Any]:
+        """The actors' answers to `method` on their shares of `batch`, in row order (`what`: the answer, as the
+        messages name it)."""
+        if not isinstance(batch, RolloutBatch):  # whole, to the next actor in turn
+            return self._each(method, [batch], what, *args)
         rows, size = len(batch), self.micro_batch_size
         chunks = -(-rows // size)
         calls = []
         for index, (start, stop) in enumerate(contiguous_blocks(chunks, len(self.group.actors)) or [(0, 0)]):
             first, last = start * size, min(stop * size, rows)
             calls.append(Call(index, method, (batch.select(torch.arange(first, last)), *args), samples=last - first))
-        return self.group.call(calls, waiting_for)
+        return self.group.call(calls, f"{what} of {rows} rows")
 
 
 def rows_of(batch: Any) -> int:
